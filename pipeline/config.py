@@ -1,0 +1,383 @@
+"""Typed configuration: one schema, YAML presets in ``configs/``, dotted overrides.
+
+A run is described by one :class:`RunConfig`. It is resolved once, at the top (CLI or flow), from a YAML file
+that may ``extends:`` other YAML files (presets such as ``presets/base``), then dotted overrides
+(``train.max_steps=200`` from the CLI, or a dict from Prefect deployment parameters). The result is validated
+strictly: an unknown key, a wrong type or an impossible value fails here, naming the field, never hours later.
+
+Defaults equal the paper (Vaswani et al., 2017, "base" row of Table 3); every deviation lives in a preset file
+and is named there.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be loaded; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    # strict: "512" is not an int and 1 is not a bool; frozen: a resolved config is a value, not state.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# --------------------------------------------------------------------------------------------------- data
+
+SourceFormat = Literal["text", "tsv", "sgm", "parquet", "arrow", "hf_disk", "hub"]
+
+
+class SourceSpec(_Strict):
+    """One parallel corpus. Local paths are relative to ``data.root`` and must stay inside it.
+
+    - ``text``: ``path`` is a prefix, files ``<path>.<lang>`` or ``<path>.<lang>.gz``; or ``files: {lang: file}``.
+    - ``tsv``: ``path`` to one file (optionally .gz), ``columns`` gives the language of each column.
+    - ``sgm``: WMT SGML test sets, ``files: {lang: file.sgm}``; segments are matched by (docid, seg id).
+    - ``parquet`` / ``arrow`` / ``hf_disk``: ``path`` to a file or directory; ``fields`` maps language to column
+      (default: columns named by language, or a ``translation`` struct column as on the hub).
+    - ``hub``: a Hugging Face dataset (``dataset``, ``subset``, ``split``, ``revision``) via ``datasets``.
+    """
+
+    name: str = Field(min_length=1)
+    format: SourceFormat
+    path: str | None = None
+    files: dict[str, str] | None = None
+    columns: list[str] | None = None
+    fields: dict[str, str] | None = None
+    dataset: str | None = None
+    subset: str | None = None
+    split: str | None = None
+    revision: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        # The name becomes a file name (test.<name>.parquet) and a tag; keep it portable.
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v):
+            raise ValueError(f"name {v!r} must match [A-Za-z0-9][A-Za-z0-9._-]* (it is used in file names)")
+        return v
+
+    @model_validator(mode="after")
+    def _required_per_format(self) -> "SourceSpec":
+        need: dict[str, tuple[str, ...]] = {
+            "tsv": ("path", "columns"),
+            "sgm": ("files",),
+            "parquet": ("path",),
+            "arrow": ("path",),
+            "hf_disk": ("path",),
+            "hub": ("dataset", "split"),
+        }
+        if self.format == "text" and not (self.path or self.files):
+            raise ValueError("format 'text' needs 'path' (a prefix: <path>.<lang>) or 'files' ({lang: file})")
+        for key in need.get(self.format, ()):
+            if getattr(self, key) in (None, [], {}):
+                raise ValueError(f"format {self.format!r} needs {key!r}")
+        return self
+
+
+class CleaningConfig(_Strict):
+    """Cleaning rules for the training split; each rule's count is written to the manifest.
+
+    Dev and test sets are never filtered (that would change what is measured); they are only normalised, and
+    their raw target text is kept for scoring. Length defaults follow fairseq's WMT14 En-De recipe
+    (Moses ``clean-corpus-n.perl -ratio 1.5 ... 1 250``); the paper does not say.
+    """
+
+    nfc: bool = True
+    normalize_whitespace: bool = True
+    min_words: int = Field(default=1, ge=0)
+    max_words: int = Field(default=250, ge=1)
+    max_ratio: float = Field(default=1.5, gt=0)  # Moses: drop if len(a)/len(b) or len(b)/len(a) exceeds it
+    dedup: bool = True
+    decontaminate: Literal["off", "pair", "source", "either"] = "pair"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "CleaningConfig":
+        if self.min_words > self.max_words:
+            raise ValueError(f"min_words ({self.min_words}) must not exceed max_words ({self.max_words})")
+        return self
+
+
+class DataConfig(_Strict):
+    root: str = "../shared/data"  # every local source path resolves inside this folder
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    train: list[SourceSpec] = Field(min_length=1)
+    dev: SourceSpec
+    test: list[SourceSpec] = Field(default_factory=list)
+    cleaning: CleaningConfig = CleaningConfig()
+    write_batch_rows: int = Field(default=65_536, ge=1)  # rows held in memory per write; bounds peak RSS
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "DataConfig":
+        if self.src_lang == self.tgt_lang:
+            raise ValueError(f"src_lang and tgt_lang are both {self.src_lang!r}")
+        names = [s.name for s in self.test] + [self.dev.name]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"dev/test source names must be unique, repeated: {dupes}")
+        return self
+
+
+# --------------------------------------------------------------------------------------------- tokenizer
+
+
+class SpecialIds(_Strict):
+    """Fixed special ids, read by the model code from this one place."""
+
+    pad: int = 0
+    unk: int = 1
+    bos: int = 2
+    eos: int = 3
+
+
+class TokenizerConfig(_Strict):
+    """Shared source-target sentencepiece model (paper: BPE ~37k for En-De, 32k word-pieces for En-Fr)."""
+
+    model_type: Literal["bpe", "unigram", "word", "char"] = "bpe"
+    vocab_size: int = Field(default=37_000, ge=8)
+    character_coverage: float = Field(default=1.0, gt=0, le=1)
+    input_sentence_size: int = Field(default=10_000_000, ge=0)  # sentences sampled to train; 0 = all
+    seed: int = 0
+    shard_rows: int = Field(default=1_000_000, ge=1)
+    num_workers: int = Field(default=2, ge=1)
+    special: SpecialIds = SpecialIds()
+
+
+# ------------------------------------------------------------------------------------------------- model
+
+
+class ModelConfig(_Strict):
+    """Encoder-decoder hyperparameters (paper Table 3 'base' by default)."""
+
+    encoder_layers: int = Field(default=6, ge=1)  # N
+    decoder_layers: int = Field(default=6, ge=1)  # N
+    d_model: int = Field(default=512, ge=1)
+    d_ff: int = Field(default=2048, ge=1)
+    n_heads: int = Field(default=8, ge=1)  # h; d_k = d_v = d_model / h
+    dropout: float = Field(default=0.1, ge=0, lt=1)  # P_drop: sub-layer outputs, embeddings + positions
+    attention_dropout: float = Field(default=0.0, ge=0, lt=1)  # not in the paper; 0 = paper
+    activation_dropout: float = Field(default=0.0, ge=0, lt=1)  # inside the FFN; not in the paper
+    norm: Literal["post", "pre"] = "post"  # paper: post-norm LayerNorm(x + Dropout(Sublayer(x)))
+    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
+    share_embeddings: bool = True  # one matrix: source emb, target emb, pre-softmax projection
+    max_positions: int = Field(default=1024, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        return self
+
+    @property
+    def d_k(self) -> int:
+        return self.d_model // self.n_heads
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+class TrainConfig(_Strict):
+    """Optimisation (paper section 5). Token counts are target tokens."""
+
+    max_steps: int = Field(default=100_000, ge=1)
+    max_minutes: float | None = Field(default=None, gt=0)  # wall-clock budget; None = steps only
+    max_tokens: int = Field(default=4096, ge=1)  # per process per forward pass
+    update_tokens: int = Field(default=25_000, ge=1)  # per optimizer update, reached by accumulation
+    warmup_steps: int = Field(default=4000, ge=1)
+    lr_scale: float = Field(default=1.0, gt=0)  # multiplies d_model^-0.5 * min(step^-0.5, step*warmup^-1.5)
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.98, ge=0, lt=1)
+    adam_eps: float = Field(default=1e-9, gt=0)
+    label_smoothing: float = Field(default=0.1, ge=0, lt=1)
+    clip_norm: float = Field(default=0.0, ge=0)  # 0 = no clipping (paper)
+    seed: int = 1
+    checkpoint_every_steps: int = Field(default=1000, ge=1)
+    checkpoint_every_minutes: float = Field(default=10.0, gt=0)  # paper: every 10 minutes
+    keep_last_checkpoints: int = Field(default=20, ge=1)
+    dev_every_steps: int = Field(default=1000, ge=1)
+    log_every_steps: int = Field(default=100, ge=1)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    compile: bool = False
+    nproc_per_node: int | Literal["auto"] = "auto"  # auto: one per GPU, else 1
+
+    @field_validator("nproc_per_node")
+    @classmethod
+    def _positive_nproc(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("nproc_per_node must be >= 1 or 'auto'")
+        return v
+
+
+class AverageConfig(_Strict):
+    last_n: int = Field(default=5, ge=1)  # paper: 5 for base, 20 for big
+
+
+class DecodeConfig(_Strict):
+    """Beam search (paper section 6.1): beam 4, GNMT length penalty alpha 0.6, max length = source + 50."""
+
+    beam_size: int = Field(default=4, ge=1)
+    length_penalty: float = Field(default=0.6, ge=0)
+    max_len_a: float = Field(default=1.0, ge=0)  # max output length = a * source_len + b
+    max_len_b: int = Field(default=50, ge=0)
+    batch_sentences: int = Field(default=64, ge=1)
+
+
+# ------------------------------------------------------------------------------------------------- a run
+
+
+class RunConfig(_Strict):
+    """Everything one pipeline run needs; resolved once and passed down."""
+
+    name: str = Field(min_length=1)
+    preset: str = "base"  # the paper row (or CPU size) this run is built on; a tag, not a switch
+    work_dir: str = "runs"  # stage outputs go below it, in folders named by content hashes
+    data: DataConfig
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    average: AverageConfig = AverageConfig()
+    decode: DecodeConfig = DecodeConfig()
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable short hash of the named sections (all when none): names folders and cache keys."""
+        dump = self.model_dump(mode="json")
+        picked = {k: dump[k] for k in (sections or tuple(dump))}
+        return hashlib.sha256(canonical_json(picked).encode()).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-9`` as a float (YAML 1.1 wants ``1.0e-9``, a trap for learning rates)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_value(text: str) -> Any:
+    """Parse one override value as YAML (``200`` -> int, ``1e-3`` -> float, ``[a, b]`` -> list)."""
+    return yaml.load(text, Loader=_YamlLoader)
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def resolve_config_path(name_or_path: str | Path, relative_to: Path = CONFIG_DIR) -> Path:
+    """``multi30k-cpu`` -> ``configs/multi30k-cpu.yaml``; an existing path is taken as it is."""
+    p = Path(name_or_path)
+    candidates = [p] if p.suffix in (".yaml", ".yml") else []
+    candidates += [relative_to / f"{name_or_path}.yaml", relative_to / str(name_or_path), CONFIG_DIR / f"{name_or_path}.yaml"]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    known = sorted(str(q.relative_to(CONFIG_DIR).with_suffix("")) for q in CONFIG_DIR.rglob("*.yaml"))
+    raise ConfigError(f"config {str(name_or_path)!r} not found (looked in {relative_to}); known configs: {known}")
+
+
+def _deep_merge(base: dict, over: Mapping) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"{path}: 'extends' cycle: {chain}")
+    try:
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    parents = raw.pop("extends", [])
+    parents = [parents] if isinstance(parents, str) else parents
+    merged: dict = {}
+    for parent in parents:
+        merged = _deep_merge(merged, _load_yaml_tree(resolve_config_path(parent, path.parent), (*seen, path)))
+    return _deep_merge(merged, raw)
+
+
+def apply_overrides(tree: dict, overrides: Mapping[str, Any] | Sequence[str] | None) -> dict:
+    """Apply dotted overrides: ``["train.max_steps=200"]`` (CLI) or ``{"train.max_steps": 200}`` (deployment).
+
+    Nested dicts are merged as well, so ``{"train": {"max_steps": 200}}`` works too.
+    """
+    if not overrides:
+        return tree
+    if isinstance(overrides, Mapping):
+        items = list(overrides.items())
+    else:
+        items = []
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"override {item!r} must look like section.field=value")
+            items.append((key.strip(), parse_value(value)))
+    out = copy.deepcopy(tree)
+    for key, value in items:
+        node = out
+        *parents, leaf = key.split(".")
+        for i, part in enumerate(parents):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {key!r}: {'.'.join(parents[: i + 1])} is a value, not a section")
+            node = nxt
+        if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
+            node[leaf] = _deep_merge(node[leaf], value)
+        else:
+            node[leaf] = value
+    return out
+
+
+def _field_path(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc) or "<top level>"
+
+
+def load_config(
+    name_or_path: str | Path,
+    overrides: Mapping[str, Any] | Sequence[str] | None = None,
+) -> RunConfig:
+    """Load, merge presets, apply overrides and validate. Raises :class:`ConfigError` naming each bad field."""
+    path = resolve_config_path(name_or_path)
+    tree = apply_overrides(_load_yaml_tree(path), overrides)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = [f"  {_field_path(err['loc'])}: {err['msg']} (got {err.get('input')!r})" for err in e.errors()]
+        raise ConfigError(f"{path}: invalid config:\n" + "\n".join(lines)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (what was really run; logged with every run)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
