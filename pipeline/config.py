@@ -328,9 +328,13 @@ def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     return _deep_merge(merged, raw)
 
 
-def apply_overrides(tree: dict, overrides: Mapping[str, Any] | Sequence[str] | None) -> dict:
+Overrides = Mapping[str, Any] | Sequence[str | tuple[str, Any]]
+
+
+def apply_overrides(tree: dict, overrides: Overrides | None) -> dict:
     """Apply dotted overrides: ``["train.max_steps=200"]`` (CLI) or ``{"train.max_steps": 200}`` (deployment).
 
+    A sequence may also hold ``(key, value)`` tuples, taken as they are (no YAML parsing: paths stay strings).
     Nested dicts are merged as well, so ``{"train": {"max_steps": 200}}`` works too.
     """
     if not overrides:
@@ -340,6 +344,9 @@ def apply_overrides(tree: dict, overrides: Mapping[str, Any] | Sequence[str] | N
     else:
         items = []
         for item in overrides:
+            if isinstance(item, tuple):
+                items.append(item)
+                continue
             key, sep, value = item.partition("=")
             if not sep or not key.strip():
                 raise ConfigError(f"override {item!r} must look like section.field=value")
@@ -364,10 +371,7 @@ def _field_path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "<top level>"
 
 
-def load_config(
-    name_or_path: str | Path,
-    overrides: Mapping[str, Any] | Sequence[str] | None = None,
-) -> RunConfig:
+def load_config(name_or_path: str | Path, overrides: Overrides | None = None) -> RunConfig:
     """Load, merge presets, apply overrides and validate. Raises :class:`ConfigError` naming each bad field."""
     path = resolve_config_path(name_or_path)
     tree = apply_overrides(_load_yaml_tree(path), overrides)

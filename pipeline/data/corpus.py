@@ -1,0 +1,230 @@
+"""The data stage: sources -> one canonical, cleaned, versioned parallel corpus on disk.
+
+Output contract (docs/formats.md): ``<work_dir>/corpus/<fingerprint>/`` with ``train.parquet``, ``dev.parquet``,
+``test.<name>.parquet`` and ``manifest.json``. The folder name is a hash of the data config, every input's
+content hash and this stage's code, so a re-run on unchanged inputs returns the existing folder at once, and a
+change anywhere gives a new folder instead of overwriting one that other runs may use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import shutil
+import time
+import unicodedata
+from collections import Counter
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import DataConfig, canonical_json
+from pipeline.data.clean import Normalizer, TrainFilter
+from pipeline.data.sources import DataError, Source, open_source, resolve_root
+from pipeline.fsutil import atomic_dir, sha256_file, write_json
+
+log = logging.getLogger("aiayn.data")
+
+CORPUS_FORMAT = "aiayn-corpus/1"
+MANIFEST = "manifest.json"
+SCHEMA = pa.schema(
+    [
+        ("split", pa.string()),  # train | dev | test
+        ("origin", pa.string()),  # the source's configured name
+        ("line", pa.int64()),  # 1-based line (or row) in that source
+        ("src", pa.string()),  # normalised source sentence
+        ("tgt", pa.string()),  # normalised target sentence
+        ("tgt_raw", pa.string()),  # dev/test: target exactly as distributed (score against it); train: null
+    ]
+)
+_PROGRESS_EVERY = 1_000_000
+
+
+def _code_hash() -> str:
+    """Hash of this stage's code: a change to cleaning or writing invalidates cached corpora."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted([*here.glob("*.py"), here.parent / "fsutil.py"]):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class _SplitWriter:
+    """Streams rows of one split into a Parquet file, ``write_batch_rows`` rows at a time."""
+
+    def __init__(self, path: Path, split: str, batch_rows: int):
+        self.path, self.split, self.batch_rows = path, split, batch_rows
+        # Fixed writer options: the same rows always give the same bytes (no timestamps in Parquet metadata).
+        self.writer = pq.ParquetWriter(path, SCHEMA, compression="zstd", use_dictionary=["split", "origin"])
+        self.cols: tuple[list, ...] = ([], [], [], [], [])
+        self.rows = 0
+        self.origins: Counter = Counter()
+
+    def add(self, origin: str, line: int, src: str, tgt: str, tgt_raw: str | None) -> None:
+        o, ln, s, t, r = self.cols
+        o.append(origin)
+        ln.append(line)
+        s.append(src)
+        t.append(tgt)
+        r.append(tgt_raw)
+        self.origins[origin] += 1
+        if len(self.cols[0]) >= self.batch_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        n = len(self.cols[0])
+        if not n:
+            return
+        arrays = [pa.array([self.split] * n, pa.string())] + [
+            pa.array(col, type=field.type) for col, field in zip(self.cols, list(SCHEMA)[1:])
+        ]
+        self.writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=SCHEMA))
+        self.rows += n
+        for col in self.cols:
+            col.clear()
+
+    def close(self) -> dict:
+        self._flush()
+        self.writer.close()
+        return {"file": self.path.name, "rows": self.rows, "sha256": sha256_file(self.path),
+                "origins": dict(sorted(self.origins.items()))}
+
+
+def _write_eval_split(source: Source, role: str, out: Path, batch_rows: int, normalize: Normalizer,
+                      counts: Counter) -> tuple[dict, list[tuple[str, str]]]:
+    """Dev/test: never filtered (that would change what is measured); normalised, raw target kept."""
+    writer = _SplitWriter(out, role, batch_rows)
+    pairs = []
+    for line, src, tgt in source.pairs():
+        s, t = normalize(src), normalize(tgt)
+        if not s or not t:
+            counts["empty_side_kept"] += 1
+        writer.add(source.spec.name, line, s, t, tgt)
+        pairs.append((s, t))
+    entry = writer.close()
+    if not entry["rows"]:
+        raise DataError(f"{source.where} ({source.spec.name}) has no rows; a {role} set cannot be empty")
+    return entry, pairs
+
+
+def _progress(pairs: Iterator, name: str) -> Iterator:
+    start = time.perf_counter()
+    for i, item in enumerate(pairs, start=1):
+        if i % _PROGRESS_EVERY == 0:
+            log.info("%s: %d pairs read (%.0f pairs/s)", name, i, i / (time.perf_counter() - start))
+        yield item
+
+
+def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
+    """Build (or reuse) the cleaned corpus for ``data`` under ``work_dir/corpus/`` and return its folder.
+
+    Every source is resolved and checked before anything is written; output appears only complete (temporary
+    folder renamed at the end). Raises :class:`DataError` naming the file, line and what to do.
+    """
+    root = resolve_root(data.root)
+    langs = (data.src_lang, data.tgt_lang)
+    dev = open_source(data.dev, root, *langs, "data.dev")
+    tests = [open_source(s, root, *langs, f"data.test[{i}]") for i, s in enumerate(data.test)]
+    train = [open_source(s, root, *langs, f"data.train[{i}]") for i, s in enumerate(data.train)]
+
+    config = data.model_dump(mode="json", exclude={"root"}, exclude_none=True)  # where the data sits is not what it is
+    groups = {"dev": [dev], "test": tests, "train": train}
+    identity = {"format": CORPUS_FORMAT, "code": _code_hash(), "config": config,
+                "inputs": _provenance(groups, with_rows=False)}
+    fingerprint = hashlib.sha256(canonical_json(identity).encode()).hexdigest()
+    out = Path(work_dir).resolve() / "corpus" / fingerprint[:16]
+    if (out / MANIFEST).is_file():
+        log.info("corpus unchanged, reusing %s", out)
+        return out
+    if out.exists():  # a folder without a manifest is not ours to trust: rebuild it
+        shutil.rmtree(out)
+
+    started = time.perf_counter()
+    with atomic_dir(out) as tmp:
+        splits: dict[str, dict] = {}
+        eval_pairs: list[tuple[str, str]] = []
+        eval_counts: Counter = Counter()
+        normalize_eval = Normalizer(data.cleaning, eval_counts)
+        for key, role, source in [("dev", "dev", dev)] + [(f"test.{s.spec.name}", "test", s) for s in tests]:
+            entry, pairs = _write_eval_split(source, role, tmp / f"{key}.parquet", data.write_batch_rows,
+                                             normalize_eval, eval_counts)
+            splits[key] = {"role": role, "name": source.spec.name, **entry}
+            eval_pairs += pairs
+
+        counts: Counter = Counter()
+        normalize = Normalizer(data.cleaning, counts)
+        keep = TrainFilter(data.cleaning, eval_pairs, counts)
+        del eval_pairs
+        writer = _SplitWriter(tmp / "train.parquet", "train", data.write_batch_rows)
+        read: Counter = Counter()
+        for source in train:
+            name = source.spec.name
+            for line, src, tgt in _progress(source.pairs(), name):
+                read[name] += 1
+                s, t = normalize(src), normalize(tgt)
+                if keep.keep(s, t):
+                    writer.add(name, line, s, t, None)
+        entry = writer.close()
+        report = _cleaning_report(sum(read.values()), counts, entry["rows"])
+        if not entry["rows"]:
+            raise DataError(
+                f"the training split is empty after cleaning: read {dict(read)} pairs, removed "
+                f"{report['removed']}; relax data.cleaning (min_words, max_words, max_ratio, decontaminate) "
+                "or check that src_lang/tgt_lang match the files"
+            )
+        entry["origins"] = {n: {"read": read[n], "kept": entry["origins"].get(n, 0)} for n in read}
+        splits["train"] = {"role": "train", **entry, "cleaning": report}
+
+        manifest = {
+            "format": CORPUS_FORMAT,
+            "fingerprint": fingerprint,
+            "code": identity["code"],
+            "src_lang": data.src_lang,
+            "tgt_lang": data.tgt_lang,
+            "config": config,
+            "inputs": _provenance(groups, with_rows=True),
+            "splits": splits,
+            "eval_normalization": dict(sorted(eval_counts.items())),
+            # NFC depends on the Unicode tables of the Python that ran; record them with the writer's version.
+            "versions": {"python": platform.python_version(), "unicode": unicodedata.unidata_version,
+                         "pyarrow": pa.__version__},
+        }
+        write_json(tmp / MANIFEST, manifest)
+    elapsed = time.perf_counter() - started
+    n = sum(read.values())
+    log.info("corpus written to %s: %d training pairs read, %d kept (%.0f pairs/s)", out, n, entry["rows"],
+             n / max(elapsed, 1e-9))
+    return out
+
+
+def _provenance(groups: dict[str, list[Source]], with_rows: bool) -> dict[str, list[dict]]:
+    """Each source's format, location and content hashes (and rows read, once they have been read)."""
+    drop = () if with_rows else ("rows_read",)
+    return {g: [{k: v for k, v in vars(s.info).items() if k not in drop} for s in sources]
+            for g, sources in groups.items()}
+
+
+def _cleaning_report(read: int, counts: Counter, kept: int) -> dict:
+    """Per rule, in the order the rules run: pairs it removed and pairs still standing after it."""
+    standing, rules = read, []
+    for rule in TrainFilter.RULES:
+        standing -= counts[rule]
+        rules.append({"rule": rule, "removed": counts[rule], "remaining": standing})
+    assert standing == kept, (standing, kept)
+    return {"read": read, "rules": rules, "kept": kept, "removed": {r["rule"]: r["removed"] for r in rules},
+            "normalized": {k: counts[k] for k in ("nfc_changed", "whitespace_changed")}}
+
+
+def read_manifest(corpus_dir: Path) -> dict:
+    """The manifest of a finished corpus folder; a folder without one is not a corpus."""
+    path = Path(corpus_dir) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{corpus_dir}: no {MANIFEST}; not a finished corpus (re-run the data stage)")
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if manifest.get("format") != CORPUS_FORMAT:
+        raise DataError(f"{path}: format {manifest.get('format')!r}, expected {CORPUS_FORMAT!r}; re-run the data stage")
+    return manifest

@@ -1,0 +1,453 @@
+"""Streaming readers for every supported corpus source.
+
+Each reader yields ``(line, src, tgt)`` one pair at a time (``line`` is 1-based in its source), so memory does
+not grow with the corpus. Local paths are resolved inside ``data.root`` and checked before anything is read.
+Every error is a :class:`DataError` naming the file, the line and what to do.
+"""
+
+from __future__ import annotations
+
+import abc
+import gzip
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.config import SourceSpec
+from pipeline.fsutil import sha256_file
+
+Pair = tuple[int, str, str]  # (1-based line in the source, source sentence, target sentence)
+
+# What to tell a user whose hub download cannot work; the shared data README names these folders.
+LOCAL_ALTERNATIVE = (
+    "use local files instead: a source with 'format: text' and 'path: <prefix>' reads <prefix>.<lang> "
+    "(e.g. configs/data/multi30k.yaml reads multi30k/train.en + .de under data.root; see README 'Data')"
+)
+
+
+class DataError(ValueError):
+    """Bad input for the data stage; the message names the file (and line) and what to do."""
+
+
+@dataclass
+class SourceInfo:
+    """Provenance of one source, recorded in the corpus manifest."""
+
+    name: str
+    format: str
+    location: dict[str, str]
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    fingerprint: str | None = None  # datasets' fingerprint for hub / hf_disk sources
+    rows_read: int = 0
+
+
+# ------------------------------------------------------------------------------------------------ paths
+
+
+def resolve_root(root: str | Path) -> Path:
+    """The data root as an absolute path; it must exist."""
+    path = Path(root).expanduser().resolve()
+    if not path.is_dir():
+        raise DataError(
+            f"data.root {str(root)!r} resolves to {path}, which is not a folder; "
+            "set data.root (CLI --data-root, or AIAYN_DATA_ROOT) to the folder that holds your corpora"
+        )
+    return path
+
+
+def resolve_inside(root: Path, rel: str, where: str) -> Path:
+    """Resolve ``rel`` under ``root`` and refuse anything that escapes it (``..``, absolute paths, symlinks)."""
+    path = (root / Path(rel).expanduser()).resolve()
+    if not path.is_relative_to(root):
+        raise DataError(
+            f"{where} = {rel!r} resolves to {path}, outside data.root ({root}); "
+            "move the files under data.root or point data.root at the folder that holds them"
+        )
+    return path
+
+
+def _existing_file(path: Path, where: str) -> Path:
+    if not path.is_file():
+        raise DataError(f"{where}: file not found: {path}")
+    if path.stat().st_size == 0:
+        raise DataError(f"{where}: file is empty: {path}; remove the source from the config or supply the data")
+    return path
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _decode(raw: bytes, path: Path, line: int, offset: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path}: line {line}: invalid UTF-8 at byte offset {offset + e.start} "
+            f"(byte 0x{raw[e.start]:02x}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
+def _strip_eol(raw: bytes) -> bytes:
+    """Drop the line end (LF or CRLF; stray CRs before it go too, as no sentence ends in one)."""
+    return raw.rstrip(b"\r\n")
+
+
+# ----------------------------------------------------------------------------------------------- readers
+
+
+class Source(abc.ABC):
+    """A resolved, checked source: ``info`` for the manifest, ``pairs()`` to stream its sentence pairs."""
+
+    def __init__(self, spec: SourceSpec, root: Path, src_lang: str, tgt_lang: str, where: str):
+        self.spec, self.root, self.src_lang, self.tgt_lang, self.where = spec, root, src_lang, tgt_lang, where
+        self.info = SourceInfo(name=spec.name, format=spec.format, location={})
+
+    def _rel(self, path: Path) -> str:
+        return str(path.relative_to(self.root))
+
+    def _record_files(self, paths: list[Path]) -> None:
+        self.info.files = {self._rel(p): sha256_file(p) for p in paths}
+
+    @abc.abstractmethod
+    def pairs(self) -> Iterator[Pair]:
+        """Stream ``(line, src, tgt)``; sets ``info.rows_read`` when exhausted."""
+
+
+class TextSource(Source):
+    """Line-aligned plain text: ``<prefix>.<src_lang>`` + ``<prefix>.<tgt_lang>`` (each optionally .gz)."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.paths = [self._lang_file(lang) for lang in (self.src_lang, self.tgt_lang)]
+        self.info.location = {"files": ",".join(self._rel(p) for p in self.paths)}
+        self._record_files(self.paths)
+
+    def _lang_file(self, lang: str) -> Path:
+        spec = self.spec
+        if spec.files:
+            if lang not in spec.files:
+                raise DataError(f"{self.where}.files has no entry for language {lang!r} (has {sorted(spec.files)})")
+            return _existing_file(resolve_inside(self.root, spec.files[lang], f"{self.where}.files.{lang}"), self.where)
+        prefix = resolve_inside(self.root, spec.path, f"{self.where}.path")
+        for cand in (prefix.with_name(f"{prefix.name}.{lang}"), prefix.with_name(f"{prefix.name}.{lang}.gz")):
+            if cand.exists():
+                return _existing_file(cand, self.where)
+        raise DataError(
+            f"{self.where}: file not found: {prefix}.{lang} (nor {prefix.name}.{lang}.gz); "
+            f"'path' is a prefix: the files must be named <path>.{self.src_lang} and <path>.{self.tgt_lang}"
+        )
+
+    def pairs(self) -> Iterator[Pair]:
+        sp, tp = self.paths
+        with _open_binary(sp) as fs, _open_binary(tp) as ft:
+            off_s = off_t = 0
+            line = 0
+            for line, (a, b) in enumerate(zip_longest(fs, ft), start=1):
+                if a is None or b is None:
+                    longer, shorter, rest = (sp, tp, fs) if b is None else (tp, sp, ft)
+                    total = line + sum(1 for _ in rest)
+                    raise DataError(
+                        f"{longer} has {total} lines but {shorter} has {line - 1}: parallel files must be "
+                        f"line-aligned (first unmatched line {line}); fix or re-export the pair"
+                    )
+                yield line, _decode(_strip_eol(a), sp, line, off_s), _decode(_strip_eol(b), tp, line, off_t)
+                off_s += len(a)
+                off_t += len(b)
+            self.info.rows_read = line
+
+
+class TsvSource(Source):
+    """One tab-separated file, one pair per line; ``columns`` names the language of each column."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        cols = self.spec.columns
+        missing = [lang for lang in (self.src_lang, self.tgt_lang) if lang not in cols]
+        if missing:
+            raise DataError(f"{self.where}.columns = {cols} has no column for {missing}; name each column's language")
+        self.idx = (cols.index(self.src_lang), cols.index(self.tgt_lang))
+        self.path = _existing_file(resolve_inside(self.root, self.spec.path, f"{self.where}.path"), self.where)
+        self.info.location = {"file": self._rel(self.path), "columns": ",".join(cols)}
+        self._record_files([self.path])
+
+    def pairs(self) -> Iterator[Pair]:
+        n_cols = len(self.spec.columns)
+        si, ti = self.idx
+        offset, line = 0, 0
+        with _open_binary(self.path) as f:
+            for line, raw in enumerate(f, start=1):
+                text = _decode(_strip_eol(raw), self.path, line, offset)
+                offset += len(raw)
+                cells = text.split("\t")
+                if len(cells) != n_cols:
+                    raise DataError(
+                        f"{self.path}: line {line}: expected {n_cols} tab-separated fields "
+                        f"({','.join(self.spec.columns)}), found {len(cells)}; remove stray tabs or fix 'columns'"
+                    )
+                yield line, cells[si], cells[ti]
+        self.info.rows_read = line
+
+
+_DOC = re.compile(r'<doc\b[^>]*\bdocid="([^"]*)"', re.I)
+_SEG = re.compile(r'<seg\b[^>]*\bid="?([^">\s]+)"?[^>]*>(.*)</seg>', re.I)
+
+
+def _read_sgm(path: Path) -> dict[tuple[str, str], str]:
+    """Segments of a WMT SGML file keyed by (docid, seg id), in file order.
+
+    Extraction follows sacreBLEU (strip, collapse whitespace, no HTML unescaping), so the text equals the
+    plain-text test sets everyone scores against.
+    """
+    segs: dict[tuple[str, str], str] = {}
+    doc = None
+    offset = 0
+    with _open_binary(path) as f:
+        for line, raw in enumerate(f, start=1):
+            text = _decode(_strip_eol(raw), path, line, offset)
+            offset += len(raw)
+            if m := _DOC.search(text):
+                doc = m.group(1)
+            if m := _SEG.search(text):
+                if doc is None:
+                    raise DataError(f"{path}: line {line}: <seg> outside any <doc docid=...>; not a WMT SGML file?")
+                key = (doc, m.group(1))
+                if key in segs:
+                    raise DataError(f"{path}: line {line}: duplicate segment docid={doc!r} id={m.group(1)!r}")
+                segs[key] = " ".join(m.group(2).split())
+    if not segs:
+        raise DataError(f"{path}: no <seg> elements found; 'format: sgm' expects a WMT SGML file")
+    return segs
+
+
+class SgmSource(Source):
+    """A WMT SGML source/reference pair (``files: {lang: file.sgm}``), aligned by document and segment id."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        files = self.spec.files
+        missing = [lang for lang in (self.src_lang, self.tgt_lang) if lang not in files]
+        if missing:
+            raise DataError(f"{self.where}.files has no SGML file for {missing}; give one per language")
+        self.paths = [
+            _existing_file(resolve_inside(self.root, files[lang], f"{self.where}.files.{lang}"), self.where)
+            for lang in (self.src_lang, self.tgt_lang)
+        ]
+        self.info.location = {"files": ",".join(self._rel(p) for p in self.paths)}
+        self._record_files(self.paths)
+
+    def pairs(self) -> Iterator[Pair]:
+        src, tgt = (_read_sgm(p) for p in self.paths)
+        if src.keys() != tgt.keys():
+            only = sorted(src.keys() ^ tgt.keys())[:3]
+            raise DataError(
+                f"{self.paths[0]} and {self.paths[1]} hold different segments (e.g. docid/id {only}); "
+                "use the source and reference SGML of the same test set"
+            )
+        for line, (key, s) in enumerate(src.items(), start=1):
+            yield line, s, tgt[key]
+        self.info.rows_read = len(src)
+
+
+# --------------------------------------------------------------------------------------- columnar sources
+
+
+def _column_names(schema_names: list[str], spec: SourceSpec, src_lang: str, tgt_lang: str, where: str, what: str):
+    """Pick the source/target columns: ``fields`` mapping, columns named by language, or a ``translation`` struct."""
+    if spec.fields:
+        missing = [lang for lang in (src_lang, tgt_lang) if lang not in spec.fields]
+        if missing:
+            raise DataError(f"{where}.fields has no column for {missing}")
+        cols = (spec.fields[src_lang], spec.fields[tgt_lang])
+        absent = [c for c in cols if c not in schema_names]
+        if absent:
+            raise DataError(f"{what}: columns {absent} not found (has {schema_names}); fix {where}.fields")
+        return cols, False
+    if src_lang in schema_names and tgt_lang in schema_names:
+        return (src_lang, tgt_lang), False
+    if "translation" in schema_names:
+        return ("translation", "translation"), True
+    raise DataError(
+        f"{what}: no columns named {src_lang!r}/{tgt_lang!r} and no 'translation' column (has {schema_names}); "
+        f"map them with {where}.fields: {{{src_lang}: <column>, {tgt_lang}: <column>}}"
+    )
+
+
+def _pairs_from_batches(batches: Iterator[pa.RecordBatch], cols: tuple[str, str], nested: bool, langs, what: str):
+    line = 0
+    for batch in batches:
+        if nested:
+            struct = batch.column(batch.schema.get_field_index("translation"))
+            try:
+                s_arr, t_arr = (struct.field(lang) for lang in langs)
+            except KeyError:
+                raise DataError(f"{what}: the 'translation' struct has no field {list(langs)}") from None
+        else:
+            s_arr, t_arr = (batch.column(batch.schema.get_field_index(c)) for c in cols)
+        for s, t in zip(s_arr.to_pylist(), t_arr.to_pylist()):
+            line += 1
+            yield line, s or "", t or ""
+
+
+class ParquetSource(Source):
+    """One Parquet file or a folder of them (sorted by name), read in record batches."""
+
+    suffixes = (".parquet",)
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        path = resolve_inside(self.root, self.spec.path, f"{self.where}.path")
+        if path.is_dir():
+            self.paths = sorted(p for p in path.rglob("*") if p.suffix in self.suffixes)
+            if not self.paths:
+                raise DataError(f"{self.where}: folder {path} has no {'/'.join(self.suffixes)} files")
+        else:
+            self.paths = [_existing_file(path, self.where)]
+        self.info.location = {"path": self._rel(path)}
+        self._record_files(self.paths)
+
+    def _batches(self, path: Path) -> tuple[list[str], Iterator[pa.RecordBatch]]:
+        try:
+            f = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{path}: not a readable Parquet file ({e}); check 'format' for this source") from None
+        return f.schema_arrow.names, f.iter_batches(batch_size=8192)
+
+    def pairs(self) -> Iterator[Pair]:
+        total = 0
+        for path in self.paths:
+            names, batches = self._batches(path)
+            cols, nested = _column_names(names, self.spec, self.src_lang, self.tgt_lang, self.where, str(path))
+            for _, s, t in _pairs_from_batches(batches, cols, nested, (self.src_lang, self.tgt_lang), str(path)):
+                total += 1
+                yield total, s, t
+        self.info.rows_read = total
+
+
+class ArrowSource(ParquetSource):
+    """Arrow IPC files (file or stream format, e.g. a ``datasets`` cache shard), memory-mapped."""
+
+    suffixes = (".arrow", ".feather", ".ipc")
+
+    def _batches(self, path: Path) -> tuple[list[str], Iterator[pa.RecordBatch]]:
+        source = pa.memory_map(str(path))
+        for opener in (pa.ipc.open_file, pa.ipc.open_stream):
+            try:
+                reader = opener(source)
+                break
+            except pa.ArrowInvalid:
+                source.seek(0)
+        else:
+            raise DataError(f"{path}: not an Arrow IPC file or stream; check 'format' for this source")
+        if isinstance(reader, pa.ipc.RecordBatchFileReader):
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            batches = iter(reader)
+        return reader.schema.names, batches
+
+
+class DatasetSource(Source):
+    """A ``datasets.Dataset``: from ``save_to_disk`` (``hf_disk``) or from the Hugging Face hub (``hub``)."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.dataset = self._load()
+        self.info.fingerprint = self.dataset._fingerprint
+
+    def _load(self):
+        import datasets
+
+        spec = self.spec
+        path = resolve_inside(self.root, spec.path, f"{self.where}.path")
+        if not path.is_dir():
+            raise DataError(f"{self.where}: folder not found: {path} (format hf_disk reads a save_to_disk folder)")
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except FileNotFoundError as e:
+            raise DataError(f"{path}: not a datasets save_to_disk folder ({e})") from None
+        self.info.location = {"path": self._rel(path)}
+        if isinstance(ds, datasets.DatasetDict):
+            if spec.split not in ds:
+                raise DataError(f"{path}: has splits {sorted(ds)}; set {self.where}.split to one of them")
+            ds = ds[spec.split]
+            self.info.location["split"] = spec.split
+        return ds
+
+    def pairs(self) -> Iterator[Pair]:
+        ds = self.dataset
+        what = f"{self.spec.format} source {self.spec.name!r}"
+        cols, nested = _column_names(ds.column_names, self.spec, self.src_lang, self.tgt_lang, self.where, what)
+        # with_format("arrow") honours an indices mapping (select/shuffle) and yields zero-copy Arrow tables.
+        tables = ds.with_format("arrow").iter(batch_size=8192)
+        batches = (b for t in tables for b in t.to_batches())
+        line = 0
+        for line, s, t in _pairs_from_batches(batches, cols, nested, (self.src_lang, self.tgt_lang), what):
+            yield line, s, t
+        self.info.rows_read = line
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _hub_reachable(timeout: float = 5.0) -> str | None:
+    """None when the hub endpoint answers a TCP connect, else why not (DNS, refused, timeout)."""
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+        return None
+    except OSError as e:
+        return f"{url.hostname}:{port}: {e}"
+
+
+class HubSource(DatasetSource):
+    """A dataset on the Hugging Face hub, cached under ``HF_DATASETS_CACHE``.
+
+    Fails in seconds, naming the local alternative, when the hub cannot be reached: a TCP probe first (the
+    ``datasets`` client otherwise retries for minutes), and ``HF_HUB_OFFLINE=1`` is honoured (cache only).
+    """
+
+    def _load(self):
+        import datasets
+
+        spec = self.spec
+        self.info.location = {"dataset": spec.dataset, "subset": spec.subset or "", "split": spec.split,
+                              "revision": spec.revision or ""}
+        ident = f"{spec.dataset}" + (f" ({spec.subset})" if spec.subset else "") + f" split {spec.split!r}"
+        if not _hub_offline() and (why := _hub_reachable()):
+            raise DataError(
+                f"{self.where}: cannot reach the Hugging Face hub for {ident} ({why}). If the dataset is in your "
+                f"cache, set HF_HUB_OFFLINE=1 to use it; otherwise {LOCAL_ALTERNATIVE}"
+            )
+        try:
+            return datasets.load_dataset(spec.dataset, spec.subset, split=spec.split, revision=spec.revision)
+        except Exception as e:  # the hub client raises many types (HTTP, offline, missing split); all end here
+            hint = f"HF_HUB_OFFLINE is set and it is not in the cache; {LOCAL_ALTERNATIVE}" if _hub_offline() else LOCAL_ALTERNATIVE
+            raise DataError(f"{self.where}: could not load {ident}: {type(e).__name__}: {e}. {hint}") from None
+
+
+_READERS: dict[str, type[Source]] = {
+    "text": TextSource,
+    "tsv": TsvSource,
+    "sgm": SgmSource,
+    "parquet": ParquetSource,
+    "arrow": ArrowSource,
+    "hf_disk": DatasetSource,
+    "hub": HubSource,
+}
+
+
+def open_source(spec: SourceSpec, root: Path, src_lang: str, tgt_lang: str, where: str) -> Source:
+    """Resolve and check a source (paths, files, columns) before any pair is read."""
+    return _READERS[spec.format](spec, root, src_lang, tgt_lang, where)

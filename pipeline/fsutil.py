@@ -1,0 +1,53 @@
+"""Small file-system helpers shared by every stage: content hashes and all-or-nothing output folders."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks (flat memory for multi-GB files)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON deterministically (sorted keys, no timestamps) via a temporary file and rename."""
+    text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary folder beside ``final``; rename it to ``final`` only if the block succeeds.
+
+    On any error the temporary folder is removed, so a reader never sees a half-written stage output. If another
+    process finished the same ``final`` first (same content-addressed name), its result is kept and ours dropped.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+            shutil.rmtree(tmp)  # a concurrent run with the same inputs won the race: keep its identical output
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

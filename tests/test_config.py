@@ -1,0 +1,113 @@
+"""Config schema, presets, overrides and load-time errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import CONFIG_DIR, ConfigError, ModelConfig, TrainConfig, load_config
+
+RUN_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", RUN_CONFIGS)
+def test_every_shipped_run_config_loads(name: str) -> None:
+    cfg = load_config(name)
+    assert cfg.name == name
+    assert cfg.model.d_model % cfg.model.n_heads == 0
+
+
+def test_defaults_are_the_papers_base_row() -> None:
+    m, t = ModelConfig(), TrainConfig()
+    assert (m.encoder_layers, m.decoder_layers, m.d_model, m.d_ff, m.n_heads, m.d_k) == (6, 6, 512, 2048, 8, 64)
+    assert (m.dropout, m.norm, m.positions, m.share_embeddings) == (0.1, "post", "sinusoidal", True)
+    assert (t.adam_beta1, t.adam_beta2, t.adam_eps, t.warmup_steps, t.label_smoothing) == (0.9, 0.98, 1e-9, 4000, 0.1)
+    assert t.checkpoint_every_minutes == 10.0
+
+
+def test_presets_match_the_paper_rows() -> None:
+    base, big = load_config("wmt14-en-de-base"), load_config("wmt14-en-de-big")
+    assert base.model == ModelConfig() and base.average.last_n == 5 and base.train.max_steps == 100_000
+    assert (big.model.d_model, big.model.d_ff, big.model.n_heads, big.model.dropout) == (1024, 4096, 16, 0.3)
+    assert big.average.last_n == 20 and big.train.max_steps == 300_000
+    assert load_config("wmt14-en-fr-big").model.dropout == 0.1  # En-Fr big uses P_drop 0.1
+    fr = load_config("wmt14-en-fr-base")
+    assert (fr.tokenizer.model_type, fr.tokenizer.vocab_size, fr.data.tgt_lang) == ("unigram", 32000, "fr")
+    parsing = load_config(CONFIG_DIR / "presets" / "parsing.yaml", {"name": "p", "data": _tiny_data()})
+    assert (parsing.model.encoder_layers, parsing.model.d_model, parsing.model.n_heads) == (4, 1024, 16)
+    assert (parsing.decode.beam_size, parsing.decode.length_penalty, parsing.decode.max_len_b) == (21, 0.3, 300)
+
+
+def _tiny_data() -> dict:
+    return {"train": [{"name": "t", "format": "text", "path": "t"}], "dev": {"name": "d", "format": "text", "path": "d"}}
+
+
+def test_cli_style_and_dict_overrides() -> None:
+    cfg = load_config("multi30k-cpu", ["train.max_steps=200", "train.lr_scale=2e-1", "model.norm=pre"])
+    assert (cfg.train.max_steps, cfg.train.lr_scale, cfg.model.norm) == (200, 0.2, "pre")
+    cfg = load_config("multi30k-cpu", {"train.max_steps": 300, "model": {"dropout": 0.2}})
+    assert (cfg.train.max_steps, cfg.model.dropout, cfg.model.d_model) == (300, 0.2, 256)
+    cfg = load_config("multi30k-cpu", [("data.root", "123")])  # tuples are taken as is: a path stays a string
+    assert cfg.data.root == "123"
+
+
+def test_exponent_floats_parse_as_floats(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("extends: " + str(CONFIG_DIR / "multi30k-cpu.yaml") + "\ntrain:\n  adam_eps: 1e-8\n")
+    assert load_config(path).train.adam_eps == 1e-8
+
+
+@pytest.mark.parametrize(
+    "override, field, words",
+    [
+        ("model.d_modl=3", "model.d_modl", "Extra inputs"),
+        ("train.max_steps='200'", "train.max_steps", "valid integer"),
+        ("model.share_embeddings=1", "model.share_embeddings", "valid boolean"),
+        ("model.dropout=-0.1", "model.dropout", "greater than or equal to 0"),
+        ("model.n_heads=3", "model", "d_model (256) must be divisible by n_heads (3)"),
+        ("data.train.0.format=xml", "data.train", "'text'"),
+        ("data.cleaning.min_words=300", "data.cleaning", "must not exceed max_words"),
+        ("train.nproc_per_node=0", "train.nproc_per_node", ">= 1"),
+    ],
+)
+def test_bad_values_fail_at_load_naming_the_field(override: str, field: str, words: str) -> None:
+    if override.startswith("data.train.0."):  # lists are replaced whole by overrides
+        override = "data.train=[{name: x, format: xml, path: p}]"
+    with pytest.raises(ConfigError) as err:
+        load_config("multi30k-cpu", [override])
+    msg = str(err.value)
+    assert f"  {field}" in msg and words in msg and "multi30k-cpu.yaml" in msg
+
+
+def test_source_needs_its_formats_fields() -> None:
+    with pytest.raises(ConfigError, match=r"format 'tsv' needs 'columns'"):
+        load_config("multi30k-cpu", ["data.train=[{name: x, format: tsv, path: a.tsv}]"])
+    with pytest.raises(ConfigError, match=r"name 'a b'"):
+        load_config("multi30k-cpu", ["data.train=[{name: a b, format: text, path: p}]"])
+
+
+def test_unknown_config_lists_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"not found.*multi30k-cpu"):
+        load_config("no-such-config")
+
+
+def test_extends_cycle_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("extends: b\n")
+    (tmp_path / "b.yaml").write_text("extends: a\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_override_into_a_value_is_refused() -> None:
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        load_config("multi30k-cpu", ["train.max_steps.x=1"])
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config("multi30k-cpu", ["train.max_steps"])
+
+
+def test_section_hash_is_stable_and_local() -> None:
+    a, b = load_config("multi30k-cpu"), load_config("multi30k-cpu", ["train.max_steps=7"])
+    assert a.section_hash() == load_config("multi30k-cpu").section_hash()
+    assert a.section_hash() != b.section_hash()
+    assert a.section_hash("data", "tokenizer") == b.section_hash("data", "tokenizer")

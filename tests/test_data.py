@@ -1,0 +1,428 @@
+"""The data stage on real shared files and on small files written here: sources, cleaning, bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import unicodedata
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import DataConfig, load_config
+from pipeline.data import DataError, prepare_corpus, read_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+EN = ["A dog runs.", "Two  cats sleep on a mat.", "The sun is bright today.", "A man reads a book.", "Hello"]
+DE = ["Ein Hund rennt.", "Zwei Katzen schlafen auf einer Matte.", "Die Sonne scheint heute hell.",
+      "Ein Mann liest ein Buch.", "Hallo"]
+
+
+def data_cfg(root: Path, train: list[dict], dev: dict | None = None, test: list[dict] | None = None,
+             **cleaning) -> DataConfig:
+    dev = dev or {"name": "dev", "format": "text", "path": "dev"}
+    return DataConfig.model_validate({"root": str(root), "train": train, "dev": dev, "test": test or [],
+                                      "cleaning": cleaning})
+
+
+def write_pair(root: Path, prefix: str, en: list[str], de: list[str], gz: bool = False) -> None:
+    for lang, lines in (("en", en), ("de", de)):
+        path = root / f"{prefix}.{lang}" if not gz else root / f"{prefix}.{lang}.gz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = "".join(line + "\n" for line in lines).encode()
+        path.write_bytes(gzip.compress(data, mtime=0) if gz else data)
+
+
+def rows(corpus: Path, split: str) -> list[dict]:
+    return pq.read_table(corpus / f"{split}.parquet").to_pylist()
+
+
+def pairs(corpus: Path, split: str = "train") -> list[tuple[str, str]]:
+    return [(r["src"], r["tgt"]) for r in rows(corpus, split)]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "data"
+    write_pair(r, "dev", ["Dev sentence one.", "Dev two."], ["Dev Satz eins.", "Dev zwei."])
+    return r
+
+
+def assert_nothing_written(work: Path) -> None:
+    corpus = work / "corpus"
+    assert not corpus.exists() or not any(corpus.iterdir()), list(corpus.iterdir())
+
+
+# ------------------------------------------------------------------------------------------ real shared data
+
+
+def test_multi30k_default_config_on_shared_data(shared_data: Path, tmp_path: Path) -> None:
+    cfg = load_config("multi30k-cpu", [("data.root", str(shared_data))])
+    corpus = prepare_corpus(cfg.data, tmp_path)
+    m = read_manifest(corpus)
+    train = m["splits"]["train"]
+    assert train["cleaning"]["read"] == 29_000 and train["origins"]["multi30k"]["read"] == 29_000
+    assert train["rows"] == train["cleaning"]["kept"] == 29_000 - sum(train["cleaning"]["removed"].values())
+    assert [r["rule"] for r in train["cleaning"]["rules"]] == ["empty", "too_short", "too_long", "ratio",
+                                                                "contaminated", "duplicate"]
+    assert {k: s["rows"] for k, s in m["splits"].items() if k != "train"} == {
+        "dev": 3000, "test.test2016": 1000, "test.newstest2014": 3003}
+    # Eval sets keep the reference exactly as distributed, for scoring.
+    raw = (shared_data / "wmt14-en-de" / "newstest2014.de").read_text(encoding="utf-8").splitlines()
+    assert [r["tgt_raw"] for r in rows(corpus, "test.newstest2014")] == raw
+    assert m["inputs"]["train"][0]["files"]["multi30k/train.en"] == (
+        "460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6")
+    # Multi30k's train.de has leading/trailing and double spaces (its README): they are normalised away.
+    assert all(s == " ".join(s.split()) and t == " ".join(t.split()) for s, t in pairs(corpus))
+    assert train["cleaning"]["normalized"]["whitespace_changed"] > 40
+
+
+def test_sgm_extraction_equals_the_plain_text_test_set(shared_data: Path, tmp_path: Path) -> None:
+    sgm = {"name": "nt14", "format": "sgm", "files": {"en": "wmt14-en-de/sgm/newstest2014-deen-src.en.sgm",
+                                                       "de": "wmt14-en-de/sgm/newstest2014-deen-ref.de.sgm"}}
+    cfg = data_cfg(shared_data, [{"name": "m", "format": "text", "path": "multi30k/test2016"}], dev=sgm)
+    got = rows(prepare_corpus(cfg, tmp_path), "dev")
+    en = (shared_data / "wmt14-en-de/newstest2014.en").read_text(encoding="utf-8").splitlines()
+    de = (shared_data / "wmt14-en-de/newstest2014.de").read_text(encoding="utf-8").splitlines()
+    assert [r["src"] for r in got] == en and [r["tgt_raw"] for r in got] == de and len(got) == 3003
+
+
+def test_concatenated_training_sources_are_tagged_and_decontaminated(shared_data: Path, tmp_path: Path) -> None:
+    train = [{"name": "multi30k", "format": "text", "path": "multi30k/train"},
+             {"name": "nt2012", "format": "text", "path": "wmt-en-de-older-newstest/newstest2012"},
+             {"name": "leak", "format": "text", "path": "multi30k/test2016"}]  # a test set fed in as training data
+    cfg = data_cfg(shared_data, train, dev={"name": "nt13", "format": "text", "path": "wmt14-en-de/newstest2013"},
+                   test=[{"name": "test2016", "format": "text", "path": "multi30k/test2016"}], max_ratio=9.0)
+    corpus = prepare_corpus(cfg, tmp_path)
+    train_rows = rows(corpus, "train")
+    origins = read_manifest(corpus)["splits"]["train"]["origins"]
+    assert origins["nt2012"]["read"] == 3003 and origins["leak"] == {"read": 1000, "kept": 0}
+    assert read_manifest(corpus)["splits"]["train"]["cleaning"]["removed"]["contaminated"] >= 1000
+    assert [r["origin"] for r in train_rows][:1] == ["multi30k"] and {r["origin"] for r in train_rows} == {
+        "multi30k", "nt2012"}
+    first_2012 = next(r for r in train_rows if r["origin"] == "nt2012")
+    assert first_2012["line"] == 1
+
+
+# ------------------------------------------------------------------------------------------- source formats
+
+
+def test_text_gz_and_files_mapping(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "gz/train", EN, DE, gz=True)
+    write_pair(root, "plain/x", EN, DE)
+    a = prepare_corpus(data_cfg(root, [{"name": "g", "format": "text", "path": "gz/train"}]), tmp_path / "a")
+    b = prepare_corpus(data_cfg(root, [{"name": "g", "format": "text",
+                                        "files": {"en": "plain/x.en", "de": "plain/x.de"}}]), tmp_path / "b")
+    assert pairs(a) == pairs(b) == [(" ".join(e.split()), d) for e, d in zip(EN, DE)]
+
+
+def test_tsv_columns_pick_the_languages(root: Path, tmp_path: Path) -> None:
+    (root / "c.tsv").write_text("".join(f"{d}\t{e}\n" for e, d in zip(EN, DE)), encoding="utf-8")
+    corpus = prepare_corpus(data_cfg(root, [{"name": "t", "format": "tsv", "path": "c.tsv", "columns": ["de", "en"]}]),
+                            tmp_path)
+    assert pairs(corpus)[0] == ("A dog runs.", "Ein Hund rennt.")
+
+
+def test_direction_de_en_swaps_sides(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "train", EN, DE)
+    cfg = data_cfg(root, [{"name": "t", "format": "text", "path": "train"}]).model_copy(
+        update={"src_lang": "de", "tgt_lang": "en"})
+    assert pairs(prepare_corpus(cfg, tmp_path))[0] == ("Ein Hund rennt.", "A dog runs.")
+
+
+def test_parquet_by_language_columns_struct_and_fields(root: Path, tmp_path: Path) -> None:
+    (root / "pq").mkdir()
+    pq.write_table(pa.table({"en": EN[:2], "de": DE[:2]}), root / "pq" / "part-0.parquet")
+    pq.write_table(pa.table({"en": EN[2:], "de": DE[2:]}), root / "pq" / "part-1.parquet")
+    pq.write_table(pa.table({"translation": [{"de": d, "en": e} for e, d in zip(EN, DE)]}), root / "hub.parquet")
+    pq.write_table(pa.table({"source": EN, "target": DE}), root / "named.parquet")
+    expected = [(" ".join(e.split()), d) for e, d in zip(EN, DE)]
+    for i, spec in enumerate([{"path": "pq"}, {"path": "hub.parquet"},
+                              {"path": "named.parquet", "fields": {"en": "source", "de": "target"}}]):
+        corpus = prepare_corpus(data_cfg(root, [{"name": "p", "format": "parquet", **spec}]), tmp_path / str(i))
+        assert pairs(corpus) == expected, spec
+    assert [r["line"] for r in rows(corpus, "train")] == [1, 2, 3, 4, 5]
+
+
+def test_arrow_ipc_file_and_stream(root: Path, tmp_path: Path) -> None:
+    table = pa.table({"en": EN, "de": DE})
+    with pa.ipc.new_file(root / "f.arrow", table.schema) as w:
+        w.write_table(table)
+    with pa.ipc.new_stream(root / "s.arrow", table.schema) as w:  # the format of a datasets cache shard
+        w.write_table(table)
+    got = [pairs(prepare_corpus(data_cfg(root, [{"name": "a", "format": "arrow", "path": f}]), tmp_path / f))
+           for f in ("f.arrow", "s.arrow")]
+    assert got[0] == got[1] and len(got[0]) == 5
+
+
+def test_datasets_save_to_disk_folder(root: Path, tmp_path: Path) -> None:
+    import datasets
+
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"translation": [{"en": e, "de": d}
+                                                                                   for e, d in zip(EN, DE)]})})
+    dd.save_to_disk(str(root / "dd"))
+    corpus = prepare_corpus(data_cfg(root, [{"name": "h", "format": "hf_disk", "path": "dd", "split": "train"}]),
+                            tmp_path)
+    assert pairs(corpus)[2] == ("The sun is bright today.", "Die Sonne scheint heute hell.")
+    assert read_manifest(corpus)["inputs"]["train"][0]["fingerprint"]
+    with pytest.raises(DataError, match=r"has splits \['train'\]; set data.train\[0\].split"):
+        prepare_corpus(data_cfg(root, [{"name": "h", "format": "hf_disk", "path": "dd", "split": "nope"}]), tmp_path)
+
+
+def _run_python(code: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=REPO)
+
+
+HUB_PROBE = """
+    import sys, time
+    from pathlib import Path
+    from pipeline.config import DataConfig
+    from pipeline.data import DataError, prepare_corpus
+    root = sys.argv[0] if False else {root!r}
+    cfg = DataConfig.model_validate({{"root": root, "train": [{spec}],
+                                     "dev": {{"name": "dev", "format": "text", "path": "dev"}}}})
+    t = time.perf_counter()
+    try:
+        out = prepare_corpus(cfg, Path({work!r}))
+        print("OK", out)
+    except DataError as e:
+        print("ERR", round(time.perf_counter() - t, 1), e)
+"""
+
+
+def test_hub_loader_reads_a_hub_layout_dataset_repository(root: Path, tmp_path: Path) -> None:
+    """The real `datasets.load_dataset` code path, against a local copy laid out like hub repo wmt/wmt14."""
+    repo = tmp_path / "wmt14"
+    (repo / "de-en").mkdir(parents=True)
+    pq.write_table(pa.table({"translation": [{"de": d, "en": e} for e, d in zip(EN, DE)]}),
+                   repo / "de-en" / "train-00000-of-00001.parquet")
+    (repo / "README.md").write_text(textwrap.dedent("""\
+        ---
+        configs:
+        - config_name: de-en
+          data_files:
+          - split: train
+            path: de-en/train-*
+        ---
+        """))
+    spec = {"name": "wmt14", "format": "hub", "dataset": str(repo), "subset": "de-en", "split": "train"}
+    res = _run_python(HUB_PROBE.format(root=str(root), spec=spec, work=str(tmp_path / "w")),
+                      {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert res.stdout.startswith("OK"), res.stdout + res.stderr
+    corpus = Path(res.stdout.split()[1])
+    assert pairs(corpus)[0] == ("A dog runs.", "Ein Hund rennt.")
+    assert read_manifest(corpus)["inputs"]["train"][0]["location"]["dataset"] == str(repo)
+
+
+@pytest.mark.parametrize("offline", ["1", ""])
+def test_hub_unreachable_fails_fast_naming_the_local_alternative(root: Path, tmp_path: Path, offline: str) -> None:
+    spec = {"name": "wmt14", "format": "hub", "dataset": "wmt/wmt14", "subset": "de-en", "split": "train"}
+    # An endpoint nobody listens on stands for "no internet" wherever the test runs.
+    env = {"HF_HUB_OFFLINE": offline, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    t = time.perf_counter()
+    res = _run_python(HUB_PROBE.format(root=str(root), spec=spec, work=str(tmp_path / "w")), env)
+    assert time.perf_counter() - t < 60
+    assert res.stdout.startswith("ERR"), res.stdout + res.stderr
+    seconds = float(res.stdout.split()[1])
+    assert seconds < 10, res.stdout
+    assert "format: text" in res.stdout and "wmt/wmt14" in res.stdout
+    assert ("HF_HUB_OFFLINE is set" in res.stdout) == bool(offline)
+    assert_nothing_written(tmp_path / "w")
+
+
+# ---------------------------------------------------------------------------------------------- cleaning
+
+
+def test_each_cleaning_rule_is_applied_and_counted(root: Path, tmp_path: Path) -> None:
+    nfd = unicodedata.normalize("NFD", "Schöne Grüße")
+    train_en = ["Good morning", "  spaced   out  ", "", "one two three four five six", "yes", "Dev two.",
+                "Good morning", "Fine words", "\u00e9t\u00e9"]
+    train_de = [nfd, "weit weg", "leer", "eins", "ja ja ja ja ja", "Dev zwei.", nfd, "Gute Worte", "Sommer"]
+    write_pair(root, "train", train_en, train_de)
+    cfg = data_cfg(root, [{"name": "t", "format": "text", "path": "train"}], max_words=5, max_ratio=3.0)
+    corpus = prepare_corpus(cfg, tmp_path)
+    report = read_manifest(corpus)["splits"]["train"]["cleaning"]
+    assert report["removed"] == {"empty": 1, "too_short": 0, "too_long": 1, "ratio": 1, "contaminated": 1,
+                                 "duplicate": 1}
+    assert [r["remaining"] for r in report["rules"]] == [8, 8, 7, 6, 5, 4]
+    assert report["normalized"] == {"nfc_changed": 2, "whitespace_changed": 1}
+    assert pairs(corpus) == [("Good morning", "Schöne Grüße"), ("spaced out", "weit weg"),
+                             ("Fine words", "Gute Worte"), ("été", "Sommer")]
+    assert [r["line"] for r in rows(corpus, "train")] == [1, 2, 8, 9]
+
+
+@pytest.mark.parametrize("mode, removed", [("off", 0), ("pair", 1), ("source", 2), ("either", 3)])
+def test_decontamination_modes(root: Path, tmp_path: Path, mode: str, removed: int) -> None:
+    # dev is ("Dev sentence one." -> "Dev Satz eins."), ("Dev two." -> "Dev zwei.")
+    write_pair(root, "train", ["Dev two.", "Dev sentence one.", "Other.", "Clean."],
+               ["Dev zwei.", "Anders.", "Dev Satz eins.", "Sauber."])
+    cfg = data_cfg(root, [{"name": "t", "format": "text", "path": "train"}], decontaminate=mode, max_ratio=9.0)
+    report = read_manifest(prepare_corpus(cfg, tmp_path))["splits"]["train"]["cleaning"]
+    assert report["removed"]["contaminated"] == removed
+
+
+def test_eval_sets_are_never_filtered(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "train", EN, DE)
+    write_pair(root, "test", ["ok", "a b c d e f g h", "ok"], ["gut", "x", "gut"])
+    cfg = data_cfg(root, [{"name": "t", "format": "text", "path": "train"}],
+                   test=[{"name": "t1", "format": "text", "path": "test"}], max_words=3)
+    assert len(rows(prepare_corpus(cfg, tmp_path), "test.t1")) == 3
+
+
+# ------------------------------------------------------------------------------------ reruns and determinism
+
+
+def test_same_input_gives_byte_identical_output_and_rerun_is_a_noop(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "train", EN * 3, DE * 3)
+    cfg = data_cfg(root, [{"name": "t", "format": "text", "path": "train"}],
+                   test=[{"name": "t1", "format": "text", "path": "dev"}])
+    a, b = prepare_corpus(cfg, tmp_path / "a"), prepare_corpus(cfg, tmp_path / "b")
+    assert a.name == b.name
+    files = sorted(p.name for p in a.iterdir())
+    assert files == ["dev.parquet", "manifest.json", "test.t1.parquet", "train.parquet"]
+    assert all((a / f).read_bytes() == (b / f).read_bytes() for f in files)
+    mtimes = {f: (a / f).stat().st_mtime_ns for f in files}
+    assert prepare_corpus(cfg, tmp_path / "a") == a
+    assert {f: (a / f).stat().st_mtime_ns for f in files} == mtimes
+    # Changing an input's content makes a new corpus, leaving the old one in place.
+    write_pair(root, "train", EN * 2, DE * 2)
+    c = prepare_corpus(cfg, tmp_path / "a")
+    assert c != a and (a / "manifest.json").is_file()
+
+
+def test_manifest_hashes_match_the_files(root: Path, tmp_path: Path) -> None:
+    import hashlib
+
+    write_pair(root, "train", EN, DE)
+    corpus = prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "train"}]), tmp_path)
+    m = json.loads((corpus / "manifest.json").read_text())
+    for split in m["splits"].values():
+        assert hashlib.sha256((corpus / split["file"]).read_bytes()).hexdigest() == split["sha256"]
+    assert m["inputs"]["train"][0]["files"]["train.en"] == hashlib.sha256((root / "train.en").read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_unequal_line_counts(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "train", EN, DE[:3])
+    with pytest.raises(DataError) as err:
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "train"}]), tmp_path)
+    msg = str(err.value)
+    assert "train.en has 5 lines but" in msg and "train.de has 3" in msg and "line 4" in msg
+    assert_nothing_written(tmp_path)
+
+
+def test_invalid_utf8_names_line_and_byte_offset(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "train", EN, DE)
+    (root / "train.de").write_bytes(b"Ein Hund.\nZwei Katzen.\nGr\xfc\xdfe\n" + b"x\n" * 2)
+    with pytest.raises(DataError) as err:
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "train"}]), tmp_path)
+    msg = str(err.value)
+    assert "train.de: line 3: invalid UTF-8 at byte offset 25 (byte 0xfc)" in msg and "iconv" in msg
+    assert_nothing_written(tmp_path)
+
+
+def test_missing_and_empty_files(root: Path, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"file not found: .*nope\.en"):
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "nope"}]), tmp_path)
+    write_pair(root, "empty", [], [])
+    with pytest.raises(DataError, match=r"file is empty: .*empty\.en"):
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "empty"}]), tmp_path)
+    assert_nothing_written(tmp_path)
+
+
+def test_unknown_format_is_refused_at_config_load() -> None:
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data\.train\.0\.format: Input should be 'text', 'tsv'"):
+        load_config("multi30k-cpu", ["data.train=[{name: x, format: xml, path: p}]"])
+
+
+def test_file_that_is_not_the_declared_format(root: Path, tmp_path: Path) -> None:
+    (root / "fake.parquet").write_text("this is not parquet\n")
+    with pytest.raises(DataError, match=r"fake\.parquet: not a readable Parquet file"):
+        prepare_corpus(data_cfg(root, [{"name": "p", "format": "parquet", "path": "fake.parquet"}]), tmp_path)
+    (root / "fake.arrow").write_text("nor arrow\n")
+    with pytest.raises(DataError, match=r"fake\.arrow: not an Arrow IPC file or stream"):
+        prepare_corpus(data_cfg(root, [{"name": "p", "format": "arrow", "path": "fake.arrow"}]), tmp_path)
+    assert_nothing_written(tmp_path)
+
+
+def test_paths_outside_the_data_root_are_refused(root: Path, tmp_path: Path) -> None:
+    write_pair(tmp_path, "outside", EN, DE)
+    with pytest.raises(DataError, match=r"data\.train\[0\]\.path = '\.\./outside'.*outside data\.root"):
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "../outside"}]), tmp_path / "w")
+    (root / "link.en").symlink_to(tmp_path / "outside.en")
+    with pytest.raises(DataError, match=r"files\.en = 'link\.en'.*outside data\.root"):
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text",
+                                        "files": {"en": "link.en", "de": "dev.de"}}]), tmp_path / "w")
+    with pytest.raises(DataError, match=r"data\.root .* not a folder"):
+        prepare_corpus(data_cfg(tmp_path / "absent", [{"name": "t", "format": "text", "path": "x"}]), tmp_path / "w")
+    assert_nothing_written(tmp_path / "w")
+
+
+def test_corpus_empty_after_cleaning(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "train", ["one two three"] * 3, ["eins zwei drei"] * 3)
+    with pytest.raises(DataError) as err:
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "train"}], max_words=2), tmp_path)
+    assert "training split is empty after cleaning" in str(err.value) and "'too_long': 3" in str(err.value)
+    assert_nothing_written(tmp_path)
+
+
+def test_tsv_line_with_wrong_field_count(root: Path, tmp_path: Path) -> None:
+    (root / "c.tsv").write_text("a\tb\nc\td\te\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"c\.tsv: line 2: expected 2 tab-separated fields \(en,de\), found 3"):
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "tsv", "path": "c.tsv", "columns": ["en", "de"]}]),
+                       tmp_path)
+
+
+def test_sgm_with_mismatched_segments(shared_data: Path, tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    root.mkdir()
+    src = (shared_data / "wmt14-en-de/sgm/newstest2014-deen-src.en.sgm").read_text(encoding="utf-8")
+    (root / "src.sgm").write_text(src, encoding="utf-8")
+    (root / "ref.sgm").write_text(src.replace('<seg id="1">', '<seg id="9999">', 1), encoding="utf-8")
+    write_pair(root, "train", EN, DE)
+    dev = {"name": "nt", "format": "sgm", "files": {"en": "src.sgm", "de": "ref.sgm"}}
+    with pytest.raises(DataError, match="hold different segments"):
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "train"}], dev=dev), tmp_path / "w")
+
+
+def test_failure_midway_leaves_earlier_output_intact(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "train", EN, DE)
+    cfg = data_cfg(root, [{"name": "t", "format": "text", "path": "train"}])
+    good = prepare_corpus(cfg, tmp_path)
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    (root / "train.de").write_bytes(b"x\n" * 4 + b"\xff\n")  # same line count, bad byte on the last line
+    with pytest.raises(DataError, match="line 5"):
+        prepare_corpus(cfg, tmp_path)
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    assert sorted(p.name for p in (tmp_path / "corpus").iterdir()) == [good.name]
+
+
+# ------------------------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_prepare_data_and_clear_errors(shared_data: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "AIAYN_DATA_ROOT": str(shared_data)}
+    res = subprocess.run([sys.executable, "-m", "pipeline", "prepare-data", "--work-dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "train" in res.stdout and "read 29,000" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "pipeline", "prepare-data", "--work-dir", str(tmp_path),
+                          "--set", "model.n_heads=3"], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert res.returncode == 2 and "d_model (256) must be divisible by n_heads (3)" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "pipeline", "prepare-data", "--data-root", str(tmp_path / "nope")],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert res.returncode == 2 and "not a folder" in res.stderr and "Traceback" not in res.stderr
