@@ -91,7 +91,8 @@ def build_corpus(shared: Path, out: Path, n_pairs: int) -> int:
 def run(code: str, *args: str) -> dict:
     res = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO, check=True)
     n, seconds, rss_kb = res.stdout.split()[-3:]
-    return {"pairs": int(n), "seconds": float(seconds), "pairs_per_s": int(n) / float(seconds),
+    kept = next((int(line.split()[1]) for line in res.stdout.splitlines() if line.startswith("kept ")), int(n))
+    return {"pairs": int(n), "kept": kept, "seconds": float(seconds), "pairs_per_s": int(n) / float(seconds),
             "peak_rss_mb": int(rss_kb) / 1024}
 
 
@@ -109,9 +110,9 @@ def main() -> None:
         print(f"synthetic corpus: {args.pairs:,} pairs, {size / 1e9:.2f} GB, built in {time.perf_counter() - t:.0f} s")
         base = run(BASELINE, str(tmp / "root"), str(tmp / "baseline.parquet"))
         ours = run(OURS, str(tmp / "root"), str(tmp / "work"), str(args.data_root))
-    print(f"{'run':<10}{'pairs/s':>12}{'seconds':>10}{'peak RSS MB':>14}")
+    print(f"{'run':<10}{'pairs/s':>12}{'seconds':>10}{'pairs kept':>12}{'peak RSS MB':>14}")
     for name, r in (("baseline", base), ("ours", ours)):
-        print(f"{name:<10}{r['pairs_per_s']:>12,.0f}{r['seconds']:>10.1f}{r['peak_rss_mb']:>14,.0f}")
+        print(f"{name:<10}{r['pairs_per_s']:>12,.0f}{r['seconds']:>10.1f}{r['kept']:>12,}{r['peak_rss_mb']:>14,.0f}")
     ratio = ours["pairs_per_s"] / base["pairs_per_s"]
     print(f"ours / baseline throughput: {ratio:.2f}")
     args.results.mkdir(parents=True, exist_ok=True)

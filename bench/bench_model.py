@@ -1,0 +1,158 @@
+"""Training-step throughput of our Transformer against ``torch.nn.Transformer``, side by side.
+
+One step = forward, label-smoothed loss, backward, Adam update, on the same synthetic batch (~3,800 target
+tokens, length-bucketed so padding is small) with the same sizes and thread count. Each (implementation, size)
+runs in its own subprocess so that its peak RSS is its own; implementations alternate within each repeat so
+that machine noise hits both. Prints target tokens/s (from the median step time), ours / torch, and peak RSS.
+
+    python bench/bench_model.py                       # tiny, 2 threads
+    python bench/bench_model.py --sizes tiny base --steps 4 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import LabelSmoothedCrossEntropy, Transformer  # noqa: E402
+
+PAD, BOS, EOS = 0, 2, 3
+SIZES = {  # the presets' model sections (configs/presets/tiny.yaml, base.yaml)
+    "tiny": dict(encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, n_heads=4),
+    "base": dict(encoder_layers=6, decoder_layers=6, d_model=512, d_ff=2048, n_heads=8),
+}
+
+
+def make_batch(target_tokens: int, mean_len: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Right-padded (src, tgt_in, tgt_out); sentence lengths in [mean_len - 3, mean_len + 3] (+ BOS / EOS)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = max(1, round(target_tokens / (mean_len + 1)))
+    src_len = torch.randint(mean_len - 3, mean_len + 4, (n,), generator=gen).tolist()
+    tgt_len = torch.randint(mean_len - 3, mean_len + 4, (n,), generator=gen).tolist()
+    src = torch.full((n, max(src_len)), PAD)
+    tgt_in = torch.full((n, max(tgt_len) + 1), PAD)
+    tgt_out = torch.full((n, max(tgt_len) + 1), PAD)
+    for i in range(n):
+        src[i, : src_len[i]] = torch.randint(4, vocab, (src_len[i],), generator=gen)
+        words = torch.randint(4, vocab, (tgt_len[i],), generator=gen)
+        tgt_in[i, : tgt_len[i] + 1] = torch.cat([torch.tensor([BOS]), words])
+        tgt_out[i, : tgt_len[i] + 1] = torch.cat([words, torch.tensor([EOS])])
+    return src, tgt_in, tgt_out
+
+
+class TorchTransformer(nn.Module):
+    """Baseline: shared scaled embeddings + sinusoids around ``nn.Transformer`` (post-norm, batch_first)."""
+
+    def __init__(self, vocab: int, encoder_layers: int, decoder_layers: int, d_model: int, d_ff: int, n_heads: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model, padding_idx=PAD)
+        position = torch.arange(1024)[:, None] * torch.exp(torch.arange(0, d_model, 2) * (-math.log(1e4) / d_model))
+        self.register_buffer("pe", torch.cat([position.sin(), position.cos()], dim=1), persistent=False)
+        self.transformer = nn.Transformer(
+            d_model, n_heads, encoder_layers, decoder_layers, d_ff, dropout=0.1, batch_first=True
+        )
+        self.scale = math.sqrt(d_model)
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        src_x = F.dropout(self.embed(src) * self.scale + self.pe[: src.size(1)], 0.1, self.training)
+        tgt_x = F.dropout(self.embed(tgt_in) * self.scale + self.pe[: tgt_in.size(1)], 0.1, self.training)
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.size(1))
+        h = self.transformer(
+            src_x, tgt_x, tgt_mask=causal, src_key_padding_mask=src.eq(PAD),
+            tgt_key_padding_mask=tgt_in.eq(PAD), memory_key_padding_mask=src.eq(PAD), tgt_is_causal=True,
+        )  # fmt: skip
+        return F.linear(h, self.embed.weight)
+
+
+def worker(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    src, tgt_in, tgt_out = make_batch(args.tokens, args.mean_len, args.vocab)
+    n_tokens = int(tgt_out.ne(PAD).sum())
+    if args.worker == "ours":
+        model = Transformer(args.vocab, PAD, **SIZES[args.size])
+        criterion = LabelSmoothedCrossEntropy(0.1, PAD)
+
+        def loss_fn() -> torch.Tensor:
+            return criterion(model(src, tgt_in), tgt_out)[0]
+    else:
+        model = TorchTransformer(args.vocab, **SIZES[args.size])
+
+        def loss_fn() -> torch.Tensor:
+            logits = model(src, tgt_in)
+            return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD, label_smoothing=0.1,
+                                   reduction="sum")  # fmt: skip
+    model.train()
+    adam = {"loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[args.adam]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, **adam)
+    seconds = []
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        (loss_fn() / n_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - start)
+    # Median step time: robust to other processes competing for the same cores in bursts.
+    step_seconds = statistics.median(seconds[args.warmup :])
+    return {
+        "impl": args.worker,
+        "size": args.size,
+        "params": sum(p.numel() for p in model.parameters()),
+        "batch": list(src.shape) + [tgt_in.size(1)],
+        "target_tokens": n_tokens,
+        "tok_per_s": n_tokens / step_seconds,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["tiny"], choices=sorted(SIZES))
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=3800, help="target tokens per batch (approximate)")
+    parser.add_argument("--mean-len", type=int, default=16, help="mean sentence length in tokens")
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--adam", choices=["loop", "foreach", "fused"], default="fused")
+    parser.add_argument("--worker", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--size", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+              ("steps", "warmup", "tokens", "mean_len", "vocab", "threads", "adam")]  # fmt: skip
+    print(f"torch {torch.__version__}, {args.threads} threads, vocab {args.vocab}, Adam {args.adam}, "
+          f"{args.warmup} + {args.steps} steps per run")  # fmt: skip
+    print(f"{'size':<5} {'impl':<6} {'params':>11} {'batch (n, src, tgt)':>20} {'tgt tok/s':>10} {'ours/torch':>10} "
+          f"{'peak RSS MB':>12}")  # fmt: skip
+    for size in args.sizes:
+        for _ in range(args.repeats):
+            results = {}
+            for impl in ("ours", "torch"):
+                cmd = [sys.executable, __file__, f"--worker={impl}", f"--size={size}", *common]
+                results[impl] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            ratio = results["ours"]["tok_per_s"] / results["torch"]["tok_per_s"]
+            for impl, r in results.items():
+                print(f"{size:<5} {impl:<6} {r['params']:>11,} {str(tuple(r['batch'])):>20} {r['tok_per_s']:>10,.0f} "
+                      f"{ratio if impl == 'ours' else 1.0:>10.2f} {r['peak_rss_mb']:>12,.0f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
