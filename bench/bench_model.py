@@ -1,11 +1,12 @@
 """Training-step throughput of our Transformer against ``torch.nn.Transformer``, side by side.
 
 One step = forward, label-smoothed loss, backward, Adam update, on the same synthetic batch (~3,800 target
-tokens, length-bucketed so padding is small) with the same sizes and thread count. Each (implementation, size)
-runs in its own subprocess so that its peak RSS is its own; implementations alternate within each repeat so
-that machine noise hits both. Prints target tokens/s (from the median step time), ours / torch, and peak RSS.
+tokens, sentence lengths within +-``--len-spread`` of ``--mean-len`` as a length-bucketed batcher gives) with
+the same sizes and thread count. Each implementation lives in its own worker process (so its peak RSS is its
+own), and the two take steps in turn, one at a time: a burst of load from another process hits both alike.
+Prints target tokens/s from the median step time, ours / torch, and peak RSS per process.
 
-    python bench/bench_model.py                       # tiny, 2 threads
+    python bench/bench_model.py                                   # tiny, 2 threads
     python bench/bench_model.py --sizes tiny base --steps 4 --warmup 1
 """
 
@@ -36,12 +37,12 @@ SIZES = {  # the presets' model sections (configs/presets/tiny.yaml, base.yaml)
 }
 
 
-def make_batch(target_tokens: int, mean_len: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Right-padded (src, tgt_in, tgt_out); sentence lengths in [mean_len - 3, mean_len + 3] (+ BOS / EOS)."""
+def make_batch(target_tokens: int, mean_len: int, spread: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Right-padded (src, tgt_in, tgt_out); sentence lengths in [mean_len - spread, mean_len + spread]."""
     gen = torch.Generator().manual_seed(seed)
-    n = max(1, round(target_tokens / (mean_len + 1)))
-    src_len = torch.randint(mean_len - 3, mean_len + 4, (n,), generator=gen).tolist()
-    tgt_len = torch.randint(mean_len - 3, mean_len + 4, (n,), generator=gen).tolist()
+    n = max(1, round(target_tokens / (mean_len + 1)))  # +1: EOS
+    src_len = torch.randint(mean_len - spread, mean_len + spread + 1, (n,), generator=gen).tolist()
+    tgt_len = torch.randint(mean_len - spread, mean_len + spread + 1, (n,), generator=gen).tolist()
     src = torch.full((n, max(src_len)), PAD)
     tgt_in = torch.full((n, max(tgt_len) + 1), PAD)
     tgt_out = torch.full((n, max(tgt_len) + 1), PAD)
@@ -69,7 +70,7 @@ class TorchTransformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         src_x = F.dropout(self.embed(src) * self.scale + self.pe[: src.size(1)], 0.1, self.training)
         tgt_x = F.dropout(self.embed(tgt_in) * self.scale + self.pe[: tgt_in.size(1)], 0.1, self.training)
-        causal = nn.Transformer.generate_square_subsequent_mask(tgt_in.size(1))
+        causal = torch.ones(tgt_in.size(1), tgt_in.size(1), dtype=torch.bool).triu(1)  # True = masked, as the masks
         h = self.transformer(
             src_x, tgt_x, tgt_mask=causal, src_key_padding_mask=src.eq(PAD),
             tgt_key_padding_mask=tgt_in.eq(PAD), memory_key_padding_mask=src.eq(PAD), tgt_is_causal=True,
@@ -77,10 +78,11 @@ class TorchTransformer(nn.Module):
         return F.linear(h, self.embed.weight)
 
 
-def worker(args: argparse.Namespace) -> dict:
+def worker(args: argparse.Namespace) -> None:
+    """Build one implementation, then take one training step per 'step' line on stdin, printing its seconds."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    src, tgt_in, tgt_out = make_batch(args.tokens, args.mean_len, args.vocab)
+    src, tgt_in, tgt_out = make_batch(args.tokens, args.mean_len, args.len_spread, args.vocab)
     n_tokens = int(tgt_out.ne(PAD).sum())
     if args.worker == "ours":
         model = Transformer(args.vocab, PAD, **SIZES[args.size])
@@ -98,34 +100,57 @@ def worker(args: argparse.Namespace) -> dict:
     model.train()
     adam = {"loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[args.adam]
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, **adam)
-    seconds = []
-    for _ in range(args.warmup + args.steps):
+    info = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "batch": [*src.shape, tgt_in.size(1)],
+        "target_tokens": n_tokens,
+    }
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
         start = time.perf_counter()
         (loss_fn() / n_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        seconds.append(time.perf_counter() - start)
-    # Median step time: robust to other processes competing for the same cores in bursts.
-    step_seconds = statistics.median(seconds[args.warmup :])
-    return {
-        "impl": args.worker,
-        "size": args.size,
-        "params": sum(p.numel() for p in model.parameters()),
-        "batch": list(src.shape) + [tgt_in.size(1)],
-        "target_tokens": n_tokens,
-        "tok_per_s": n_tokens / step_seconds,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        print(time.perf_counter() - start, flush=True)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, flush=True)  # peak RSS, MB
+
+
+def run_pair(args: argparse.Namespace, size: int) -> dict[str, dict]:
+    """Start both workers, alternate their steps, return per-implementation results."""
+    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+              ("tokens", "mean_len", "len_spread", "vocab", "threads", "adam")]  # fmt: skip
+    procs = {
+        impl: subprocess.Popen(
+            [sys.executable, __file__, f"--worker={impl}", f"--size={size}", *common],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )  # fmt: skip
+        for impl in ("ours", "torch")
     }
+    results = {impl: json.loads(p.stdout.readline()) | {"seconds": []} for impl, p in procs.items()}
+    for _ in range(args.warmup + args.steps):
+        for impl, p in procs.items():
+            p.stdin.write("step\n")
+            results[impl]["seconds"].append(float(p.stdout.readline()))
+    for impl, p in procs.items():
+        p.stdin.write("done\n")
+        p.stdin.flush()
+        results[impl]["peak_rss_mb"] = float(p.stdout.readline())
+        p.wait()
+        timed = results[impl]["seconds"][args.warmup :]
+        results[impl]["tok_per_s"] = results[impl]["target_tokens"] / statistics.median(timed)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["tiny"], choices=sorted(SIZES))
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=3800, help="target tokens per batch (approximate)")
     parser.add_argument("--mean-len", type=int, default=16, help="mean sentence length in tokens")
+    parser.add_argument("--len-spread", type=int, default=2, help="lengths vary by at most this much")
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--adam", choices=["loop", "foreach", "fused"], default="fused")
@@ -133,25 +158,21 @@ def main() -> None:
     parser.add_argument("--size", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args)))
+        worker(args)
         return
 
-    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-              ("steps", "warmup", "tokens", "mean_len", "vocab", "threads", "adam")]  # fmt: skip
     print(f"torch {torch.__version__}, {args.threads} threads, vocab {args.vocab}, Adam {args.adam}, "
-          f"{args.warmup} + {args.steps} steps per run")  # fmt: skip
-    print(f"{'size':<5} {'impl':<6} {'params':>11} {'batch (n, src, tgt)':>20} {'tgt tok/s':>10} {'ours/torch':>10} "
-          f"{'peak RSS MB':>12}")  # fmt: skip
+          f"{args.warmup} + {args.steps} steps each, alternating; tok/s from the median step")  # fmt: skip
+    print(f"{'size':<5} {'impl':<6} {'params':>11} {'batch (n, src, tgt)':>20} {'tgt tokens':>10} {'tgt tok/s':>10} "
+          f"{'ours/torch':>10} {'peak RSS MB':>12}  step seconds")  # fmt: skip
     for size in args.sizes:
-        for _ in range(args.repeats):
-            results = {}
-            for impl in ("ours", "torch"):
-                cmd = [sys.executable, __file__, f"--worker={impl}", f"--size={size}", *common]
-                results[impl] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            ratio = results["ours"]["tok_per_s"] / results["torch"]["tok_per_s"]
-            for impl, r in results.items():
-                print(f"{size:<5} {impl:<6} {r['params']:>11,} {str(tuple(r['batch'])):>20} {r['tok_per_s']:>10,.0f} "
-                      f"{ratio if impl == 'ours' else 1.0:>10.2f} {r['peak_rss_mb']:>12,.0f}")  # fmt: skip
+        results = run_pair(args, size)
+        ratio = results["ours"]["tok_per_s"] / results["torch"]["tok_per_s"]
+        for impl, r in results.items():
+            steps = " ".join(f"{s:.2f}" for s in r["seconds"])
+            print(f"{size:<5} {impl:<6} {r['params']:>11,} {str(tuple(r['batch'])):>20} {r['target_tokens']:>10,} "
+                  f"{r['tok_per_s']:>10,.0f} {ratio if impl == 'ours' else 1.0:>10.2f} {r['peak_rss_mb']:>12,.0f}  "
+                  f"{steps}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,0 +1,37 @@
+"""The Transformer of "Attention Is All You Need" in pure PyTorch: layers, loss and learning-rate schedule.
+
+Imports nothing from the rest of the project; the pipeline builds the model from ``ModelConfig`` with
+``Transformer(vocab_size, pad_id, **model_config.model_dump())``.
+"""
+
+from .attention import MultiHeadAttention, attention_with_weights
+from .cache import AttentionCache, DecoderCache, reorder_cache
+from .embedding import ScaledEmbedding
+from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, ResidualConnection
+from .loss import LabelSmoothedCrossEntropy
+from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoid_table
+from .schedule import TransformerLRLambda, transformer_lr, transformer_lr_scheduler
+from .transformer import Decoder, Encoder, Transformer
+
+__all__ = [
+    "AttentionCache",
+    "Decoder",
+    "DecoderCache",
+    "DecoderLayer",
+    "Encoder",
+    "EncoderLayer",
+    "LabelSmoothedCrossEntropy",
+    "LearnedPositionalEmbedding",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "PositionwiseFeedForward",
+    "ResidualConnection",
+    "ScaledEmbedding",
+    "Transformer",
+    "TransformerLRLambda",
+    "attention_with_weights",
+    "reorder_cache",
+    "sinusoid_table",
+    "transformer_lr",
+    "transformer_lr_scheduler",
+]

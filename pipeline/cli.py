@@ -2,11 +2,13 @@
 
 Every command resolves the config once, here, and passes the typed object down. Environment variables are read
 only here: ``AIAYN_DATA_ROOT`` (where local corpora live) and ``AIAYN_WORK_DIR`` (where outputs go).
+Distributed training runs under torchrun as ``python -m pipeline.train`` (see that module).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -14,8 +16,27 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, RunConfig, dump_config, load_config
 from pipeline.data import DataError, prepare_corpus, read_manifest
+from pipeline.shards import ShardError
+from pipeline.tokenize import TokenizerError
 
 log = logging.getLogger("aiayn")
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input or config: reported as one clear line and exit status 2, no traceback."""
+    from pipeline.train.checkpoint import CheckpointError
+
+    return ConfigError, DataError, TokenizerError, ShardError, CheckpointError
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """The arguments every command shares (also used by ``python -m pipeline.train``)."""
+    p.add_argument("--config", "-c", default="multi30k-cpu", help="config name under configs/ or a YAML path")
+    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. --set train.max_steps=200 (value parsed as YAML)")
+    p.add_argument("--data-root", help="folder holding local corpora (default: data.root; env AIAYN_DATA_ROOT)")
+    p.add_argument("--work-dir", help="folder for stage outputs (default: work_dir; env AIAYN_WORK_DIR)")
+    p.add_argument("--verbose", "-v", action="store_true")
 
 
 def resolve_config(args: argparse.Namespace) -> RunConfig:
@@ -50,15 +71,94 @@ def cmd_prepare_data(cfg: RunConfig, args: argparse.Namespace) -> Path:
     return corpus
 
 
+def cmd_tokenize(cfg: RunConfig, args: argparse.Namespace) -> None:
+    from pipeline.stages import build_inputs
+
+    inputs = build_inputs(cfg)
+    print(f"corpus:    {inputs.corpus}\ntokenizer: {inputs.tokenizer}\nshards:    {inputs.shards}")
+
+
+def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> Path:
+    """One process, in this one (for several: torchrun ... -m pipeline.train)."""
+    from pipeline.stages import build_inputs, run_dir
+    from pipeline.train import train
+
+    out = train(cfg, build_inputs(cfg).shards, run_dir(cfg))
+    print(f"run: {out}")
+    return out
+
+
+def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> Path:
+    from pipeline.average import average_checkpoints
+    from pipeline.stages import run_dir
+
+    run = run_dir(cfg)
+    out = average_checkpoints(run / "checkpoints", cfg.average.last_n, run / "averaged" / f"last{cfg.average.last_n}.pt")
+    print(f"averaged: {out}")
+    return out
+
+
+def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> Path:
+    from pipeline.evaluate import evaluate
+    from pipeline.stages import build_inputs, run_dir
+
+    inputs = build_inputs(cfg)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else run_dir(cfg) / "averaged" / f"last{cfg.average.last_n}.pt"
+    if not checkpoint.is_file():
+        raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
+    out = evaluate(checkpoint, inputs.tokenizer, inputs.corpus, cfg.decode, checkpoint.parent / f"eval-{checkpoint.stem}")
+    scores = json.loads(out.read_text(encoding="utf-8"))["splits"]
+    print(f"scores: {out}")
+    for key, s in scores.items():
+        print(f"  {key:<24} sacreBLEU {s['sacrebleu']['score']:6.2f}   chrF {s['chrf']['score']:6.2f}   "
+              f"tokenized compound-split BLEU {s['tok_bleu_compound_split']['score']:6.2f}")
+    return out
+
+
+def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
+    """Raw text (stdin or --input) to translations on stdout, normalised as the data stage normalises."""
+    from collections import Counter
+
+    from pipeline.data.clean import Normalizer
+    from pipeline.evaluate import load_model, translate
+    from pipeline.tokenize import Tokenizer
+
+    if not args.checkpoint or not args.tokenizer:
+        raise ConfigError("translate needs --checkpoint (a .pt file) and --tokenizer (a tokenizer folder)")
+    normalize = Normalizer(cfg.data.cleaning, Counter())
+    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
+    with source:
+        lines = [normalize(line) for line in source]
+    model, tokenizer = load_model(Path(args.checkpoint)), Tokenizer(Path(args.tokenizer))
+    progress = None
+    if args.input and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(lines), unit="sent", file=sys.stderr)
+        progress = bar.update
+    for line in translate(model, tokenizer, lines, cfg.decode, progress=progress):
+        print(line)
+
+
 def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
-    """The pipeline's stages in order, without an orchestrator (the Prefect flow composes the same functions)."""
+    """The pipeline's stages in order on this machine, without an orchestrator: data, tokenizer and shards,
+    training (one process), averaging of the last ``average.last_n`` checkpoints, evaluation."""
     cmd_prepare_data(cfg, args)
+    cmd_train(cfg, args)
+    cmd_average(cfg, args)
+    args.checkpoint = None
+    cmd_evaluate(cfg, args)
 
 
 COMMANDS = {
     "config": (cmd_config, "print the resolved config (after presets and overrides) and its hash"),
     "prepare-data": (cmd_prepare_data, "data stage: read, clean and version the parallel corpus"),
-    "run": (cmd_run, "run the pipeline's stages in order on this machine"),
+    "tokenize": (cmd_tokenize, "data stage, then the shared sentencepiece model and the token shards"),
+    "train": (cmd_train, "train in this process (several: torchrun ... -m pipeline.train)"),
+    "average": (cmd_average, "average the last average.last_n checkpoints of the run"),
+    "evaluate": (cmd_evaluate, "translate dev and test sets and score them (sacreBLEU, chrF, tokenized BLEU)"),
+    "translate": (cmd_translate, "translate raw text from stdin or --input to stdout"),
+    "run": (cmd_run, "every stage in order on this machine"),
 }
 
 
@@ -67,12 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--config", "-c", default="multi30k-cpu", help="config name under configs/ or a YAML path")
-        p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field, e.g. --set train.max_steps=200 (value parsed as YAML)")
-        p.add_argument("--data-root", help="folder holding local corpora (default: data.root; env AIAYN_DATA_ROOT)")
-        p.add_argument("--work-dir", help="folder for stage outputs (default: work_dir; env AIAYN_WORK_DIR)")
-        p.add_argument("--verbose", "-v", action="store_true")
+        add_config_args(p)
+        if name in ("evaluate", "translate"):
+            p.add_argument("--checkpoint", help="a training or averaged checkpoint (.pt)")
+        if name == "translate":
+            p.add_argument("--tokenizer", help="the tokenizer folder the checkpoint was trained with")
+            p.add_argument("--input", help="a text file, one sentence per line (default: stdin)")
     return parser
 
 
@@ -83,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(args)
         COMMANDS[args.command][0](cfg, args)
-    except (ConfigError, DataError) as e:
+    except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

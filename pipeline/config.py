@@ -150,7 +150,10 @@ class TokenizerConfig(_Strict):
     vocab_size: int = Field(default=37_000, ge=8)
     character_coverage: float = Field(default=1.0, gt=0, le=1)
     input_sentence_size: int = Field(default=10_000_000, ge=0)  # sentences sampled to train; 0 = all
-    seed: int = 0
+    seed: int = Field(default=0, ge=0)  # draws the input_sentence_size sample
+    # Characters outside the vocabulary become byte pieces instead of <unk>: encoding is lossless, as with the
+    # paper's invertible subword encoder, also on test text with characters the training split never had.
+    byte_fallback: bool = True
     shard_rows: int = Field(default=1_000_000, ge=1)
     num_workers: int = Field(default=2, ge=1)
     special: SpecialIds = SpecialIds()
@@ -208,6 +211,7 @@ class TrainConfig(_Strict):
     checkpoint_every_minutes: float = Field(default=10.0, gt=0)  # paper: every 10 minutes
     keep_last_checkpoints: int = Field(default=20, ge=1)
     dev_every_steps: int = Field(default=1000, ge=1)
+    dev_max_sentences: int | None = Field(default=None, ge=1)  # dev loss on the first N dev pairs; None = all
     log_every_steps: int = Field(default=100, ge=1)
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     compile: bool = False

@@ -1,0 +1,137 @@
+"""Our trainer's training step against a plain PyTorch loop, side by side, on the same model and batches.
+
+Ours: :class:`pipeline.train.TrainStep` (token-count all-reduce, loss scaling, accumulation bookkeeping, grad
+clipping hook, schedule) with one micro-batch per update. Plain: forward, ``loss_sum / tokens``, backward, Adam
+and LambdaLR steps. Both collate the same Multi30k batches (length-bucketed, ``--max-tokens`` per batch, ~3,800
+target tokens at 4096) from the shards inside the timed step, on the tiny preset's model, with ``--threads``
+threads; no DDP, no checkpoints. Each implementation runs in its own subprocess (so that its peak RSS is its
+own) and the two alternate within each repeat. Prints target tokens/s (median over steps), ours / plain and
+peak RSS.
+
+    python bench/bench_train.py                          # tiny preset, 2 threads
+    python bench/bench_train.py --steps 20 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.data import prepare_corpus  # noqa: E402
+from pipeline.shards import ShardDataset, build_shards  # noqa: E402
+from pipeline.tokenize import train_tokenizer  # noqa: E402
+from pipeline.train import TrainStep, make_batch, setup, usable_batches  # noqa: E402
+
+
+def build(data_root: str, work_dir: Path) -> Path:
+    """The tiny preset's shards (cached: a no-op when they exist)."""
+    cfg = load_config("multi30k-cpu", [("data.root", data_root)])
+    corpus = prepare_corpus(cfg.data, work_dir)
+    return build_shards(corpus, train_tokenizer(corpus, cfg.tokenizer, work_dir), cfg.tokenizer, work_dir)
+
+
+def child(args: argparse.Namespace) -> None:
+    """Time ``args.impl`` for warm-up + steps; print one JSON line."""
+    cfg = load_config("multi30k-cpu", [("data.root", args.data_root), f"train.max_tokens={args.max_tokens}",
+                                       f"train.update_tokens={args.max_tokens}"])
+    info = setup()
+    torch.set_num_threads(args.threads)
+    ds = ShardDataset(args.shards, "train", verify=False)
+    batches = usable_batches(ds, args.max_tokens, cfg.model.max_positions, seed=1, epoch=0)[: args.warmup + args.steps]
+    torch.manual_seed(0)
+    model = Transformer(ds.manifest["tokenizer"]["vocab_size"], ds.special.pad, **cfg.model.model_dump())
+    if args.impl == "ours":
+        trainer = TrainStep(model, cfg, info, ds.special.pad)
+
+        def step(idx) -> int:
+            b = make_batch(ds, idx, info.device)
+            trainer.accumulate([b])
+            trainer.apply(want_norm=False)
+            return b.n_tgt
+    else:
+        t = cfg.train
+        criterion = LabelSmoothedCrossEntropy(t.label_smoothing, ds.special.pad)
+        opt = torch.optim.Adam(model.parameters(), lr=1.0, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+        sched = transformer_lr_scheduler(opt, cfg.model.d_model, t.warmup_steps, t.lr_scale)
+
+        def step(idx) -> int:
+            b = make_batch(ds, idx, info.device)
+            loss, _, n = criterion(model(b.src, b.tgt_in), b.tgt_out)
+            (loss / n).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            return b.n_tgt
+
+    times, tokens = [], []
+    for i, idx in enumerate(batches):
+        t0 = time.perf_counter()
+        n = step(idx)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            tokens.append(n)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"times": times, "tokens": tokens, "peak_rss_mb": rss}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data-root", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    p.add_argument("--impl", choices=["ours", "plain"], help=argparse.SUPPRESS)
+    p.add_argument("--shards", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.impl:
+        child(args)
+        return
+    shards = build(args.data_root, args.work_dir)
+    results: dict[str, dict] = {"ours": {"times": [], "tokens": [], "rss": []},
+                                "plain": {"times": [], "tokens": [], "rss": []}}
+    for _ in range(args.repeats):
+        for impl in ("ours", "plain"):
+            cmd = [sys.executable, __file__, "--impl", impl, "--shards", str(shards), "--data-root", args.data_root,
+                   "--max-tokens", str(args.max_tokens), "--threads", str(args.threads), "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)]
+            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+            results[impl]["times"] += r["times"]
+            results[impl]["tokens"] += r["tokens"]
+            results[impl]["rss"].append(r["peak_rss_mb"])
+    summary = {}
+    for impl, r in results.items():
+        # tokens/s of the median step: robust to a noisy neighbour on a shared machine
+        per_step = sorted(n / s for n, s in zip(r["tokens"], r["times"]))
+        summary[impl] = {"tgt_tokens_per_s": statistics.median(per_step),
+                         "mean_tgt_tokens_per_batch": statistics.mean(r["tokens"]),
+                         "median_step_s": statistics.median(r["times"]), "peak_rss_mb": max(r["rss"])}
+    ratio = summary["ours"]["tgt_tokens_per_s"] / summary["plain"]["tgt_tokens_per_s"]
+    print(f"tiny preset, {args.threads} threads, max_tokens {args.max_tokens}, {args.steps} steps x {args.repeats}")
+    print(f"{'impl':<6} {'tgt tok/s':>10} {'tok/batch':>10} {'step s':>8} {'peak RSS MB':>12}")
+    for impl, s in summary.items():
+        print(f"{impl:<6} {s['tgt_tokens_per_s']:>10.0f} {s['mean_tgt_tokens_per_batch']:>10.0f} "
+              f"{s['median_step_s']:>8.3f} {s['peak_rss_mb']:>12.0f}")
+    print(f"ours / plain: {ratio:.3f}")
+    if args.out:
+        args.out.write_text(json.dumps({**summary, "ratio": ratio, "args": {k: str(v) for k, v in vars(args).items()}},
+                                       indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Key/value cache for incremental (one step at a time) decoding, and its reordering for beam search.
+
+Without a cache, every decoding step would re-run the decoder over the whole prefix: O(T^2) work per sentence
+instead of O(T). The cache keeps, per decoder layer, the self-attention keys/values of all earlier target
+positions (appended each step) and the encoder-decoder keys/values (projected from the memory once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class AttentionCache:
+    """Keys and values one attention module has already computed."""
+
+    key: Tensor | None = None  # (batch, heads, len, d_k)
+    value: Tensor | None = None  # (batch, heads, len, d_v)
+
+
+@dataclass
+class DecoderCache:
+    """Everything the decoder keeps between steps: per layer, self- and encoder-decoder attention caches.
+
+    ``src_pad_mask`` is stored on the first step so that :func:`reorder_cache` keeps it in step with the
+    encoder-decoder keys/values; later steps need neither the memory nor the mask from the caller.
+    """
+
+    self_attn: list[AttentionCache]
+    cross_attn: list[AttentionCache]
+    src_pad_mask: Tensor | None = None  # (batch, src_len), True at padding
+
+    @classmethod
+    def empty(cls, num_layers: int) -> "DecoderCache":
+        """A cache for a decoder of ``num_layers`` layers, before the first step."""
+        return cls(
+            self_attn=[AttentionCache() for _ in range(num_layers)],
+            cross_attn=[AttentionCache() for _ in range(num_layers)],
+        )
+
+    @property
+    def length(self) -> int:
+        """Number of target positions already decoded (the position of the next token)."""
+        key = self.self_attn[0].key
+        return 0 if key is None else key.size(2)
+
+    def attention_caches(self) -> list[AttentionCache]:
+        """All attention caches, self-attention first."""
+        return self.self_attn + self.cross_attn
+
+
+def reorder_cache(cache: DecoderCache, new_order: Tensor) -> DecoderCache:
+    """Select rows of the cache along the batch (batch * beam) dimension, in place; returns the cache.
+
+    ``new_order`` is a 1-D LongTensor of row indices into the current batch, e.g. the beam each surviving
+    hypothesis came from (``batch_index * beam + beam_index``). It may be shorter than the batch (finished
+    sentences dropped) or repeat rows (a beam that forks).
+    """
+    for entry in cache.attention_caches():
+        if entry.key is not None:
+            entry.key = entry.key.index_select(0, new_order)
+            entry.value = entry.value.index_select(0, new_order)
+    if cache.src_pad_mask is not None:
+        cache.src_pad_mask = cache.src_pad_mask.index_select(0, new_order)
+    return cache
+

@@ -1,0 +1,141 @@
+"""Batched beam search on the cached decoder (paper section 6.1: beam 4, alpha 0.6, max length = input + 50).
+
+Scores are sums of token log-probabilities, normalised by the GNMT length penalty of Wu et al. (2016), which
+the paper uses: ``lp(Y) = ((5 + |Y|) / 6) ** alpha``, ``score(Y) = log P(Y | X) / lp(Y)``, where |Y| counts the
+generated tokens including the end-of-sentence token. fairseq, Marian and HF divide by ``|Y| ** alpha``
+instead; this module implements the paper's form only.
+
+A sentence's search ends (and it leaves the batch, so later steps cost less) when either holds:
+- no open beam can beat its best finished hypothesis: scores only fall as tokens are added, and ``lp`` grows
+  with length, so ``open_score / lp(max_len)`` bounds every continuation (alpha >= 0);
+- it reached its maximum length ``max_len_a * source_len + max_len_b`` (end-of-sentence is then forced).
+fairseq instead stops once ``beam_size`` hypotheses have finished, which can return a hypothesis that scores
+below the greedy one (four early, short endings fill the quota); the bound never retires a sentence whose
+result could still improve. With alpha = 0 the bound makes beam 1 exactly greedy decoding; with alpha > 0
+beam 1 may continue past greedy's end-of-sentence, and only ever to a higher score.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One finished output: ``tokens`` without bos/eos, ``score`` length-normalised, ``log_prob`` raw."""
+
+    tokens: list[int]
+    score: float
+    log_prob: float
+
+
+def length_penalty(length: Tensor | float, alpha: float) -> Tensor | float:
+    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (paper section 6.1)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_output_lengths(src_tokens: Tensor, pad_id: int, max_len_a: float, max_len_b: int, limit: int) -> Tensor:
+    """Per sentence (batch,): ``floor(a * source_len + b)`` output tokens at most, eos included, and <= limit."""
+    src_len = src_tokens.ne(pad_id).sum(dim=1)  # (batch,)
+    return (max_len_a * src_len.double() + max_len_b).floor().long().clamp(min=1, max=limit)
+
+
+@torch.no_grad()
+def beam_search(
+    model,
+    src_tokens: Tensor,
+    *,
+    bos_id: int,
+    eos_id: int,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    nbest: int = 1,
+    use_cache: bool = True,
+) -> list[list[Hypothesis]]:
+    """Decode ``src_tokens`` (batch, src_len), right-padded with ``model.pad_id``; returns, per sentence, its
+    ``nbest`` best hypotheses, best first. ``model`` is a :class:`model.Transformer` (encode / decode with a
+    cache / reorder_cache); call it in eval mode. ``beam_size=1`` is greedy decoding. ``use_cache=False``
+    re-runs the decoder over each whole prefix (O(T^2)): the reference the cached path is tested against.
+    """
+    if beam_size < 1 or not 1 <= nbest <= beam_size:
+        raise ValueError(f"need beam_size >= 1 and 1 <= nbest <= beam_size, got {beam_size}, {nbest}")
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0 (the early-stopping bound relies on it), got {alpha}")
+    pad_id, k = model.pad_id, beam_size
+    batch = src_tokens.size(0)
+    device = src_tokens.device
+    # Positions beyond the position table cannot be decoded; bos takes position 0.
+    limit = model.config["max_positions"] - 1
+    max_lens = max_output_lengths(src_tokens, pad_id, max_len_a, max_len_b, limit)  # (batch,)
+    max_lp = length_penalty(max_lens.double(), alpha)  # (batch,) largest penalty a sentence can reach
+
+    memory, src_pad_mask = model.encode(src_tokens)  # (batch, src_len, d_model), (batch, src_len)
+    memory = memory.repeat_interleave(k, dim=0)  # (batch * k, src_len, d_model)
+    src_pad_mask = src_pad_mask.repeat_interleave(k, dim=0)  # (batch * k, src_len)
+    cache = model.new_cache() if use_cache else None
+
+    active = torch.arange(batch, device=device)  # (n,) original sentence index of each row group
+    prefixes = torch.full((batch * k, 1), bos_id, dtype=torch.long, device=device)  # (n * k, t)
+    scores = torch.zeros(batch, k, dtype=torch.float64, device=device)  # (n, k) raw log-probs of open beams
+    scores[:, 1:] = -math.inf  # all beams start identical: only the first may expand at step one
+    finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+
+    step = 0
+    while active.numel():
+        n = active.numel()
+        if use_cache:  # the cache keeps the encoder-decoder keys/values after the first step
+            first = step == 0
+            logits = model.decode(prefixes[:, -1:], memory if first else None, src_pad_mask if first else None,
+                                  cache)
+        else:
+            logits = model.decode(prefixes, memory, src_pad_mask)
+        lprobs = F.log_softmax(logits[:, -1].double(), dim=-1)  # (n * k, vocab)
+        vocab = lprobs.size(-1)
+        lprobs[:, pad_id] = -math.inf
+        lprobs[:, bos_id] = -math.inf
+        length = step + 1  # tokens generated once this step's token is chosen, eos included
+        must_end = length >= max_lens[active]  # (n,)
+        if must_end.any():
+            rows = must_end.repeat_interleave(k)  # (n * k,)
+            eos_col = lprobs[rows, eos_id]
+            lprobs[rows] = -math.inf
+            lprobs[rows, eos_id] = eos_col
+
+        cand = (scores.view(n * k, 1) + lprobs).view(n, k * vocab)  # (n, k * vocab)
+        top_scores, top_idx = cand.topk(min(2 * k, k * vocab), dim=1)  # (n, 2k)
+        top_beam, top_tok = top_idx // vocab, top_idx % vocab  # (n, 2k)
+        is_eos = top_tok.eq(eos_id) & top_scores.gt(-math.inf)  # (n, 2k)
+
+        # eos among the k best candidates ends a hypothesis (as fairseq: a lower-ranked eos would not be kept).
+        lp_now = length_penalty(float(length), alpha)
+        for row, col in is_eos[:, :k].nonzero().tolist():
+            beam = int(top_beam[row, col])
+            raw = float(top_scores[row, col])
+            finished[int(active[row])].append(Hypothesis(prefixes[row * k + beam, 1:].tolist(), raw / lp_now, raw))
+
+        open_scores, open_pos = top_scores.masked_fill(is_eos, -math.inf).topk(k, dim=1)  # (n, k)
+        best_done = torch.tensor([max((h.score for h in finished[int(s)]), default=-math.inf) for s in active],
+                                 dtype=torch.float64, device=device)  # (n,)
+        bound = open_scores[:, 0] / max_lp[active]  # (n,) best any continuation could still reach
+        done = must_end | best_done.ge(bound) | open_scores[:, 0].eq(-math.inf)  # (n,)
+
+        keep = (~done).nonzero().squeeze(1)  # (n',) row groups still searching
+        beams = top_beam.gather(1, open_pos)[keep]  # (n', k)
+        order = (keep[:, None] * k + beams).view(-1)  # (n' * k,) rows of the surviving prefixes
+        prefixes = torch.cat([prefixes[order], top_tok.gather(1, open_pos)[keep].view(-1, 1)], dim=1)
+        scores = open_scores[keep]
+        active = active[keep]
+        if use_cache:
+            model.reorder_cache(cache, order)
+        else:
+            memory, src_pad_mask = memory[order], src_pad_mask[order]
+        step += 1
+
+    return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]

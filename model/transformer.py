@@ -1,0 +1,277 @@
+"""The Transformer encoder-decoder (paper section 3, Figure 1)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .cache import DecoderCache, reorder_cache
+from .embedding import ScaledEmbedding
+from .layers import DecoderLayer, EncoderLayer
+from .positional import LearnedPositionalEmbedding, PositionalEncoding
+
+
+def _positions(kind: str, d_model: int, max_positions: int) -> nn.Module:
+    if kind == "sinusoidal":
+        return PositionalEncoding(d_model, max_positions)
+    return LearnedPositionalEmbedding(d_model, max_positions)
+
+
+class Encoder(nn.Module):
+    """Embeddings + positions + dropout, then N encoder layers (+ a final LayerNorm when pre-norm)."""
+
+    def __init__(
+        self, embed_tokens: ScaledEmbedding, embed_positions: nn.Module, layers: list[EncoderLayer], dropout: float,
+        pre_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.embed_positions = embed_positions
+        self.layers = nn.ModuleList(layers)
+        self.dropout = dropout
+        # Pre-norm layers add un-normalised sub-layer outputs to the residual stream; normalise it once at the end.
+        self.final_norm = nn.LayerNorm(embed_tokens.embedding_dim) if pre_norm else None
+
+    def forward(
+        self, src_tokens: Tensor, src_pad_mask: Tensor, need_weights: bool = False
+    ) -> tuple[Tensor, list[Tensor]]:
+        """src_tokens, src_pad_mask: (batch, src_len). Returns (memory (batch, src_len, d_model), per-layer
+        self-attention weights (batch, heads, src_len, src_len), empty unless ``need_weights``)."""
+        x = self.embed_positions(self.embed_tokens(src_tokens))  # (batch, src_len, d_model)
+        x = F.dropout(x, self.dropout, self.training)
+        weights = []
+        for layer in self.layers:
+            x, w = layer(x, src_pad_mask, need_weights)
+            if need_weights:
+                weights.append(w)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x, weights
+
+
+class Decoder(nn.Module):
+    """Embeddings + positions + dropout, then N decoder layers (+ a final LayerNorm when pre-norm).
+
+    Returns hidden states; the pre-softmax projection belongs to :class:`Transformer` (it may share weights
+    with the embeddings).
+    """
+
+    def __init__(
+        self, embed_tokens: ScaledEmbedding, embed_positions: nn.Module, layers: list[DecoderLayer], dropout: float,
+        pre_norm: bool,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.embed_positions = embed_positions
+        self.layers = nn.ModuleList(layers)
+        self.dropout = dropout
+        self.final_norm = nn.LayerNorm(embed_tokens.embedding_dim) if pre_norm else None
+
+    def forward(
+        self,
+        tgt_tokens: Tensor,
+        memory: Tensor | None,
+        src_pad_mask: Tensor | None,
+        cache: DecoderCache | None = None,
+        need_weights: bool = False,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """tgt_tokens: (batch, tgt_len), the tokens not yet in ``cache`` (all of them without a cache).
+
+        Returns (hidden (batch, tgt_len, d_model), per-layer self-attention weights, per-layer encoder-decoder
+        attention weights); the weight lists are empty unless ``need_weights``.
+        """
+        offset = 0 if cache is None else cache.length  # position of the first new token
+        x = self.embed_positions(self.embed_tokens(tgt_tokens), offset)  # (batch, tgt_len, d_model)
+        x = F.dropout(x, self.dropout, self.training)
+        self_weights, cross_weights = [], []
+        for i, layer in enumerate(self.layers):
+            x, sw, cw = layer(
+                x,
+                memory,
+                src_pad_mask,
+                None if cache is None else cache.self_attn[i],
+                None if cache is None else cache.cross_attn[i],
+                need_weights,
+            )
+            if need_weights:
+                self_weights.append(sw)
+                cross_weights.append(cw)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x, self_weights, cross_weights
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer; the keyword arguments are exactly the fields of ``ModelConfig``.
+
+    ``Transformer(vocab_size, pad_id, **model_config.model_dump())``; ``Transformer(**model.config)`` rebuilds
+    the same architecture (e.g. from a checkpoint). Defaults are the paper's base model.
+
+    Initialisation (the paper is silent; fairseq/tensor2tensor practice): Xavier-uniform weights and zero biases
+    for every linear layer, normal(0, d_model^-0.5) for embeddings, LayerNorm weight 1 and bias 0.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_id: int,
+        *,
+        encoder_layers: int = 6,
+        decoder_layers: int = 6,
+        d_model: int = 512,
+        d_ff: int = 2048,
+        n_heads: int = 8,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        norm: Literal["post", "pre"] = "post",
+        positions: Literal["sinusoidal", "learned"] = "sinusoidal",
+        share_embeddings: bool = True,
+        max_positions: int = 1024,
+    ) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if norm not in ("post", "pre"):
+            raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}")
+        if positions not in ("sinusoidal", "learned"):
+            raise ValueError(f"positions must be 'sinusoidal' or 'learned', got {positions!r}")
+        if not 0 <= pad_id < vocab_size:
+            raise ValueError(f"pad_id ({pad_id}) must be a token id in [0, {vocab_size})")
+        self.config = dict(
+            vocab_size=vocab_size, pad_id=pad_id, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
+            d_model=d_model, d_ff=d_ff, n_heads=n_heads, dropout=dropout, attention_dropout=attention_dropout,
+            activation_dropout=activation_dropout, norm=norm, positions=positions,
+            share_embeddings=share_embeddings, max_positions=max_positions,
+        )  # fmt: skip
+        self.pad_id = pad_id
+        pre_norm = norm == "pre"
+        layer_args = (d_model, n_heads, d_ff, dropout, attention_dropout, activation_dropout, pre_norm)
+
+        src_embed = ScaledEmbedding(vocab_size, d_model, pad_id)
+        tgt_embed = src_embed if share_embeddings else ScaledEmbedding(vocab_size, d_model, pad_id)
+        self.encoder = Encoder(
+            src_embed,
+            _positions(positions, d_model, max_positions),
+            [EncoderLayer(*layer_args) for _ in range(encoder_layers)],
+            dropout,
+            pre_norm,
+        )
+        self.decoder = Decoder(
+            tgt_embed,
+            _positions(positions, d_model, max_positions),
+            [DecoderLayer(*layer_args) for _ in range(decoder_layers)],
+            dropout,
+            pre_norm,
+        )
+        self.output_projection = nn.Linear(d_model, vocab_size, bias=False)  # pre-softmax linear transformation
+        if share_embeddings:
+            # Paper 3.4: one matrix for both embeddings and the pre-softmax projection (one Parameter object).
+            self.output_projection.weight = src_embed.weight
+        else:
+            nn.init.normal_(self.output_projection.weight, mean=0.0, std=d_model**-0.5)
+
+    # ------------------------------------------------------------------------------------------------ running
+
+    def encode(self, src_tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """src_tokens: (batch, src_len) -> (memory (batch, src_len, d_model), src_pad_mask (batch, src_len),
+        True at padding)."""
+        src_pad_mask = src_tokens.eq(self.pad_id)
+        memory, _ = self.encoder(src_tokens, src_pad_mask)
+        return memory, src_pad_mask
+
+    def decode(
+        self,
+        tgt_tokens: Tensor,
+        memory: Tensor | None,
+        src_pad_mask: Tensor | None,
+        cache: DecoderCache | None = None,
+    ) -> Tensor:
+        """Decoder logits (batch, tgt_len, vocab) for ``tgt_tokens`` (batch, tgt_len).
+
+        Without a cache, ``tgt_tokens`` is the whole (shifted) target prefix, decoded in parallel with a causal
+        mask. With a cache (from :meth:`new_cache`), ``tgt_tokens`` holds only the tokens not yet decoded,
+        usually one per step; their keys/values are appended to the cache and the logits of those positions
+        are returned. ``memory`` and ``src_pad_mask`` are read on the first call with a fresh cache, which then
+        keeps the encoder-decoder keys/values and the mask; later calls may pass None for both.
+        """
+        if cache is not None:
+            if cache.src_pad_mask is None:
+                cache.src_pad_mask = src_pad_mask
+            src_pad_mask = cache.src_pad_mask
+        hidden, _, _ = self.decoder(tgt_tokens, memory, src_pad_mask, cache)
+        return self.output_projection(hidden)  # (batch, tgt_len, vocab)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced logits: src (batch, src_len), tgt_in (batch, tgt_len) -> (batch, tgt_len, vocab).
+
+        ``tgt_in`` is the target shifted right (BOS first), right-padded like ``src``."""
+        memory, src_pad_mask = self.encode(src)
+        return self.decode(tgt_in, memory, src_pad_mask)
+
+    def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
+        """Attention weights of a teacher-forced pass, for heat-maps (call in eval mode, under no_grad).
+
+        Returns {"encoder_self": (layers, batch, heads, src_len, src_len),
+        "decoder_self": (layers, batch, heads, tgt_len, tgt_len),
+        "encoder_decoder": (layers, batch, heads, tgt_len, src_len)}; rows sum to 1 over the keys.
+        """
+        src_pad_mask = src.eq(self.pad_id)
+        memory, enc_self = self.encoder(src, src_pad_mask, need_weights=True)
+        _, dec_self, dec_cross = self.decoder(tgt_in, memory, src_pad_mask, need_weights=True)
+        return {
+            "encoder_self": torch.stack(enc_self),
+            "decoder_self": torch.stack(dec_self),
+            "encoder_decoder": torch.stack(dec_cross),
+        }
+
+    # -------------------------------------------------------------------------------- incremental decoding
+
+    def new_cache(self) -> DecoderCache:
+        """An empty cache for step-by-step decoding with :meth:`decode`."""
+        return DecoderCache.empty(len(self.decoder.layers))
+
+    reorder_cache = staticmethod(reorder_cache)
+
+    # ---------------------------------------------------------------------------------------------- sizes
+
+    def num_parameters(self, non_embedding: bool = False) -> int:
+        """Number of distinct parameters (a shared matrix counts once). ``non_embedding`` leaves out token and
+        learned position embeddings and the output projection."""
+        embedding_params = {
+            id(p)
+            for m in (self.encoder, self.decoder)
+            for p in (*m.embed_tokens.parameters(), *m.embed_positions.parameters())
+        } | {id(self.output_projection.weight)}
+        return sum(p.numel() for p in self.parameters() if not (non_embedding and id(p) in embedding_params))
+
+    def flops_per_token(self, src_len: float, tgt_len: float) -> float:
+        """Training FLOPs (forward + backward) per target token, for model-FLOPs-utilisation logging.
+
+        Counts 2 FLOPs per multiply-add and backward = 2 x forward, so training = 3 x forward (the "6 x
+        parameters per token" rule of Kaplan et al. 2020), for sentence pairs of ``src_len`` source and
+        ``tgt_len`` target tokens (batch averages), S = src_len, T = tgt_len, d = d_model, V = vocab:
+
+            forward = 2 S P_enc + 2 T (P_dec - P_kv) + 2 S P_kv + 2 T d V       (weight matrix products)
+                    + N_enc 4 S^2 d + N_dec (4 T^2 d + 4 T S d)                  (Q K^T and A V products)
+            flops_per_token = 3 forward / T
+
+        P_enc, P_dec: parameters of the encoder / decoder layers (embedding lookups cost no FLOPs; LayerNorm
+        and biases are counted as if they were weights, a <1% overcount); P_kv: the decoder's encoder-decoder
+        W^K, W^V, applied to the S memory positions; 2 T d V: the pre-softmax projection, a real product even
+        when its weight is the shared embedding. Causal masking is not discounted (the PaLM MFU convention).
+        """
+        d, vocab = self.config["d_model"], self.config["vocab_size"]
+        p_enc = sum(p.numel() for p in self.encoder.layers.parameters())
+        p_dec = sum(p.numel() for p in self.decoder.layers.parameters())
+        p_kv = sum(p.numel() for layer in self.decoder.layers for p in layer.cross_attn.kv_proj.parameters())
+        n_enc, n_dec = len(self.encoder.layers), len(self.decoder.layers)
+        s, t = float(src_len), float(tgt_len)
+        forward = (
+            2 * s * p_enc + 2 * t * (p_dec - p_kv) + 2 * s * p_kv + 2 * t * d * vocab
+            + n_enc * 4 * s * s * d + n_dec * (4 * t * t * d + 4 * t * s * d)
+        )  # fmt: skip
+        return 3 * forward / t

@@ -1,0 +1,149 @@
+"""Translation and evaluation: beam search from a checkpoint, then every BLEU variant, each named plainly.
+
+Scores, per dev/test set, against the references exactly as distributed (``tgt_raw`` in the corpus):
+
+- ``sacrebleu``: detokenized BLEU, sacreBLEU's 13a tokenizer, mixed case, with its signature (today's standard);
+- ``chrf``: sacreBLEU chrF (character n-gram F-score), with its signature;
+- ``tok_bleu_compound_split``: the paper's number: Moses tokenization (sacremoses), hyphenated compounds split as
+  ``##AT##-##AT##`` (tensor2tensor's ``get_ende_bleu.sh``), then BLEU with no further tokenization. Typically
+  about a point above ``sacrebleu`` on newstest2014; never compare it with another paper's sacreBLEU.
+
+Outputs in the evaluation folder: ``<split>.hyp`` (one detokenized hypothesis per line, in corpus order),
+``<split>.samples.md`` (source / reference / hypothesis rows for humans) and ``scores.json`` (all scores, their
+signatures, the decoding settings and the checkpoint's sha256).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import pyarrow.parquet as pq
+import sacrebleu
+import torch
+from sacremoses import MosesTokenizer
+
+from model import Transformer
+from model.decoding import beam_search
+from pipeline.config import DecodeConfig
+from pipeline.data import read_manifest
+from pipeline.fsutil import sha256_file, write_json
+from pipeline.tokenize import Tokenizer
+from pipeline.train.checkpoint import load_checkpoint
+
+log = logging.getLogger("aiayn.evaluate")
+
+_COMPOUND = re.compile(r"(\S)-(\S)")
+SAMPLE_ROWS = 20
+
+
+def load_model(checkpoint: Path, device: torch.device | str = "cpu") -> Transformer:
+    """A model in eval mode from a training or averaged checkpoint (weights-only load)."""
+    state = load_checkpoint(checkpoint)
+    model = Transformer(**state["model_config"])
+    model.load_state_dict(state["model"])
+    return model.to(device).eval()
+
+
+def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
+              progress: Callable[[int], None] | None = None) -> list[str]:
+    """Detokenized translations of normalised ``sentences``, in their order.
+
+    Sentences are decoded in batches of ``decode.batch_sentences`` sorted by length (less padding, and a batch's
+    sentences finish at similar steps); ``progress`` is called with the number of sentences done per batch.
+    """
+    device = next(model.parameters()).device
+    ids = tokenizer.encode_batch(sentences)
+    limit = model.config["max_positions"] - 1  # leave room for eos
+    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+    out: list[str] = [""] * len(ids)
+    for start in range(0, len(order), decode.batch_sentences):
+        chunk = order[start : start + decode.batch_sentences]
+        rows = [ids[i][:limit] + [tokenizer.eos_id] for i in chunk]
+        src = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_id, dtype=torch.long)  # (batch, src_len)
+        for r, row in enumerate(rows):
+            src[r, : len(row)] = torch.tensor(row)
+        hyps = beam_search(model, src.to(device), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                           beam_size=decode.beam_size, alpha=decode.length_penalty, max_len_a=decode.max_len_a,
+                           max_len_b=decode.max_len_b)
+        for i, text in zip(chunk, tokenizer.decode_batch([h[0].tokens for h in hyps])):
+            out[i] = text
+        if progress:
+            progress(len(chunk))
+    return out
+
+
+def compound_split_tokenize(lines: Iterable[str], lang: str) -> list[str]:
+    """tensor2tensor's get_ende_bleu.sh: Moses tokenizer (with its escaping), then ``a-b`` -> ``a ##AT##-##AT## b``."""
+    tok = MosesTokenizer(lang=lang)
+    return [_COMPOUND.sub(r"\1 ##AT##-##AT## \2", tok.tokenize(line, return_str=True)) for line in lines]
+
+
+def score(hypotheses: Sequence[str], references: Sequence[str], tgt_lang: str) -> dict:
+    """Every score variant for one test set, each with what it is and its signature."""
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    bleu = sacrebleu.metrics.BLEU()
+    chrf = sacrebleu.metrics.CHRF()
+    s_bleu = bleu.corpus_score(list(hypotheses), [list(references)])
+    s_chrf = chrf.corpus_score(list(hypotheses), [list(references)])
+    tok_bleu = sacrebleu.metrics.BLEU(tokenize="none", force=True)
+    s_tok = tok_bleu.corpus_score(compound_split_tokenize(hypotheses, tgt_lang),
+                                  [compound_split_tokenize(references, tgt_lang)])
+    return {
+        "sacrebleu": {"score": round(s_bleu.score, 2), "signature": str(bleu.get_signature()),
+                      "what": "detokenized BLEU, sacreBLEU 13a tokenizer, mixed case"},
+        "chrf": {"score": round(s_chrf.score, 2), "signature": str(chrf.get_signature()),
+                 "what": "sacreBLEU chrF2"},
+        "tok_bleu_compound_split": {"score": round(s_tok.score, 2), "signature": str(tok_bleu.get_signature()),
+                                    "what": "the paper's BLEU: Moses-tokenized, compounds split as ##AT##-##AT##"},
+        "sentences": len(hypotheses),
+    }
+
+
+def _samples_markdown(name: str, rows: list[tuple[str, str, str]]) -> str:
+    cell = lambda s: s.replace("|", "\\|")  # noqa: E731  (a pipe would end the table cell)
+    lines = [f"# {name}: sample translations", "", "| # | source | reference | hypothesis |", "|---|---|---|---|"]
+    lines += [f"| {i} | {cell(s)} | {cell(r)} | {cell(h)} |" for i, (s, r, h) in enumerate(rows, start=1)]
+    return "\n".join(lines) + "\n"
+
+
+def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, out_dir: Path,
+             splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+    """Translate each dev/test split of the corpus with the checkpoint and score it; returns ``scores.json``.
+
+    ``splits`` defaults to every split but ``train`` (``dev`` and each ``test.<name>``).
+    """
+    corpus = read_manifest(corpus_dir)
+    keys = list(splits) if splits else [k for k, s in corpus["splits"].items() if s["role"] != "train"]
+    unknown = [k for k in keys if k not in corpus["splits"]]
+    if unknown:
+        raise ValueError(f"{corpus_dir}: no split {unknown}; it has {sorted(corpus['splits'])}")
+    model = load_model(checkpoint, device)
+    tokenizer = Tokenizer(tokenizer_dir)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for key in keys:
+        table = pq.read_table(Path(corpus_dir) / corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
+        src, refs = table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
+        hyps = translate(model, tokenizer, src, decode)
+        _write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
+        _write_text(out_dir / f"{key}.samples.md", _samples_markdown(key, list(zip(src, refs, hyps))[:SAMPLE_ROWS]))
+        results[key] = {"name": corpus["splits"][key].get("name", key), **score(hyps, refs, corpus["tgt_lang"])}
+        log.info("%s: sacreBLEU %.2f, chrF %.2f, tokenized compound-split BLEU %.2f", key,
+                 results[key]["sacrebleu"]["score"], results[key]["chrf"]["score"],
+                 results[key]["tok_bleu_compound_split"]["score"])
+    path = out_dir / "scores.json"
+    write_json(path, {"checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+                      "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
+                      "decoding": decode.model_dump(), "splits": results})
+    return path
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)

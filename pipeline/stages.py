@@ -1,0 +1,41 @@
+"""Where each stage's output lives for a config, and the stage sequence shared by the CLI and torchrun entry.
+
+Every stage folder is content-addressed (corpus, tokenizer, shards) or derived from the config hash (the run
+folder), so running the same config twice reuses what is done and resumes what is not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.config import RunConfig
+from pipeline.data import prepare_corpus
+from pipeline.shards import build_shards
+from pipeline.tokenize import train_tokenizer
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What training reads: the corpus, the tokenizer trained on it and the shards encoded with it."""
+
+    corpus: Path
+    tokenizer: Path
+    shards: Path
+
+
+def build_inputs(cfg: RunConfig) -> Inputs:
+    """Data stage, tokenizer and shards in order; each is a no-op returning its folder when unchanged."""
+    work = Path(cfg.work_dir)
+    corpus = prepare_corpus(cfg.data, work)
+    tokenizer = train_tokenizer(corpus, cfg.tokenizer, work)
+    return Inputs(corpus, tokenizer, build_shards(corpus, tokenizer, cfg.tokenizer, work))
+
+
+def run_dir(cfg: RunConfig) -> Path:
+    """The training run folder: one per (data, tokenizer, model, train) config, so a re-run resumes it.
+
+    Budgets (``max_steps``, ``max_minutes``) are left out of the hash: raising them continues the same run.
+    """
+    budget_free = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 1, "max_minutes": None})})
+    return Path(cfg.work_dir).resolve() / "train" / budget_free.section_hash("data", "tokenizer", "model", "train")

@@ -1,0 +1,110 @@
+"""Metrics: one small sink interface, a JSONL file sink and a console sink; memory and FLOPs helpers.
+
+Only rank 0 logs. Another backend (e.g. MLflow) plugs in by implementing :class:`MetricsSink`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+log = logging.getLogger("aiayn.train")
+
+# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, from the vendors' data sheets (SXM parts).
+PEAK_BF16_FLOPS = {"A100": 312e12, "H100": 989e12, "H200": 989e12}
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    """Where the trainer sends run parameters (once) and metrics (per logged step)."""
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON object per line: ``{"params": {...}}`` once, then ``{"step": s, "time": unix, **metrics}``."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")  # append: a resumed run continues the same file
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._write({"params": params})
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._write({"step": step, "time": round(time.time(), 3), **metrics})
+
+    def _write(self, obj: dict) -> None:
+        self._f.write(json.dumps(obj, sort_keys=True) + "\n")
+        self._f.flush()  # a crash loses at most the line being written
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _fmt(key: str, value: float) -> str:
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) >= 100):
+        return f"{key}={int(value)}"
+    return f"{key}={value:.4g}"
+
+
+class ConsoleSink:
+    """A tqdm progress bar over the steps when stderr is a terminal, plain log lines otherwise."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, use_bar: bool | None = None):
+        use_bar = sys.stderr.isatty() if use_bar is None else use_bar
+        self._bar = None
+        if use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self._step = start_step
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        keys = ("world_size", "accumulation_steps", "num_parameters", "device", "precision")
+        log.info("training: %s", ", ".join(f"{k}={params[k]}" for k in keys if k in params))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self._bar is not None:
+            self._bar.update(step - self._step)
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items() if k in ("loss", "ppl", "lr", "dev_ppl")})
+        else:
+            log.info("step %d: %s", step, " ".join(_fmt(k, v) for k, v in metrics.items()))
+        self._step = step
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory so far: ``torch.cuda.max_memory_allocated`` on GPU, the process's peak RSS on CPU (MiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak FLOP/s if it is in :data:`PEAK_BF16_FLOPS`, else None (MFU is skipped)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def perplexity(nll_per_token: float) -> float:
+    """exp(nll), capped so that an early, huge loss logs as a large number rather than inf."""
+    return math.exp(min(nll_per_token, 50.0))

@@ -1,0 +1,347 @@
+"""The training loop: token-budget batches, gradient accumulation, DDP, checkpoints, dev loss and metrics.
+
+Data order. Each epoch's batches come from :func:`pipeline.shards.token_batches` with ``(train.seed, epoch)``,
+the same list on every rank. One update consumes a *group* of ``accumulation * world_size`` consecutive
+batches: rank ``r`` takes batches ``r, r + world, r + 2 world, ...`` of the group, one per micro-step. A
+trailing part of an epoch too short for a whole group is skipped (the next epoch reshuffles), so every update
+holds the same number of batches on every rank. The checkpoint records (epoch, batch position), which with
+the seed fully determines the rest of the order.
+
+Normalisation. The loss of an update is the sum of per-token losses over every micro-batch of every rank,
+divided by the total number of target tokens of the update (all-reduced before the forward passes). DDP
+averages gradients over ranks, so each rank back-propagates ``loss_sum * world / total``.
+
+Dev loss is computed by all ranks, each on every world-th dev batch, and the sums are all-reduced.
+
+Stopping. At ``max_steps`` updates (counted over resumes) or after ``max_minutes`` of this invocation's wall
+clock, whichever comes first; a final checkpoint is always written. Time-based decisions (``max_minutes``,
+``checkpoint_every_minutes``) are taken by rank 0 and shared, so that all ranks act on the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import time
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler
+from pipeline.config import RunConfig, dump_config
+from pipeline.fsutil import sha256_file, write_json
+from pipeline.shards import MANIFEST, ShardDataset, token_batches
+
+from .checkpoint import check_compatible, find_latest, load_checkpoint, read_index, save_checkpoint
+from .distributed import (DistInfo, all_gather_object, all_reduce_sum, broadcast_object, rng_state,
+                          seed_everything, set_rng_state, setup)
+from .metrics import ConsoleSink, JsonlSink, MetricsSink, peak_flops, peak_memory_mb, perplexity
+
+log = logging.getLogger("aiayn.train")
+
+
+class Batch(NamedTuple):
+    """One padded micro-batch on the device, with its real (non-padding) token counts."""
+
+    src: Tensor  # int64 [B, S]: source ids + eos
+    tgt_in: Tensor  # int64 [B, T]: bos + target ids (decoder input)
+    tgt_out: Tensor  # int64 [B, T]: target ids + eos (what each position predicts)
+    n_src: int
+    n_tgt: int
+
+
+def make_batch(ds: ShardDataset, indices: np.ndarray, device: torch.device) -> Batch:
+    """Collate examples ``indices`` for teacher forcing: ``tgt_in[:, t]`` is the token before ``tgt_out[:, t]``."""
+    src = ds.collate(indices, "src", eos=True)  # [B, S]
+    tgt_in = ds.collate(indices, "tgt", bos=True)  # [B, T]: bos y1 .. yn pad..
+    tgt_out = ds.collate(indices, "tgt", eos=True)  # [B, T]: y1 .. yn eos pad..
+    n = len(indices)
+    return Batch(torch.from_numpy(src).to(device, non_blocking=True),
+                 torch.from_numpy(tgt_in).to(device, non_blocking=True),
+                 torch.from_numpy(tgt_out).to(device, non_blocking=True),
+                 int(ds.src_len[indices].sum()) + n, int(ds.tgt_len[indices].sum()) + n)
+
+
+def usable_batches(ds: ShardDataset, max_tokens: int, max_positions: int, seed: int, epoch: int,
+                   limit: int | None = None) -> list[np.ndarray]:
+    """Token-budget batches of the examples (the first ``limit``, if given) that fit both ``max_tokens`` and the
+    model's ``max_positions``."""
+    sizes = ds.sizes[:limit]  # [N]: max(src, tgt) + 1
+    keep = np.flatnonzero(sizes <= min(max_tokens, max_positions))  # [K]
+    return [keep[b] for b in token_batches(sizes[keep], max_tokens, seed, epoch)]
+
+
+def accumulation_steps(update_tokens: int, max_tokens: int, world_size: int) -> int:
+    """Micro-batches per rank per update so that one update holds about ``update_tokens`` target tokens."""
+    return max(1, round(update_tokens / (max_tokens * world_size)))
+
+
+class TrainStep:
+    """One optimizer update over a rank's micro-batches: model (DDP-wrapped when world > 1), Adam, schedule."""
+
+    def __init__(self, model: Transformer, cfg: RunConfig, info: DistInfo, pad_id: int):
+        t = cfg.train
+        self.model, self.info = model, info
+        self.ddp = (DistributedDataParallel(model, device_ids=[info.device] if info.device.type == "cuda" else None)
+                    if info.distributed else None)
+        net = self.ddp if self.ddp is not None else model
+        self.net = torch.compile(net) if t.compile else net
+        self.bf16 = t.precision == "bf16" or (t.precision == "auto" and info.device.type == "cuda")
+        self.criterion = LabelSmoothedCrossEntropy(t.label_smoothing, pad_id)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(t.adam_beta1, t.adam_beta2),
+                                          eps=t.adam_eps, foreach=True)
+        self.scheduler = transformer_lr_scheduler(self.optimizer, cfg.model.d_model, t.warmup_steps, t.lr_scale)
+        self.clip_norm = t.clip_norm
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def accumulate(self, batches: Sequence[Batch]) -> tuple[Tensor, Tensor]:
+        """Forward and backward over ``batches``, leaving the update's gradient in ``.grad``.
+
+        Returns (local sums float64 [2]: loss, nll; global counts float64 [3]: target tokens, source tokens,
+        sentences of the whole update over all ranks). Gradients equal those of
+        ``sum(loss over every rank's batches) / total target tokens``.
+        """
+        dev = self.info.device
+        counts = torch.tensor([sum(b.n_tgt for b in batches), sum(b.n_src for b in batches),
+                               sum(len(b.src) for b in batches)], dtype=torch.float64, device=dev)
+        all_reduce_sum(counts, self.info)  # [3]
+        scale = self.info.world_size / counts[0]  # DDP averages gradients over ranks: undo that, divide by tokens
+        sums = torch.zeros(2, dtype=torch.float64, device=dev)
+        for i, b in enumerate(batches):
+            last = i == len(batches) - 1
+            # Gradients are all-reduced only on the last micro-batch; the earlier ones accumulate locally.
+            sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
+            with sync:
+                with self.autocast():
+                    logits = self.net(b.src, b.tgt_in)  # [B, T, V]
+                loss, nll, _ = self.criterion(logits, b.tgt_out)
+                (loss * scale).backward()
+            sums += torch.stack([loss.detach(), nll.detach()]).double()
+        return sums, counts
+
+    def apply(self, want_norm: bool) -> tuple[float, Tensor | None]:
+        """Clip (if configured), step Adam and the schedule, clear gradients. Returns (lr used, grad norm or None)."""
+        norm = None
+        if self.clip_norm > 0 or want_norm:
+            max_norm = self.clip_norm if self.clip_norm > 0 else math.inf  # inf: measure without clipping
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return lr, norm
+
+
+@torch.no_grad()
+def evaluate(step_fn: TrainStep, ds: ShardDataset, batches: list[np.ndarray]) -> dict[str, float]:
+    """Label-smoothed loss, nll and perplexity per target token on ``batches``; every rank takes a share."""
+    info, model = step_fn.info, step_fn.model
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss, nll, tokens
+    for idx in batches[info.rank :: info.world_size]:
+        b = make_batch(ds, idx, info.device)
+        with step_fn.autocast():
+            logits = model(b.src, b.tgt_in)  # [B, T, V]
+        sums += torch.stack(step_fn.criterion(logits, b.tgt_out)).double()
+    model.train()
+    loss, nll, n = all_reduce_sum(sums, info).tolist()
+    n = max(n, 1.0)
+    return {"dev_loss": loss / n, "dev_nll": nll / n, "dev_ppl": perplexity(nll / n)}
+
+
+def _rank0_decides(flags: list[bool], info: DistInfo) -> list[bool]:
+    """Rank 0's ``flags`` on every rank (one tiny all-reduce; no collective, no device sync in one process)."""
+    if not info.distributed:
+        return flags
+    t = torch.tensor([int(f) if info.is_main else 0 for f in flags], dtype=torch.int64, device=info.device)
+    return [bool(v) for v in all_reduce_sum(t, info).tolist()]
+
+
+def _params_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's bytes, in state-dict order."""
+    h = hashlib.sha256()
+    for p in model.state_dict().values():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) or v is None else str(v)
+    return out
+
+
+def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[MetricsSink] = (),
+          info: DistInfo | None = None) -> Path:
+    """Train ``cfg.model`` on the shards in ``shard_dir``; outputs (checkpoints, metrics, summary) in ``out_dir``.
+
+    Resumes from the newest intact checkpoint in ``out_dir/checkpoints`` when there is one. Runs in one process,
+    or in every process of a torchrun job (the process group is joined here if the caller has not). ``sinks``
+    receive metrics in addition to the JSONL file and the console (rank 0 only). Returns ``out_dir``.
+    """
+    info = info or setup()
+    t = cfg.train
+    out_dir = Path(out_dir).resolve()
+    ckpt_dir = out_dir / "checkpoints"
+    started = time.monotonic()
+
+    # Rank 0 hashes every shard file; the others check sizes only (same files, no need to read them N times).
+    train_ds = ShardDataset(shard_dir, "train", verify=info.is_main)
+    dev_ds = ShardDataset(shard_dir, "dev", verify=info.is_main)
+    shards = {"fingerprint": train_ds.manifest["fingerprint"],
+              "manifest_sha256": sha256_file(Path(shard_dir) / MANIFEST)}
+    pad = train_ds.special.pad
+
+    seed_everything(t.seed)  # identical initial weights on every rank
+    model = Transformer(train_ds.manifest["tokenizer"]["vocab_size"], pad, **cfg.model.model_dump()).to(info.device)
+    step_fn = TrainStep(model, cfg, info, pad)
+    seed_everything(t.seed + info.rank)  # distinct dropout streams per rank
+
+    accum = accumulation_steps(t.update_tokens, t.max_tokens, info.world_size)
+    group = accum * info.world_size
+    step, epoch, batch_pos = 0, 0, 0
+    totals = torch.zeros(3, dtype=torch.float64, device=info.device)  # target tokens, source tokens, sentences
+    last_dev: dict[str, float] = {}
+
+    # Resume: rank 0 picks the newest intact checkpoint; every rank loads that file (a shared folder).
+    found = find_latest(ckpt_dir) if info.is_main else None
+    name = broadcast_object(found[0] if found else None, info)
+    if name is not None:
+        state = found[1] if found else load_checkpoint(ckpt_dir / name)
+        check_compatible(state, model.config, shards["fingerprint"], ckpt_dir / name)
+        model.load_state_dict(state["model"])
+        step_fn.optimizer.load_state_dict(state["optimizer"])
+        step_fn.scheduler.load_state_dict(state["scheduler"])
+        step, epoch, batch_pos = state["step"], state["epoch"], state["batch_pos"]
+        totals = torch.tensor(state["totals"], dtype=torch.float64, device=info.device)
+        last_dev = state["dev"]
+        if state["world_size"] == info.world_size:
+            set_rng_state(state["rng"][info.rank])
+        else:
+            log.warning("checkpoint %s was written by %d ranks, this run has %d: RNG streams restart from the seed",
+                        name, state["world_size"], info.world_size)
+            seed_everything(t.seed + info.rank + 7919 * step)
+        log.info("resuming from %s: step %d, epoch %d, batch %d", ckpt_dir / name, step, epoch, batch_pos)
+        del state, found
+
+    all_sinks: list[MetricsSink] = []
+    if info.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+        all_sinks = [JsonlSink(out_dir / "metrics.jsonl"), ConsoleSink(t.max_steps, step), *sinks]
+        params = {**_flat(cfg.model_dump(mode="json")), "world_size": info.world_size, "accumulation_steps": accum,
+                  "num_parameters": model.num_parameters(), "device": str(info.device),
+                  "precision": "bf16" if step_fn.bf16 else "fp32", "shards_fingerprint": shards["fingerprint"]}
+        for s in all_sinks:
+            s.log_params(params)
+
+    def log_metrics(metrics: dict[str, float]) -> None:
+        for s in all_sinks:
+            s.log_metrics(metrics, step)
+
+    def checkpoint() -> None:
+        rngs = all_gather_object(rng_state(), info)  # every rank's RNG streams, for an exact resume
+        if info.is_main:
+            state = {"model": model.state_dict(), "optimizer": step_fn.optimizer.state_dict(),
+                     "scheduler": step_fn.scheduler.state_dict(), "step": step, "epoch": epoch,
+                     "batch_pos": batch_pos, "totals": totals.tolist(), "rng": rngs, "world_size": info.world_size,
+                     "config": cfg.model_dump(mode="json"), "model_config": model.config, "shards": shards,
+                     "dev": last_dev}
+            entry = save_checkpoint(ckpt_dir, state, step, t.keep_last_checkpoints)
+            log.info("checkpoint %s (sha256 %s...)", ckpt_dir / entry["file"], entry["sha256"][:12])
+
+    dev_batches = usable_batches(dev_ds, t.max_tokens, cfg.model.max_positions, seed=0, epoch=0,
+                                 limit=t.dev_max_sentences)
+    batches = usable_batches(train_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
+    if len(batches) < group:
+        raise ValueError(f"the train split has {len(batches)} batches of max_tokens={t.max_tokens}, fewer than one "
+                         f"update needs ({accum} per rank x {info.world_size} ranks); lower update_tokens")
+    flops_peak = peak_flops(info.device)
+    saved_step = step if name is not None else -1
+    dev_step = step if last_dev else -1
+    stopped_by = "max_steps"
+    last_ckpt_time = interval_start = time.monotonic()
+    paused = 0.0  # seconds of the log interval spent on dev loss and checkpoints (not training)
+    interval_sums = torch.zeros(2, dtype=torch.float64, device=info.device)  # loss, nll (this rank)
+    interval_counts = torch.zeros(3, dtype=torch.float64, device=info.device)  # global tgt, src, sentences
+    interval_steps = 0
+
+    while step < t.max_steps:
+        if batch_pos + group > len(batches):
+            epoch, batch_pos = epoch + 1, 0
+            batches = usable_batches(train_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
+        micro = [make_batch(train_ds, batches[batch_pos + k * info.world_size + info.rank], info.device)
+                 for k in range(accum)]
+        sums, counts = step_fn.accumulate(micro)
+        log_now = (step + 1) % t.log_every_steps == 0
+        lr, norm = step_fn.apply(want_norm=log_now)
+        step, batch_pos, interval_steps = step + 1, batch_pos + group, interval_steps + 1
+        interval_sums += sums
+        interval_counts += counts
+        totals += counts
+
+        if log_now:
+            loss, nll = all_reduce_sum(interval_sums, info).tolist()
+            n_tgt, n_src, n_sent = interval_counts.tolist()
+            if info.device.type == "cuda":
+                torch.cuda.synchronize(info.device)
+            seconds = max(time.monotonic() - interval_start - paused, 1e-9)
+            metrics = {"loss": loss / n_tgt, "nll": nll / n_tgt, "ppl": perplexity(nll / n_tgt), "lr": lr,
+                       "grad_norm": float(norm), "src_tokens_per_s": n_src / seconds,
+                       "tgt_tokens_per_s": n_tgt / seconds,
+                       "step_time_s": seconds / interval_steps, "peak_memory_mb": peak_memory_mb(info.device),
+                       "epoch": epoch, "tgt_tokens": totals[0].item()}
+            if flops_peak:
+                fpt = model.flops_per_token(n_src / n_sent, n_tgt / n_sent)
+                metrics["mfu"] = fpt * metrics["tgt_tokens_per_s"] / (flops_peak * info.world_size)
+            log_metrics(metrics)
+            interval_sums.zero_()
+            interval_counts.zero_()
+            interval_steps, paused, interval_start = 0, 0.0, time.monotonic()
+
+        pause_start = time.monotonic()
+        if step % t.dev_every_steps == 0:
+            last_dev, dev_step = evaluate(step_fn, dev_ds, dev_batches), step
+            log_metrics(last_dev)
+        # Time-based decisions are rank 0's, shared with all ranks so that they act on the same step.
+        now = time.monotonic()
+        out_of_time, ckpt_due = _rank0_decides([t.max_minutes is not None and now - started >= t.max_minutes * 60,
+                                                now - last_ckpt_time >= t.checkpoint_every_minutes * 60], info)
+        if step % t.checkpoint_every_steps == 0 or ckpt_due:
+            checkpoint()
+            saved_step, last_ckpt_time = step, time.monotonic()
+        paused += time.monotonic() - pause_start
+        if out_of_time:
+            stopped_by = "max_minutes"
+            break
+
+    if saved_step != step:
+        checkpoint()
+    if dev_step != step:
+        last_dev = evaluate(step_fn, dev_ds, dev_batches)
+        log_metrics(last_dev)
+    # Every rank's step and parameter digest: DDP replicas must agree; a mismatch shows up in the summary.
+    ranks = all_gather_object({"rank": info.rank, "step": step, "params_sha256": _params_digest(model)}, info)
+    if info.is_main:
+        tgt, src, sents = totals.tolist()
+        summary = {"steps": step, "epoch": epoch, "stopped_by": stopped_by, "world_size": info.world_size,
+                   "accumulation_steps": accum, "tokens": {"src": int(src), "tgt": int(tgt), "sentences": int(sents)},
+                   "final_dev": last_dev, "ranks": ranks, "checkpoints": read_index(ckpt_dir),
+                   "wall_seconds": round(time.monotonic() - started, 3), "out_dir": str(out_dir)}
+        write_json(out_dir / "train_summary.json", summary)
+        log.info("training stopped (%s) at step %d; outputs in %s", stopped_by, step, out_dir)
+        for s in all_sinks:
+            s.close()
+    return out_dir

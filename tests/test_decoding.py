@@ -1,0 +1,127 @@
+"""Beam search: greedy as beam 1, cache equivalence, batch independence, scores, length limits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model import Transformer
+from model.decoding import Hypothesis, beam_search, length_penalty, max_output_lengths
+
+PAD, BOS, EOS, VOCAB = 0, 2, 3, 24
+
+
+@pytest.fixture(scope="module")
+def model() -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(VOCAB, PAD, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
+    with torch.no_grad():  # sharper distributions than at init, so hypotheses differ in length and ending
+        m.output_projection.weight.mul_(4.0)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def sources() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    lengths = [3, 7, 5, 9, 2, 6, 8, 4]
+    src = torch.full((len(lengths), max(lengths)), PAD)
+    for i, n in enumerate(lengths):
+        src[i, :n - 1] = torch.randint(4, VOCAB, (n - 1,), generator=g)
+        src[i, n - 1] = EOS
+    return src
+
+
+@torch.no_grad()
+def greedy_reference(model: Transformer, src: torch.Tensor, max_len: int) -> list[int]:
+    """Argmax, one sentence, whole prefix re-decoded each step, stop at eos or the limit."""
+    memory, mask = model.encode(src[None])
+    out = [BOS]
+    for step in range(max_len):
+        lprobs = torch.log_softmax(model.decode(torch.tensor([out]), memory, mask)[0, -1].double(), -1)
+        lprobs[PAD] = lprobs[BOS] = -math.inf
+        tok = EOS if step + 1 >= max_len else int(lprobs.argmax())
+        if tok == EOS:
+            return out[1:]
+        out.append(tok)
+    raise AssertionError("unreachable")
+
+
+@torch.no_grad()
+def score_of(model: Transformer, src: torch.Tensor, tokens: list[int], alpha: float) -> float:
+    """Length-normalised log P(tokens + eos | src), teacher-forced (same masking as the search)."""
+    memory, mask = model.encode(src[None])
+    inp = torch.tensor([[BOS] + tokens])
+    lprobs = torch.log_softmax(model.decode(inp, memory, mask)[0].double(), -1)
+    lprobs[:, PAD] = lprobs[:, BOS] = -math.inf
+    target = tokens + [EOS]
+    raw = float(lprobs[torch.arange(len(target)), torch.tensor(target)].sum())
+    return raw / length_penalty(float(len(target)), alpha)
+
+
+def decode(model, src, **kw) -> list[Hypothesis]:
+    kw = {"bos_id": BOS, "eos_id": EOS, "max_len_b": 12, **kw}
+    return [h[0] for h in beam_search(model, src, **kw)]
+
+
+def test_beam_one_is_greedy(model, sources) -> None:
+    hyps = decode(model, sources, beam_size=1, alpha=0.0)
+    limits = max_output_lengths(sources, PAD, 1.0, 12, 1023)
+    for i, h in enumerate(hyps):
+        assert h.tokens == greedy_reference(model, sources[i], int(limits[i]))
+
+
+def test_beam_one_with_length_penalty_never_scores_below_greedy(model, sources) -> None:
+    limits = max_output_lengths(sources, PAD, 1.0, 12, 1023)
+    for i, h in enumerate(decode(model, sources, beam_size=1, alpha=0.6)):
+        greedy = greedy_reference(model, sources[i], int(limits[i]))
+        assert h.score >= score_of(model, sources[i], greedy, 0.6) - 1e-5
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cached_and_uncached_decoding_agree(model, sources, beam) -> None:
+    cached = decode(model, sources, beam_size=beam)
+    uncached = decode(model, sources, beam_size=beam, use_cache=False)
+    assert [h.tokens for h in cached] == [h.tokens for h in uncached]
+    assert [h.score for h in cached] == pytest.approx([h.score for h in uncached], abs=1e-5)
+
+
+def test_a_sentence_decodes_the_same_alone_and_in_a_batch(model, sources) -> None:
+    batched = decode(model, sources, beam_size=4)
+    for i in range(len(sources)):
+        n = int(sources[i].ne(PAD).sum())
+        alone = decode(model, sources[i : i + 1, :n], beam_size=4)[0]
+        assert alone.tokens == batched[i].tokens
+        assert alone.score == pytest.approx(batched[i].score, abs=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_scores_are_what_they_claim_and_beam_beats_greedy(model, sources, alpha) -> None:
+    limits = max_output_lengths(sources, PAD, 1.0, 12, 1023)
+    beam = decode(model, sources, beam_size=4, alpha=alpha)
+    for i, b in enumerate(beam):
+        greedy = greedy_reference(model, sources[i], int(limits[i]))
+        assert b.score == pytest.approx(score_of(model, sources[i], b.tokens, alpha), abs=1e-5)
+        assert b.score >= score_of(model, sources[i], greedy, alpha) - 1e-5
+
+
+@pytest.mark.parametrize("a, b", [(1.0, 0), (1.0, 3), (0.5, 2), (2.0, 50)])
+def test_no_output_exceeds_the_length_limit(model, sources, a, b) -> None:
+    limits = max_output_lengths(sources, PAD, a, b, 1023)
+    for beam in (1, 4):
+        hyps = beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=beam, max_len_a=a, max_len_b=b,
+                           nbest=beam)
+        for i, nbest in enumerate(hyps):
+            assert nbest and all(len(h.tokens) + 1 <= int(limits[i]) for h in nbest)  # + 1: the eos
+
+
+def test_nbest_sorted_and_length_penalty_is_gnmt() -> None:
+    assert length_penalty(1.0, 0.6) == pytest.approx(1.0)
+    assert length_penalty(7.0, 0.6) == pytest.approx(2.0 ** 0.6)
+    assert length_penalty(10.0, 0.0) == 1.0
+
+
+def test_nbest_lists_are_sorted(model, sources) -> None:
+    for nbest in beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=4, nbest=4, max_len_b=12):
+        assert [h.score for h in nbest] == sorted((h.score for h in nbest), reverse=True)

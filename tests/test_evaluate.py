@@ -1,0 +1,102 @@
+"""Evaluation: scores named and signed, outputs per test set, the translate command, the whole `run`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.average import average_checkpoints
+from pipeline.config import DecodeConfig
+from pipeline.evaluate import compound_split_tokenize, evaluate, load_model, score, translate
+from pipeline.tokenize import Tokenizer
+from pipeline.train import train
+from tests.conftest import TINY, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+FAST_DECODE = DecodeConfig(beam_size=2, max_len_a=0.5, max_len_b=4, batch_sentences=128)
+
+
+@pytest.fixture(scope="module")
+def averaged(shared_data, tiny_stack, tmp_path_factory) -> Path:
+    cfg = tiny_config(shared_data, "train.max_steps=30", "train.checkpoint_every_steps=10", "train.lr_scale=2.0")
+    run = train(cfg, tiny_stack.shards, tmp_path_factory.mktemp("run"))
+    return average_checkpoints(run / "checkpoints", 2, run / "averaged" / "last2.pt")
+
+
+def test_scores_are_named_signed_and_exact_on_references() -> None:
+    refs = ["Ein Mann mit einem orangefarbenen Hut, der etwas anstarrt.", "Ein Terrier läuft über saftig-grünes Gras."]
+    s = score(refs, refs, "de")
+    assert {k: s[k]["score"] for k in ("sacrebleu", "chrf", "tok_bleu_compound_split")} == {
+        "sacrebleu": 100.0, "chrf": 100.0, "tok_bleu_compound_split": 100.0}
+    assert "tok:13a" in s["sacrebleu"]["signature"] and "tok:none" in s["tok_bleu_compound_split"]["signature"]
+    assert "nc:6" in s["chrf"]["signature"]
+    worse = score(["Ein Mann.", "Ein Hund läuft."], refs, "de")
+    assert 0 < worse["sacrebleu"]["score"] < 100
+    with pytest.raises(ValueError, match="1 hypotheses for 2 references"):
+        score(refs[:1], refs, "de")
+
+
+def test_compound_splitting_follows_get_ende_bleu() -> None:
+    assert compound_split_tokenize(["saftig-grünes Gras, a-b-c."], "de") == [
+        "saftig ##AT##-##AT## grünes Gras , a ##AT##-##AT## b-c ."]
+
+
+def test_evaluate_writes_hypotheses_samples_and_scores(averaged, tiny_stack, tmp_path) -> None:
+    out = evaluate(averaged, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, tmp_path, splits=["test.test2016"])
+    report = json.loads(out.read_text())
+    split = report["splits"]["test.test2016"]
+    assert split["name"] == "test2016" and split["sentences"] == 1000
+    for key in ("sacrebleu", "chrf", "tok_bleu_compound_split"):
+        assert 0 <= split[key]["score"] <= 100 and split[key]["signature"] and split[key]["what"]
+    assert report["decoding"]["beam_size"] == 2 and len(report["checkpoint"]["sha256"]) == 64
+    hyps = (tmp_path / "test.test2016.hyp").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == 1000
+    samples = (tmp_path / "test.test2016.samples.md").read_text(encoding="utf-8")
+    assert samples.count("\n| ") == 20 + 1  # header + 20 rows
+    # The hypotheses file is exactly what translate() produces for the corpus sources, in corpus order.
+    src = pq.read_table(tiny_stack.corpus / "test.test2016.parquet").column("src").to_pylist()[:50]
+    assert translate(load_model(averaged), Tokenizer(tiny_stack.tokenizer), src, FAST_DECODE) == hyps[:50]
+    with pytest.raises(ValueError, match=r"no split \['test.nope'\]"):
+        evaluate(averaged, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, tmp_path, splits=["test.nope"])
+
+
+def test_translate_command_reads_stdin(averaged, tiny_stack, shared_data) -> None:
+    lines = ["A man  is riding a bike.", "Two dogs play in the snow.", "A girl\tsmiles."]
+    cmd = [sys.executable, "-m", "pipeline", "translate", "--checkpoint", str(averaged), "--tokenizer",
+           str(tiny_stack.tokenizer), "--set", "decode.beam_size=2", "--set", "decode.max_len_b=4"]
+    res = subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={**os.environ, "AIAYN_DATA_ROOT": str(shared_data)})
+    assert res.returncode == 0, res.stderr
+    out = res.stdout.splitlines()
+    decode = DecodeConfig(beam_size=2, max_len_b=4)
+    normalised = ["A man is riding a bike.", "Two dogs play in the snow.", "A girl smiles."]
+    assert out == translate(load_model(averaged), Tokenizer(tiny_stack.tokenizer), normalised, decode)
+    res = subprocess.run([sys.executable, "-m", "pipeline", "translate"], input="x\n", capture_output=True, text=True,
+                         cwd=REPO, timeout=120, env={**os.environ, "AIAYN_DATA_ROOT": str(shared_data)})
+    assert res.returncode == 2 and "needs --checkpoint" in res.stderr
+
+
+@pytest.mark.slow
+def test_run_command_end_to_end_on_multi30k(shared_data, tmp_path) -> None:
+    """The README's main job, shrunk: every stage from raw files to scores, then a re-run that reuses it all."""
+    sets = [a for o in (*TINY, "train.max_steps=20", "train.checkpoint_every_steps=5", "average.last_n=2",
+                        "decode.beam_size=1", "decode.max_len_a=0.1", "decode.max_len_b=2", "decode.batch_sentences=512")
+            for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "pipeline", "run", "--config", "multi30k-cpu", "--data-root", str(shared_data),
+           "--work-dir", str(tmp_path), *sets]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    scores_line = next(line for line in res.stdout.splitlines() if line.startswith("scores: "))
+    scores = json.loads(Path(scores_line.split(": ", 1)[1]).read_text())["splits"]
+    assert sorted(scores) == ["dev", "test.newstest2014", "test.test2016"]
+    assert "read 29,000" in res.stdout
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1200)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "corpus unchanged" in again.stderr and "tokenizer unchanged" in again.stderr
+    assert "shards unchanged" in again.stderr

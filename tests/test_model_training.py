@@ -1,0 +1,151 @@
+"""Training pieces of the model package: label-smoothed loss, the warm-up schedule, a tiny overfit run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr, transformer_lr_scheduler
+
+PAD = 0
+
+
+# --------------------------------------------------------------------------------------------------- loss
+
+
+def _reference_loss(logits: torch.Tensor, target: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain autograd version: q = 1 - eps on the target, eps / (V - 1) on every other entry."""
+    vocab = logits.size(-1)
+    q = torch.full_like(logits, eps / (vocab - 1)).scatter(-1, target[:, None], 1 - eps)
+    lprobs = logits.log_softmax(-1)
+    keep = target.ne(PAD)
+    loss = -(q * lprobs).sum(-1)[keep].sum()
+    nll = -lprobs.gather(-1, target[:, None]).squeeze(-1)[keep].sum()
+    return loss, nll
+
+
+def test_label_smoothing_equals_a_hand_computation():
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0], [0.0, 0.0, 3.0, 1.0]])
+    target = torch.tensor([1, 2])
+    loss, nll, n = LabelSmoothedCrossEntropy(smoothing=0.3, ignore_index=PAD)(logits, target)
+    expected_loss = expected_nll = 0.0
+    for row, t in zip(logits.tolist(), target.tolist()):
+        log_z = math.log(sum(math.exp(v) for v in row))
+        logp = [v - log_z for v in row]
+        expected_nll += -logp[t]
+        expected_loss += -sum((0.7 if j == t else 0.1) * lp for j, lp in enumerate(logp))  # 0.3 / (4 - 1) = 0.1
+    assert loss.item() == pytest.approx(expected_loss, rel=1e-6)
+    assert nll.item() == pytest.approx(expected_nll, rel=1e-6)
+    assert n.item() == 2
+
+
+def test_padding_positions_contribute_nothing():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    target = torch.randint(1, 11, (2, 5))
+    target[0, 3:] = PAD
+    target[1, 4:] = PAD
+    loss, nll, n = LabelSmoothedCrossEntropy(0.1, PAD)(logits, target)
+    keep = target.ne(PAD)
+    only_real, _, _ = LabelSmoothedCrossEntropy(0.1, PAD)(logits[keep], target[keep])
+    assert n.item() == 7
+    assert loss.item() == pytest.approx(only_real.item(), rel=1e-6)
+    loss.backward()
+    assert logits.grad[~keep].abs().max() == 0
+    assert logits.grad[keep].abs().min() > 0
+
+
+def test_no_smoothing_is_cross_entropy():
+    torch.manual_seed(1)
+    logits = torch.randn(12, 9)
+    target = torch.randint(0, 9, (12,))
+    loss, nll, _ = LabelSmoothedCrossEntropy(0.0, PAD)(logits, target)
+    reference = F.cross_entropy(logits, target, ignore_index=PAD, reduction="sum")
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    assert nll.item() == pytest.approx(reference.item(), rel=1e-6)
+
+
+def test_hand_written_gradient_equals_autograd():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 7, dtype=torch.float64)
+    target = torch.tensor([3, 0, 6, 1, 0, 2])
+    for which in (0, 1):  # gradient of the loss, then of the nll
+        ours = logits.clone().requires_grad_()
+        LabelSmoothedCrossEntropy(0.1, PAD)(ours, target)[which].backward()
+        ref = logits.clone().requires_grad_()
+        _reference_loss(ref, target, 0.1)[which].backward()
+        assert torch.allclose(ours.grad, ref.grad, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------- schedule
+
+
+def test_schedule_matches_the_formula():
+    d, warmup = 512, 4000
+    for step in (1, 10, 1000, 3999, 4000, 4001, 10_000, 100_000):
+        expected = d**-0.5 * min(step**-0.5, step * warmup**-1.5)
+        assert transformer_lr(step, d, warmup) == pytest.approx(expected, rel=1e-12)
+        assert transformer_lr(step, d, warmup, lr_scale=2.0) == pytest.approx(2 * expected, rel=1e-12)
+    assert transformer_lr(0, d, warmup) == 0.0  # no division by zero
+
+
+def test_schedule_peaks_at_warmup():
+    d, warmup = 512, 4000
+    lrs = [transformer_lr(s, d, warmup) for s in range(1, 3 * warmup)]
+    assert max(lrs) == pytest.approx(d**-0.5 * warmup**-0.5, rel=1e-12)
+    assert lrs.index(max(lrs)) + 1 == warmup
+    before, after = lrs[:warmup], lrs[warmup - 1 :]
+    assert all(a < b for a, b in zip(before, before[1:]))
+    assert all(a > b for a, b in zip(after, after[1:]))
+
+
+def test_lambda_lr_factory_counts_updates_from_one():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.Adam([param], lr=123.0)  # replaced: the schedule gives the absolute rate
+    scheduler = transformer_lr_scheduler(optimizer, d_model=64, warmup_steps=10, lr_scale=0.5)
+    for update in range(1, 25):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(transformer_lr(update, 64, 10, 0.5), rel=1e-12)
+        optimizer.step()
+        scheduler.step()
+    restored = transformer_lr_scheduler(torch.optim.Adam([param]), d_model=1, warmup_steps=1)
+    restored.load_state_dict(scheduler.state_dict())  # the schedule's fields travel in the state dict
+    assert restored.get_last_lr()[0] == pytest.approx(transformer_lr(25, 64, 10, 0.5), rel=1e-12)
+
+
+# -------------------------------------------------------------------------------------------- learning
+
+
+@pytest.fixture
+def one_thread():
+    # Tensors this small run faster on one thread than with intra-op parallelism.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_tiny_model_learns_to_copy(one_thread):
+    torch.manual_seed(0)
+    vocab, bos, eos = 16, 2, 3
+    src = torch.randint(4, vocab, (8, 6))
+    tgt_in = torch.cat([torch.full((8, 1), bos), src], dim=1)  # copy task: output = input
+    tgt_out = torch.cat([src, torch.full((8, 1), eos)], dim=1)
+    model = Transformer(vocab, PAD, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
+    optimizer = torch.optim.Adam(model.parameters(), betas=(0.9, 0.98), eps=1e-9)
+    scheduler = transformer_lr_scheduler(optimizer, d_model=32, warmup_steps=10, lr_scale=0.3)
+    criterion = LabelSmoothedCrossEntropy(0.0, PAD)
+    losses = []
+    for _ in range(150):
+        loss, _, n = criterion(model(src, tgt_in), tgt_out)
+        optimizer.zero_grad()
+        (loss / n).backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append((loss / n).item())
+    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt_in).argmax(-1), tgt_out)

@@ -1,0 +1,247 @@
+"""Token shards on the real shared data: determinism, format, zero-copy reader, batching, bad input."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import SpecialIds, TokenizerConfig
+from pipeline.fsutil import sha256_file
+from pipeline.shards import (CHUNK_ROWS, ShardDataset, ShardError, build_shards, read_shard_manifest, shard_schema,
+                             token_batches)
+from pipeline.tokenize import Tokenizer, train_tokenizer
+from test_tokenize import multi30k_corpus
+
+# 20k rows per shard: Multi30k's 28,997 training pairs span two shards, the first of two record batches.
+CFG = TokenizerConfig(vocab_size=4000, shard_rows=20_000, num_workers=2)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("work")
+
+
+@pytest.fixture(scope="module")
+def corpus(shared_data: Path, work: Path) -> Path:
+    return multi30k_corpus(shared_data, work)
+
+
+@pytest.fixture(scope="module")
+def tok(corpus: Path, work: Path) -> Tokenizer:
+    return Tokenizer(train_tokenizer(corpus, CFG, work))
+
+
+@pytest.fixture(scope="module")
+def shards(corpus: Path, tok: Tokenizer, work: Path) -> Path:
+    return build_shards(corpus, tok.dir, CFG, work)
+
+
+@pytest.fixture(scope="module")
+def train(shards: Path, tok: Tokenizer) -> ShardDataset:
+    return ShardDataset(shards, "train", tokenizer=tok)
+
+
+def corpus_texts(corpus: Path, split: str) -> tuple[list[str], list[str]]:
+    table = pq.read_table(corpus / f"{split}.parquet", columns=["src", "tgt"])
+    return table.column("src").to_pylist(), table.column("tgt").to_pylist()
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# ------------------------------------------------------------------------------------ reruns and determinism
+
+
+def test_byte_identical_whatever_the_workers_and_a_rerun_is_a_noop(corpus: Path, tok: Tokenizer, shards: Path,
+                                                                   work: Path, tmp_path: Path) -> None:
+    one = build_shards(corpus, tok.dir, CFG.model_copy(update={"num_workers": 1}), tmp_path)
+    assert one.name == shards.name
+    assert files(one) == files(shards)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in shards.iterdir()}
+    assert build_shards(corpus, tok.dir, CFG, work) == shards
+    assert {p.name: p.stat().st_mtime_ns for p in shards.iterdir()} == mtimes
+    other = build_shards(corpus, tok.dir, CFG.model_copy(update={"shard_rows": 50_000}), tmp_path)
+    assert other.name != shards.name
+
+
+# ------------------------------------------------------------------------------------------ format, manifest
+
+
+def test_layout_schema_and_manifest(corpus: Path, tok: Tokenizer, shards: Path) -> None:
+    m = read_shard_manifest(shards)
+    assert sorted(p.name for p in shards.iterdir()) == [
+        "dev-00000.arrow", "manifest.json", "test.newstest2014-00000.arrow", "test.test2016-00000.arrow",
+        "train-00000.arrow", "train-00001.arrow"]
+    assert m["dtype"] == "uint16" and m["tokenizer"]["sha256"] == tok.sha256
+    assert m["tokenizer"]["special"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
+    corpus_manifest = json.loads((corpus / "manifest.json").read_text())
+    for key, split in m["splits"].items():
+        assert split["rows"] == corpus_manifest["splits"][key]["rows"] == sum(s["rows"] for s in split["shards"])
+        for s in split["shards"]:
+            assert sha256_file(shards / s["file"]) == s["sha256"] and (shards / s["file"]).stat().st_size == s["bytes"]
+    train = m["splits"]["train"]
+    assert [s["rows"] for s in train["shards"]] == [20_000, 8_997]
+    with pa.ipc.open_file(shards / "train-00000.arrow") as f:
+        assert f.schema.equals(shard_schema(np.dtype(np.uint16)), check_metadata=True)
+        assert [f.get_batch(i).num_rows for i in range(f.num_record_batches)] == [CHUNK_ROWS, 20_000 - CHUNK_ROWS]
+        assert f.schema.field("src").type == pa.list_(pa.uint16())
+    # Statistics are those of the tokenizer's own encoding of the corpus.
+    src, tgt = corpus_texts(corpus, "train")
+    for side, texts in (("src", src), ("tgt", tgt)):
+        lengths = np.array([len(ids) for ids in tok.encode_batch(texts)])
+        st = train[side]
+        assert st["tokens"] == lengths.sum() and st["max_len"] == lengths.max()
+        assert st["mean_len"] == round(lengths.mean(), 4)
+        assert st["unk"] == 0 and st["unk_rate"] == 0.0  # byte fallback: nothing is unknown
+
+
+# ------------------------------------------------------------------------------------------------- reader
+
+
+def test_reader_gives_the_tokenizers_ids_as_views_into_the_files(corpus: Path, tok: Tokenizer,
+                                                                  train: ShardDataset) -> None:
+    src, tgt = corpus_texts(corpus, "train")
+    assert len(train) == len(src) == 28_997
+    src_ids, tgt_ids = tok.encode_batch(src), tok.encode_batch(tgt)
+    assert train.src_len.tolist() == [len(x) for x in src_ids] and train.tgt_len.tolist() == [len(x) for x in tgt_ids]
+    assert np.array_equal(train.rows, np.arange(len(src)))
+    for i in range(len(train)):
+        s, t = train[i]
+        assert s.tolist() == src_ids[i] and t.tolist() == tgt_ids[i], i
+    s, _ = train[-1]
+    assert s.dtype == np.uint16 and not s.flags.owndata and not s.flags.writeable  # a view of the mapped file
+    assert tok.decode(train[12_345][1]) == tgt[12_345]
+    with pytest.raises(IndexError):
+        train[len(train)]
+
+
+def test_every_split_decodes_back_to_the_corpus_text(corpus: Path, tok: Tokenizer, shards: Path) -> None:
+    for key in ("dev", "test.test2016", "test.newstest2014"):
+        ds = ShardDataset(shards, key, tokenizer=tok)
+        src, tgt = corpus_texts(corpus, key)
+        assert tok.decode_batch(ds.collate(np.arange(len(ds)), "src", eos=True)) == src, key
+        assert tok.decode_batch(ds.collate(np.arange(len(ds)), "tgt", bos=True, eos=True)) == tgt, key
+
+
+def test_collate_pads_and_frames(train: ShardDataset) -> None:
+    idx = np.array([28_996, 3, 20_000, 16_384, 7])  # across both shards and both record batches
+    width = int(train.tgt_len[idx].max())
+    tgt_in = train.collate(idx, "tgt", bos=True)
+    tgt_out = train.collate(idx, "tgt", eos=True)
+    src = train.collate(idx, "src")
+    assert tgt_in.shape == tgt_out.shape == (5, width + 1) and tgt_in.dtype == np.int64
+    for row, i in enumerate(idx):
+        s, t = train[i]
+        n = len(t)
+        assert tgt_in[row, : n + 1].tolist() == [2, *t.tolist()] and (tgt_in[row, n + 1 :] == 0).all()
+        assert tgt_out[row, : n + 1].tolist() == [*t.tolist(), 3] and (tgt_out[row, n + 1 :] == 0).all()
+        assert src[row, : len(s)].tolist() == s.tolist() and (src[row, len(s) :] == 0).all()
+
+
+def test_dataset_pickles_by_path(train: ShardDataset) -> None:
+    again = pickle.loads(pickle.dumps(train))
+    assert len(pickle.dumps(train)) < 1000  # the path, not the data
+    assert again[20_001][0].tolist() == train[20_001][0].tolist()
+
+
+# ------------------------------------------------------------------------------------------------ batching
+
+
+def test_batches_respect_the_budget_and_cover_every_example_once(train: ShardDataset) -> None:
+    sizes = train.sizes
+    batches = train.batches(max_tokens=4096, seed=0)
+    assert all(len(b) * sizes[b].max() <= 4096 for b in batches)
+    flat = np.concatenate(batches)
+    assert len(flat) == len(train) and np.array_equal(np.sort(flat), np.arange(len(train)))
+    # Bucketing by length keeps padding low and batches near full.
+    real = sum(int(sizes[b].sum()) for b in batches)
+    padded = sum(len(b) * int(sizes[b].max()) for b in batches)
+    assert real / padded > 0.97 and padded / (len(batches) * 4096) > 0.95
+
+
+def test_batch_order_is_fixed_by_seed_and_epoch(train: ShardDataset) -> None:
+    a, b = train.batches(4096, seed=0), train.batches(4096, seed=0)
+    assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    for other in (train.batches(4096, seed=1), train.batches(4096, seed=0, epoch=1)):
+        assert [x.tolist() for x in other] != [x.tolist() for x in a]
+        assert sorted(np.concatenate(other).tolist()) == list(range(len(train)))
+
+
+def test_token_batches_greedy_cut() -> None:
+    sizes = np.array([5, 1, 3, 3, 2, 5, 4])
+    batches = token_batches(sizes, max_tokens=6, seed=0)
+    # ascending: 1 2 | 3 3 | 4 | 5 | 5  (a batch's cost is its longest example times its size)
+    assert sorted(sorted(sizes[b].tolist()) for b in batches) == [[1, 2], [3, 3], [4], [5], [5]]
+    assert token_batches(np.zeros(0, np.int32), 6, seed=0) == []
+    with pytest.raises(ValueError, match=r"2 examples are longer than max_tokens=4 \(longest 5\)"):
+        token_batches(sizes, max_tokens=4, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def damaged_copy(shards: Path, tmp_path: Path) -> Path:
+    return shutil.copytree(shards, tmp_path / shards.name)
+
+
+def test_corrupt_shard_is_named(shards: Path, tmp_path: Path) -> None:
+    copy = damaged_copy(shards, tmp_path)
+    path = copy / "train-00001.arrow"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte among the token ids
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=rf"{path}: sha256 differs .*delete {copy} and re-run build_shards"):
+        ShardDataset(copy, "train")
+    ShardDataset(copy, "dev")  # the other splits are untouched
+
+
+def test_truncated_shard_is_named(shards: Path, tmp_path: Path) -> None:
+    copy = damaged_copy(shards, tmp_path)
+    path = copy / "train-00000.arrow"
+    path.write_bytes(path.read_bytes()[:-1000])
+    for verify in (True, False):  # the size check needs no hashing
+        with pytest.raises(ShardError, match=rf"{path}: \d+ bytes, the shard manifest records \d+ \(truncated"):
+            ShardDataset(copy, "train", verify=verify)
+    # Truncated and its manifest entry rewritten to match: Arrow itself refuses it, still naming the file.
+    manifest = json.loads((copy / "manifest.json").read_text())
+    entry = manifest["splits"]["train"]["shards"][0]
+    entry.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match=rf"{path}: not a readable Arrow IPC file"):
+        ShardDataset(copy, "train")
+
+
+def test_tokenizer_that_did_not_encode_the_shards_is_refused(corpus: Path, shards: Path, tmp_path: Path) -> None:
+    other = Tokenizer(train_tokenizer(corpus, CFG.model_copy(update={"vocab_size": 3000}), tmp_path))
+    with pytest.raises(ShardError, match=rf"{other.model_path} .* is not the tokenizer these shards were encoded"):
+        ShardDataset(shards, "train", tokenizer=other)
+
+
+def test_config_special_ids_must_match_the_tokenizer(corpus: Path, tok: Tokenizer, tmp_path: Path) -> None:
+    cfg = CFG.model_copy(update={"special": SpecialIds(pad=1, unk=0)})
+    with pytest.raises(ShardError, match=r"tokenizer.special .* differs from the ids fixed in .*spm.model"):
+        build_shards(corpus, tok.dir, cfg, tmp_path)
+
+
+def test_corpus_file_changed_after_its_manifest_is_named(corpus: Path, tok: Tokenizer, tmp_path: Path) -> None:
+    copy = shutil.copytree(corpus, tmp_path / "corpus")
+    with open(copy / "dev.parquet", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ShardError, match=rf"{copy / 'dev.parquet'}: sha256 .* differs .*re-run the data stage"):
+        build_shards(copy, tok.dir, CFG, tmp_path / "work")
+    assert not (tmp_path / "work" / "shards").exists() or not any((tmp_path / "work" / "shards").iterdir())
+
+
+def test_unknown_split_and_unfinished_folder(shards: Path, tmp_path: Path) -> None:
+    with pytest.raises(ShardError, match=r"no split 'valid'; it has \['dev', 'test.newstest2014'"):
+        ShardDataset(shards, "valid")
+    with pytest.raises(ShardError, match="not a finished shard folder"):
+        ShardDataset(tmp_path, "train")

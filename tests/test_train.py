@@ -1,0 +1,279 @@
+"""Trainer: loss goes down, exact resume, checkpoint integrity, accumulation maths, torchrun (1 and 2 "nodes")."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model import Transformer
+from pipeline.shards import ShardDataset
+from pipeline.train import (CheckpointError, TrainStep, accumulation_steps, find_latest, load_checkpoint,
+                            make_batch, read_index, save_checkpoint, setup, train, usable_batches)
+from pipeline.train.checkpoint import check_compatible
+from tests.conftest import TINY, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config(shared_data: Path, *overrides: str):
+    return tiny_config(shared_data, *overrides)
+
+
+@pytest.fixture(scope="session")
+def shards(tiny_stack) -> Path:
+    return tiny_stack.shards
+
+
+def final_state(out: Path) -> dict:
+    entry = read_index(out / "checkpoints")[-1]
+    return load_checkpoint(out / "checkpoints" / entry["file"])
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_tensors(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same_tensors(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_tensors(x, y)
+    else:
+        assert a == b
+
+
+# ------------------------------------------------------------------------------------------- one process
+
+
+def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
+    cfg = config(shared_data, "train.max_steps=30", "train.lr_scale=2.0", "train.dev_every_steps=15")
+    out = train(cfg, shards, tmp_path / "run")
+    lines = metrics(out)
+    params = [m["params"] for m in lines if "params" in m]
+    assert params and params[0]["model.d_model"] == 32 and params[0]["world_size"] == 1
+    logged = [m for m in lines if "loss" in m]
+    required = {"loss", "nll", "ppl", "lr", "grad_norm", "src_tokens_per_s", "tgt_tokens_per_s", "step_time_s",
+                "peak_memory_mb", "step"}
+    assert all(required <= m.keys() for m in logged)
+    assert [m["step"] for m in logged] == list(range(2, 31, 2))
+    assert np.mean([m["loss"] for m in logged[-3:]]) < np.mean([m["loss"] for m in logged[:3]]) - 0.5
+    dev = [m for m in lines if "dev_loss" in m]
+    assert [m["step"] for m in dev] == [15, 30] and all(m["dev_ppl"] > 1 for m in dev)
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 30 and summary["stopped_by"] == "max_steps" and summary["tokens"]["tgt"] > 0
+    assert summary["final_dev"]["dev_loss"] == dev[-1]["dev_loss"]
+    assert [c["step"] for c in summary["checkpoints"]] == [30]
+
+
+def test_exact_resume_bitwise(shared_data, shards, tmp_path):
+    # Dropout on, accumulation 2: the resumed run must replay data order, RNG and optimizer state exactly.
+    extra = ["train.update_tokens=1024", "model.dropout=0.1"]
+    whole = train(config(shared_data, "train.max_steps=8", *extra), shards, tmp_path / "whole")
+    split = tmp_path / "split"
+    train(config(shared_data, "train.max_steps=4", *extra), shards, split)
+    train(config(shared_data, "train.max_steps=8", *extra), shards, split)
+    a, b = final_state(whole), final_state(split)
+    assert a["step"] == b["step"] == 8 and (a["epoch"], a["batch_pos"]) == (b["epoch"], b["batch_pos"])
+    assert_same_tensors(a["model"], b["model"])
+    assert_same_tensors(a["optimizer"], b["optimizer"])
+    assert_same_tensors(a["rng"], b["rng"])
+    assert a["totals"] == b["totals"]
+
+
+@pytest.mark.slow
+def test_exact_resume_across_epoch_boundary(shared_data, shards, tmp_path):
+    # Large batches (13 per epoch, 6 updates) so that the resumed part crosses an epoch boundary.
+    extra = ["train.max_tokens=65536", "train.update_tokens=131072", "model.dropout=0.1"]
+    whole = train(config(shared_data, "train.max_steps=8", *extra), shards, tmp_path / "whole")
+    split = tmp_path / "split"
+    train(config(shared_data, "train.max_steps=5", *extra), shards, split)
+    assert (final_state(split)["epoch"], final_state(split)["batch_pos"]) == (0, 10)
+    train(config(shared_data, "train.max_steps=8", *extra), shards, split)
+    a, b = final_state(whole), final_state(split)
+    assert a["step"] == b["step"] == 8 and (a["epoch"], a["batch_pos"]) == (b["epoch"], b["batch_pos"]) == (1, 4)
+    assert_same_tensors(a["model"], b["model"])
+    assert_same_tensors(a["optimizer"], b["optimizer"])
+    assert_same_tensors(a["rng"], b["rng"])
+    assert a["totals"] == b["totals"]
+
+
+def test_truncated_newest_checkpoint_falls_back(shared_data, shards, tmp_path, caplog):
+    cfg = config(shared_data, "train.max_steps=6", "train.checkpoint_every_steps=2")
+    out = train(cfg, shards, tmp_path / "run")
+    ckpts = out / "checkpoints"
+    assert [e["step"] for e in read_index(ckpts)] == [2, 4, 6]
+    reference = final_state(out)["model"]
+    newest = ckpts / "ckpt-00000006.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        train(cfg, shards, out)
+    assert any("ckpt-00000006.pt" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert any("resuming from" in r.getMessage() and "ckpt-00000004.pt" in r.getMessage() for r in caplog.records)
+    # Resumed from step 4 and redid steps 5-6 exactly: the rewritten newest checkpoint matches the lost one.
+    assert_same_tensors(final_state(out)["model"], reference)
+
+
+def test_corrupt_checkpoint_detected_by_hash(tmp_path, caplog):
+    folder = tmp_path / "ckpts"
+    for step in (1, 2):
+        save_checkpoint(folder, {"step": step, "w": torch.full((4,), float(step))}, step, keep_last=5)
+    newest = folder / "ckpt-00000002.pt"
+    data = bytearray(newest.read_bytes())
+    data[-20] ^= 0xFF  # same size, different bytes
+    newest.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="aiayn.train"):
+        name, state = find_latest(folder)
+    assert name == "ckpt-00000001.pt" and state["step"] == 1
+    assert "ckpt-00000002.pt" in caplog.text and "sha256" in caplog.text
+
+
+def test_keep_last_checkpoints(shared_data, shards, tmp_path):
+    cfg = config(shared_data, "train.max_steps=5", "train.checkpoint_every_steps=1", "train.keep_last_checkpoints=2")
+    out = train(cfg, shards, tmp_path / "run")
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("*.pt")) == ["ckpt-00000004.pt", "ckpt-00000005.pt"]
+    index = read_index(ckpts)
+    assert [e["step"] for e in index] == [4, 5]
+    assert not list(ckpts.glob(".*tmp*"))
+
+
+def test_incompatible_checkpoint_refused(shared_data, shards, tmp_path):
+    out = train(config(shared_data, "train.max_steps=2"), shards, tmp_path / "run")
+    with pytest.raises(CheckpointError, match="different model config.*d_model"):
+        train(config(shared_data, "train.max_steps=4", "model.d_model=16"), shards, out)
+    state = final_state(out)
+    with pytest.raises(CheckpointError, match="shards"):
+        check_compatible(state, state["model_config"], "0" * 64, out / "x.pt")
+
+
+def test_max_minutes_stops_and_checkpoints(shared_data, shards, tmp_path):
+    cfg = config(shared_data, "train.max_steps=100000", "train.max_minutes=0.05")
+    out = train(cfg, shards, tmp_path / "run")
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["stopped_by"] == "max_minutes" and 0 < summary["steps"] < 100000
+    assert summary["checkpoints"][-1]["step"] == summary["steps"]
+
+
+# ---------------------------------------------------------------------------------------------- accumulation
+
+
+def test_accumulation_equals_one_big_batch(shared_data, shards):
+    cfg = config(shared_data, "model.dropout=0.0")
+    ds = ShardDataset(shards, "train")
+    info = setup()
+    torch.manual_seed(0)
+    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
+    batches = usable_batches(ds, 512, 1024, seed=1, epoch=0)
+    a, b = batches[0], batches[1]
+
+    def grads(micro) -> dict:
+        step = TrainStep(copy.deepcopy(model), cfg, info, ds.special.pad)
+        step.accumulate(micro)
+        return {n: p.grad.clone() for n, p in step.model.named_parameters()}
+
+    two = grads([make_batch(ds, a, info.device), make_batch(ds, b, info.device)])
+    one = grads([make_batch(ds, np.concatenate([a, b]), info.device)])
+    for name in two:
+        torch.testing.assert_close(two[name], one[name], atol=1e-6, rtol=1e-5, msg=name)
+    # And the normalisation is by target tokens: the same gradient as a hand-written sum / count.
+    ref = copy.deepcopy(model)
+    full = make_batch(ds, np.concatenate([a, b]), info.device)
+    loss, _, n = TrainStep(ref, cfg, info, ds.special.pad).criterion(ref(full.src, full.tgt_in), full.tgt_out)
+    assert int(n) == full.n_tgt
+    (loss / n).backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(p.grad, one[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_accumulation_steps():
+    assert accumulation_steps(25_000, 4096, 1) == 6
+    assert accumulation_steps(25_000, 4096, 8) == 1
+    assert accumulation_steps(4096, 4096, 2) == 1
+    assert accumulation_steps(8192, 1024, 2) == 4
+
+
+# -------------------------------------------------------------------------------------------------- torchrun
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(shared_data: Path, shards: Path, out: Path, *overrides: str) -> list[str]:
+    sets = [a for o in (*TINY, *overrides) for a in ("--set", o)]
+    return ["-m", "pipeline.train", "--config", "multi30k-cpu", "--data-root", str(shared_data),
+            "--shards", str(shards), "--out", str(out), *sets]
+
+
+def torchrun_env() -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop("AIAYN_WORK_DIR", None)
+    return env
+
+
+def check_ranks_agree(out: Path, world: int, steps: int) -> None:
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["world_size"] == world and summary["steps"] == steps
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(world))
+    assert {r["step"] for r in ranks} == {steps}
+    assert len({r["params_sha256"] for r in ranks}) == 1, ranks
+    assert final_state(out)["step"] == steps and len(final_state(out)["rng"]) == world
+
+
+def test_torchrun_standalone_two_processes(shared_data, shards, tmp_path):
+    # Dropout off, so that 2 ranks x 2 micro-batches must equal 1 process x 4 micro-batches (same batches).
+    extra = ("train.max_steps=4", "train.update_tokens=2048", "model.dropout=0.0")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           *train_command(shared_data, shards, out, *extra)]
+    proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.strip().splitlines()[-1] == str(out.resolve())
+    assert "accumulation_steps=2" in proc.stderr  # 2048 tokens / (512 x 2 ranks)
+    check_ranks_agree(out, world=2, steps=4)
+    single = train(config(shared_data, *extra), shards, tmp_path / "single")
+    assert json.loads((single / "train_summary.json").read_text())["accumulation_steps"] == 4
+    ddp, one = final_state(out)["model"], final_state(single)["model"]
+    for name in one:
+        a, b = ddp[name], one[name]
+        # The key bias has a zero true gradient (softmax ignores a constant shift), so Adam turns rounding noise
+        # in it into full-size steps of either sign: leave those entries out ([W^Q; W^K; W^V] / [W^K; W^V]).
+        if name.endswith("qkv_proj.bias"):
+            a, b = a.view(3, -1)[[0, 2]], b.view(3, -1)[[0, 2]]
+        elif name.endswith("kv_proj.bias"):
+            a, b = a.view(2, -1)[1], b.view(2, -1)[1]
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_torchrun_two_nodes_loopback(shared_data, shards, tmp_path):
+    out, port = tmp_path / "run", free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", f"test-{port}", *train_command(shared_data, shards, out, "train.max_steps=4")]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-4000:]
+    check_ranks_agree(out, world=2, steps=4)
