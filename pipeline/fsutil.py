@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 _CHUNK = 1 << 20
+MANIFEST = "manifest.json"  # every stage folder's last file: its presence means the folder is complete
+log = logging.getLogger("aiayn.stages")
 
 
 def sha256_file(path: Path) -> str:
@@ -51,3 +54,29 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def code_hash(*files: Path) -> str:
+    """Hash of source files: a change to the code that writes a stage's output invalidates its cached folders."""
+    h = hashlib.sha256()
+    for path in files:
+        h.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def stage_folder(work_dir: Path, stage: str, identity: dict) -> tuple[Path, str, bool]:
+    """``(folder, fingerprint, done)`` for a stage output named by the hash of everything that determines it.
+
+    ``identity`` holds the stage's format, code hash, settings and input hashes. ``done`` is True when an earlier
+    run finished the folder (its manifest exists): the caller returns it as is. A folder without a manifest is an
+    interrupted run's leftover and is removed, so the caller always writes from scratch.
+    """
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    fingerprint = hashlib.sha256(text.encode()).hexdigest()
+    out = Path(work_dir).resolve() / stage / fingerprint[:16]
+    if (out / MANIFEST).is_file():
+        log.info("%s unchanged, reusing %s", stage, out)
+        return out, fingerprint, True
+    if out.exists():
+        shutil.rmtree(out)
+    return out, fingerprint, False

@@ -16,11 +16,9 @@ shard's last holds ``CHUNK_ROWS``). Only the per-example lengths are copied into
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import multiprocessing
-import shutil
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -33,15 +31,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import sentencepiece as spm
 
-from pipeline.config import SpecialIds, TokenizerConfig, canonical_json
+from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import atomic_dir, sha256_file, write_json
-from pipeline.tokenize import Tokenizer, code_hash, verify_file
+from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, sha256_file, stage_folder, write_json
+from pipeline.tokenize import Tokenizer, verify_file
 
 log = logging.getLogger("aiayn.shards")
 
 SHARDS_FORMAT = "aiayn-shards/1"
-MANIFEST = "manifest.json"
 CHUNK_ROWS = 16_384  # rows per record batch and per task sent to a worker (part of the format)
 _IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, few enough to bound memory
 
@@ -101,13 +98,9 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
     identity = {"format": SHARDS_FORMAT, "code": code_hash(here, here.with_name("tokenize.py")),
                 "chunk_rows": CHUNK_ROWS, "shard_rows": cfg.shard_rows, "tokenizer_sha256": tok.sha256,
                 "corpus": {key: s["sha256"] for key, s in splits.items()}}
-    fingerprint = hashlib.sha256(canonical_json(identity).encode()).hexdigest()
-    out = Path(work_dir).resolve() / "shards" / fingerprint[:16]
-    if (out / MANIFEST).is_file():
-        log.info("shards unchanged, reusing %s", out)
+    out, fingerprint, done = stage_folder(work_dir, "shards", identity)
+    if done:
         return out
-    if out.exists():  # a folder without a manifest is an interrupted run's leftover: rebuild it
-        shutil.rmtree(out)
     for s in splits.values():
         verify_file(corpus_dir / s["file"], s["sha256"], corpus_dir / "manifest.json",
                     "re-run the data stage (prepare_corpus)", ShardError)

@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -27,16 +26,15 @@ import numpy as np
 import pyarrow.parquet as pq
 import sentencepiece as spm
 
-from pipeline.config import SpecialIds, TokenizerConfig, canonical_json
+from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import atomic_dir, sha256_file, write_json
+from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, sha256_file, stage_folder, write_json
 
 log = logging.getLogger("aiayn.tokenize")
 
 TOKENIZER_FORMAT = "aiayn-tokenizer/1"
 MODEL_FILE = "spm.model"
 VOCAB_FILE = "spm.vocab"
-MANIFEST = "manifest.json"
 # TokenizerConfig fields that only affect encoding into shards, not the model (kept out of its fingerprint).
 ENCODE_ONLY_FIELDS = frozenset({"shard_rows", "num_workers"})
 # Fixed trainer options, part of the fingerprint. The thread count is a constant, not the machine's core count:
@@ -59,14 +57,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
 
 
-def code_hash(*files: Path) -> str:
-    """Hash of source files: a change to the code that writes a stage's output invalidates its cached folders."""
-    h = hashlib.sha256()
-    for path in files:
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def model_settings(cfg: TokenizerConfig) -> dict:
     """The part of the config that determines the model (everything but the encode-only fields)."""
     return cfg.model_dump(mode="json", exclude=set(ENCODE_ONLY_FIELDS))
@@ -84,13 +74,9 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
     train = read_manifest(corpus_dir)["splits"]["train"]
     identity = {"format": TOKENIZER_FORMAT, "code": code_hash(Path(__file__)), "settings": model_settings(cfg),
                 "trainer": TRAINER_OPTIONS, "train_sha256": train["sha256"]}
-    fingerprint = hashlib.sha256(canonical_json(identity).encode()).hexdigest()
-    out = Path(work_dir).resolve() / "tokenizer" / fingerprint[:16]
-    if (out / MANIFEST).is_file():
-        log.info("tokenizer unchanged, reusing %s", out)
+    out, fingerprint, done = stage_folder(work_dir, "tokenizer", identity)
+    if done:
         return out
-    if out.exists():  # a folder without a manifest is an interrupted run's leftover: rebuild it
-        shutil.rmtree(out)
     path = corpus_dir / train["file"]
     verify_file(path, train["sha256"], corpus_dir / MANIFEST, "re-run the data stage (prepare_corpus)")
     sentences = 2 * train["rows"]

@@ -17,7 +17,7 @@ from pipeline.fsutil import sha256_file
 from pipeline.shards import (CHUNK_ROWS, ShardDataset, ShardError, build_shards, read_shard_manifest, shard_schema,
                              token_batches)
 from pipeline.tokenize import Tokenizer, train_tokenizer
-from test_tokenize import multi30k_corpus
+from tests.test_tokenize import multi30k_corpus
 
 # 20k rows per shard: Multi30k's 28,997 training pairs span two shards, the first of two record batches.
 CFG = TokenizerConfig(vocab_size=4000, shard_rows=20_000, num_workers=2)

@@ -8,11 +8,9 @@ change anywhere gives a new folder instead of overwriting one that other runs ma
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import platform
-import shutil
 import time
 import unicodedata
 from collections import Counter
@@ -22,15 +20,14 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import DataConfig, canonical_json
+from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
 from pipeline.data.sources import DataError, Source, open_source, resolve_root
-from pipeline.fsutil import atomic_dir, sha256_file, write_json
+from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, sha256_file, stage_folder, write_json
 
 log = logging.getLogger("aiayn.data")
 
 CORPUS_FORMAT = "aiayn-corpus/1"
-MANIFEST = "manifest.json"
 SCHEMA = pa.schema(
     [
         ("split", pa.string()),  # train | dev | test
@@ -47,10 +44,7 @@ _PROGRESS_EVERY = 1_000_000
 def _code_hash() -> str:
     """Hash of this stage's code: a change to cleaning or writing invalidates cached corpora."""
     here = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for path in sorted([*here.glob("*.py"), here.parent / "fsutil.py"]):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:16]
+    return code_hash(*sorted(here.glob("*.py")), here.parent / "fsutil.py")
 
 
 class _SplitWriter:
@@ -135,13 +129,9 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
     groups = {"dev": [dev], "test": tests, "train": train}
     identity = {"format": CORPUS_FORMAT, "code": _code_hash(), "config": config,
                 "inputs": _provenance(groups, with_rows=False)}
-    fingerprint = hashlib.sha256(canonical_json(identity).encode()).hexdigest()
-    out = Path(work_dir).resolve() / "corpus" / fingerprint[:16]
-    if (out / MANIFEST).is_file():
-        log.info("corpus unchanged, reusing %s", out)
+    out, fingerprint, done = stage_folder(work_dir, "corpus", identity)
+    if done:
         return out
-    if out.exists():  # a folder without a manifest is not ours to trust: rebuild it
-        shutil.rmtree(out)
 
     started = time.perf_counter()
     with atomic_dir(out) as tmp:

@@ -316,7 +316,7 @@ class ParquetSource(Source):
 
     def _batches(self, path: Path) -> tuple[list[str], Iterator[pa.RecordBatch]]:
         try:
-            f = pq.ParquetFile(path)
+            f = pq.ParquetFile(path, pre_buffer=False)  # pre_buffer keeps every row group read: memory grows
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path}: not a readable Parquet file ({e}); check 'format' for this source") from None
         return f.schema_arrow.names, f.iter_batches(batch_size=8192)
