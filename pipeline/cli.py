@@ -25,8 +25,9 @@ log = logging.getLogger("aiayn")
 def user_errors() -> tuple[type[Exception], ...]:
     """Exceptions that mean bad input or config: reported as one clear line and exit status 2, no traceback."""
     from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.trainer import TrainConfigError
 
-    return ConfigError, DataError, TokenizerError, ShardError, CheckpointError
+    return ConfigError, DataError, TokenizerError, ShardError, CheckpointError, TrainConfigError
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:

@@ -80,3 +80,18 @@ def stage_folder(work_dir: Path, stage: str, identity: dict) -> tuple[Path, str,
     if out.exists():
         shutil.rmtree(out)
     return out, fingerprint, False
+
+
+def read_stage_manifest(folder: Path, expected_format: str, what: str, fix: str,
+                        error: type[ValueError] = ValueError) -> dict:
+    """The manifest of a finished stage folder, checked for its format; ``error`` names the folder and ``fix``.
+
+    ``what`` names the kind of folder (e.g. "corpus"); a folder without a manifest is not a finished one.
+    """
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise error(f"{folder}: no {MANIFEST}; not a finished {what} folder ({fix})")
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if manifest.get("format") != expected_format:
+        raise error(f"{path}: format {manifest.get('format')!r}, expected {expected_format!r}; {fix}")
+    return manifest

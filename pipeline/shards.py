@@ -16,7 +16,6 @@ shard's last holds ``CHUNK_ROWS``). Only the per-example lengths are copied into
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import time
@@ -33,7 +32,8 @@ import sentencepiece as spm
 
 from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, sha256_file, stage_folder, write_json
+from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder,
+                             write_json)
 from pipeline.tokenize import Tokenizer, verify_file
 
 log = logging.getLogger("aiayn.shards")
@@ -66,13 +66,7 @@ def shard_schema(dtype: np.dtype) -> pa.Schema:
 
 def read_shard_manifest(shard_dir: Path) -> dict:
     """The manifest of a finished shard folder; a folder without one is not a shard folder."""
-    path = Path(shard_dir) / MANIFEST
-    if not path.is_file():
-        raise ShardError(f"{shard_dir}: no {MANIFEST}; not a finished shard folder (run build_shards)")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format") != SHARDS_FORMAT:
-        raise ShardError(f"{path}: format {manifest.get('format')!r}, expected {SHARDS_FORMAT!r}; re-run build_shards")
-    return manifest
+    return read_stage_manifest(shard_dir, SHARDS_FORMAT, "shard", "re-run build_shards", ShardError)
 
 
 # ------------------------------------------------------------------------------------------------- writing

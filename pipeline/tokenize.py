@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import re
 import time
@@ -28,7 +27,8 @@ import sentencepiece as spm
 
 from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, sha256_file, stage_folder, write_json
+from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder,
+                             write_json)
 
 log = logging.getLogger("aiayn.tokenize")
 
@@ -191,12 +191,8 @@ class Tokenizer:
     def __init__(self, folder: Path):
         self.dir = Path(folder)
         manifest_path = self.dir / MANIFEST
-        if not manifest_path.is_file():
-            raise TokenizerError(f"{self.dir}: no {MANIFEST}; not a finished tokenizer folder (run train_tokenizer)")
-        self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        if self.manifest.get("format") != TOKENIZER_FORMAT:
-            raise TokenizerError(f"{manifest_path}: format {self.manifest.get('format')!r}, expected "
-                                 f"{TOKENIZER_FORMAT!r}; re-run train_tokenizer")
+        self.manifest = read_stage_manifest(self.dir, TOKENIZER_FORMAT, "tokenizer", "re-run train_tokenizer",
+                                            TokenizerError)
         self.model_path = self.dir / self.manifest["model"]["file"]
         fix = f"delete {self.dir} and re-run train_tokenizer"
         verify_file(self.model_path, self.manifest["model"]["sha256"], manifest_path, fix)

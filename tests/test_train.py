@@ -270,10 +270,88 @@ def test_torchrun_two_nodes_loopback(shared_data, shards, tmp_path):
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"test-{port}", *train_command(shared_data, shards, out, "train.max_steps=4")]
+               "--rdzv-id", f"test-{port}",
+               *train_command(shared_data, shards, out, "train.max_steps=4", "train.update_tokens=1024")]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-4000:]
     check_ranks_agree(out, world=2, steps=4)
+
+
+# ------------------------------------------------------------------------------------ refused before training
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["tokenizer.vocab_size=999"], "tokenizer.vocab_size=999 but the shards"),
+    (["train.max_tokens=40", "train.update_tokens=40"], "needs"),
+    (["train.update_tokens=600"], "cannot be split over 2 processes"),
+])
+def test_bad_config_fails_before_training(shared_data, shards, tmp_path, overrides, words):
+    from pipeline.train.trainer import TrainConfigError, preflight
+
+    cfg = config(shared_data, *overrides)
+    world = 2 if "600" in overrides[0] else 1
+    with pytest.raises(TrainConfigError, match=words) as err:
+        preflight(cfg, ShardDataset(shards, "train"), world)
+    assert "set " in str(err.value) or "raise " in str(err.value)
+    if world == 1:  # through train(): nothing is written
+        with pytest.raises(TrainConfigError):
+            train(cfg, shards, tmp_path / "run")
+        assert not (tmp_path / "run").exists()
+
+
+def test_kill_9_then_rerun_equals_uninterrupted(shared_data, shards, tmp_path):
+    """SIGKILL the training process at a random step, rerun the same command: bitwise the uninterrupted result."""
+    import random
+    import signal
+    import time
+
+    extra = ("train.max_steps=16", "train.checkpoint_every_steps=2", "model.dropout=0.1")
+    straight = train(config(shared_data, *extra), shards, tmp_path / "straight")
+    out = tmp_path / "killed"
+    cmd = [sys.executable, *train_command(shared_data, shards, out, *extra)]
+    kill_after = random.Random().choice([4, 6, 8, 10, 12])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        entries = read_index(out / "checkpoints") if (out / "checkpoints" / "index.json").is_file() else []
+        if entries and entries[-1]["step"] >= kill_after:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"finished before the kill at step {kill_after}"
+    assert read_index(out / "checkpoints")[-1]["step"] < 16
+    rerun = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stderr
+    assert_same_tensors(final_state(out)["model"], final_state(straight)["model"])
+
+
+@pytest.mark.slow
+def test_tiny_model_overfits_a_few_hundred_shared_pairs(shared_data, tmp_path):
+    """200 Multi30k pairs, no label smoothing, no dropout: the per-token nll falls to near zero."""
+    from pipeline.data import prepare_corpus
+    from pipeline.shards import build_shards
+    from pipeline.tokenize import train_tokenizer
+
+    root = tmp_path / "data"
+    root.mkdir()
+    for lang in ("en", "de"):
+        lines = (shared_data / "multi30k" / f"train.{lang}").read_text(encoding="utf-8").splitlines()[:200]
+        (root / f"train.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        (root / f"dev.{lang}").write_text("\n".join(lines[:20]) + "\n", encoding="utf-8")
+    cfg = tiny_config(root, "data.train=[{name: m200, format: text, path: train}]",
+                      "data.dev={name: d, format: text, path: dev}", "data.test=[]", "tokenizer.vocab_size=600",
+                      "model.encoder_layers=2", "model.decoder_layers=2", "model.d_model=64", "model.d_ff=128",
+                      "model.dropout=0.0", "train.label_smoothing=0.0", "train.max_tokens=1024",
+                      "train.update_tokens=1024", "train.warmup_steps=50", "train.lr_scale=0.3",
+                      "train.max_steps=400", "train.log_every_steps=50")
+    corpus = prepare_corpus(cfg.data, tmp_path / "work")
+    shard_dir = build_shards(corpus, train_tokenizer(corpus, cfg.tokenizer, tmp_path / "work"), cfg.tokenizer,
+                             tmp_path / "work")
+    out = train(cfg, shard_dir, tmp_path / "run")
+    nll = [m["nll"] for m in metrics(out) if "nll" in m]
+    assert nll[0] > 4.0 and nll[-1] < 0.3, nll

@@ -8,7 +8,6 @@ change anywhere gives a new folder instead of overwriting one that other runs ma
 
 from __future__ import annotations
 
-import json
 import logging
 import platform
 import time
@@ -23,7 +22,8 @@ import pyarrow.parquet as pq
 from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
 from pipeline.data.sources import DataError, Source, open_source, resolve_root
-from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, sha256_file, stage_folder, write_json
+from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder,
+                             write_json)
 
 log = logging.getLogger("aiayn.data")
 
@@ -211,10 +211,4 @@ def _cleaning_report(read: int, counts: Counter, kept: int) -> dict:
 
 def read_manifest(corpus_dir: Path) -> dict:
     """The manifest of a finished corpus folder; a folder without one is not a corpus."""
-    path = Path(corpus_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{corpus_dir}: no {MANIFEST}; not a finished corpus (re-run the data stage)")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format") != CORPUS_FORMAT:
-        raise DataError(f"{path}: format {manifest.get('format')!r}, expected {CORPUS_FORMAT!r}; re-run the data stage")
-    return manifest
+    return read_stage_manifest(corpus_dir, CORPUS_FORMAT, "corpus", "re-run the data stage", DataError)

@@ -183,6 +183,32 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+class TrainConfigError(ValueError):
+    """A config that cannot train on these shards; raised before any training step, saying what to change."""
+
+
+def preflight(cfg: RunConfig, train_ds: ShardDataset, world_size: int) -> None:
+    """Refuse, before training starts, a config that these shards or this many processes cannot honour."""
+    t, where = cfg.train, train_ds.dir
+    vocab = train_ds.manifest["tokenizer"]["vocab_size"]
+    if vocab != cfg.tokenizer.vocab_size:
+        raise TrainConfigError(f"tokenizer.vocab_size={cfg.tokenizer.vocab_size} but the shards in {where} were "
+                               f"encoded with a {vocab}-piece tokenizer: use the shards this config builds (omit "
+                               f"--shards) or set tokenizer.vocab_size={vocab}")
+    longest = int(train_ds.sizes.max(initial=0))  # max(src, tgt) + 1 tokens of the longest pair
+    for field, limit in (("train.max_tokens", t.max_tokens), ("train.update_tokens", t.update_tokens),
+                         ("model.max_positions", cfg.model.max_positions)):
+        if longest > limit:
+            raise TrainConfigError(f"the longest training pair in {where} needs {longest} tokens but {field}="
+                                   f"{limit}: raise {field} to at least {longest}, or drop long pairs in the data "
+                                   "stage (data.cleaning.max_words)")
+    if t.update_tokens < t.max_tokens * world_size:
+        raise TrainConfigError(f"train.update_tokens={t.update_tokens} cannot be split over {world_size} processes "
+                               f"of train.max_tokens={t.max_tokens} each (one update needs at least "
+                               f"{t.max_tokens * world_size}): set train.max_tokens to at most "
+                               f"{t.update_tokens // world_size}, or raise train.update_tokens")
+
+
 def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[MetricsSink] = (),
           info: DistInfo | None = None) -> Path:
     """Train ``cfg.model`` on the shards in ``shard_dir``; outputs (checkpoints, metrics, summary) in ``out_dir``.
@@ -199,6 +225,7 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
 
     # Rank 0 hashes every shard file; the others check sizes only (same files, no need to read them N times).
     train_ds = ShardDataset(shard_dir, "train", verify=info.is_main)
+    preflight(cfg, train_ds, info.world_size)
     dev_ds = ShardDataset(shard_dir, "dev", verify=info.is_main)
     shards = {"fingerprint": train_ds.manifest["fingerprint"],
               "manifest_sha256": sha256_file(Path(shard_dir) / MANIFEST)}
@@ -266,8 +293,9 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
                                  limit=t.dev_max_sentences)
     batches = usable_batches(train_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
     if len(batches) < group:
-        raise ValueError(f"the train split has {len(batches)} batches of max_tokens={t.max_tokens}, fewer than one "
-                         f"update needs ({accum} per rank x {info.world_size} ranks); lower update_tokens")
+        raise TrainConfigError(f"the train split has {len(batches)} batches of max_tokens={t.max_tokens}, fewer "
+                               f"than one update needs ({accum} per rank x {info.world_size} ranks); lower "
+                               "train.update_tokens")
     flops_peak = peak_flops(info.device)
     saved_step = step if name is not None else -1
     dev_step = step if last_dev else -1
