@@ -20,11 +20,13 @@ def _positions(kind: str, d_model: int, max_positions: int) -> nn.Module:
     return LearnedPositionalEmbedding(d_model, max_positions)
 
 
-class Encoder(nn.Module):
-    """Embeddings + positions + dropout, then N encoder layers (+ a final LayerNorm when pre-norm)."""
+class _Stack(nn.Module):
+    """What the encoder and decoder stacks share: token embeddings + positions + dropout (paper 3.4, 3.5, 5.4)
+    feeding N layers, and a final LayerNorm when pre-norm (pre-norm layers add un-normalised sub-layer outputs
+    to the residual stream, so it is normalised once at the end)."""
 
     def __init__(
-        self, embed_tokens: ScaledEmbedding, embed_positions: nn.Module, layers: list[EncoderLayer], dropout: float,
+        self, embed_tokens: ScaledEmbedding, embed_positions: nn.Module, layers: list[nn.Module], dropout: float,
         pre_norm: bool,
     ) -> None:
         super().__init__()
@@ -32,16 +34,22 @@ class Encoder(nn.Module):
         self.embed_positions = embed_positions
         self.layers = nn.ModuleList(layers)
         self.dropout = dropout
-        # Pre-norm layers add un-normalised sub-layer outputs to the residual stream; normalise it once at the end.
         self.final_norm = nn.LayerNorm(embed_tokens.embedding_dim) if pre_norm else None
+
+    def embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
+        """tokens: (batch, len) -> Dropout(Embedding * sqrt(d_model) + PE): (batch, len, d_model)."""
+        return F.dropout(self.embed_positions(self.embed_tokens(tokens), offset), self.dropout, self.training)
+
+
+class Encoder(_Stack):
+    """Embeddings + positions + dropout, then N encoder layers (+ a final LayerNorm when pre-norm)."""
 
     def forward(
         self, src_tokens: Tensor, src_pad_mask: Tensor, need_weights: bool = False
     ) -> tuple[Tensor, list[Tensor]]:
         """src_tokens, src_pad_mask: (batch, src_len). Returns (memory (batch, src_len, d_model), per-layer
         self-attention weights (batch, heads, src_len, src_len), empty unless ``need_weights``)."""
-        x = self.embed_positions(self.embed_tokens(src_tokens))  # (batch, src_len, d_model)
-        x = F.dropout(x, self.dropout, self.training)
+        x = self.embed(src_tokens)  # (batch, src_len, d_model)
         weights = []
         for layer in self.layers:
             x, w = layer(x, src_pad_mask, need_weights)
@@ -52,23 +60,12 @@ class Encoder(nn.Module):
         return x, weights
 
 
-class Decoder(nn.Module):
+class Decoder(_Stack):
     """Embeddings + positions + dropout, then N decoder layers (+ a final LayerNorm when pre-norm).
 
     Returns hidden states; the pre-softmax projection belongs to :class:`Transformer` (it may share weights
     with the embeddings).
     """
-
-    def __init__(
-        self, embed_tokens: ScaledEmbedding, embed_positions: nn.Module, layers: list[DecoderLayer], dropout: float,
-        pre_norm: bool,
-    ) -> None:
-        super().__init__()
-        self.embed_tokens = embed_tokens
-        self.embed_positions = embed_positions
-        self.layers = nn.ModuleList(layers)
-        self.dropout = dropout
-        self.final_norm = nn.LayerNorm(embed_tokens.embedding_dim) if pre_norm else None
 
     def forward(
         self,
@@ -84,8 +81,7 @@ class Decoder(nn.Module):
         attention weights); the weight lists are empty unless ``need_weights``.
         """
         offset = 0 if cache is None else cache.length  # position of the first new token
-        x = self.embed_positions(self.embed_tokens(tgt_tokens), offset)  # (batch, tgt_len, d_model)
-        x = F.dropout(x, self.dropout, self.training)
+        x = self.embed(tgt_tokens, offset)  # (batch, tgt_len, d_model)
         self_weights, cross_weights = [], []
         for i, layer in enumerate(self.layers):
             x, sw, cw = layer(
