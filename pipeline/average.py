@@ -10,11 +10,11 @@ without optimizer state, that loads like any other.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
+from pipeline.fsutil import atomic_file
 from pipeline.train.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_index, verify_and_load
 
 
@@ -71,8 +71,7 @@ def average_checkpoints(folder: Path, last_n: int, out_path: Path) -> Path:
     }
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, out_path)
+    with atomic_file(out_path) as tmp:
+        torch.save(state, tmp)
     return out_path
 

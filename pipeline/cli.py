@@ -17,6 +17,7 @@ from pathlib import Path
 from pipeline.config import ConfigError, RunConfig, dump_config, load_config
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.shards import ShardError
+from pipeline.stages import Inputs, build_inputs, run_dir
 from pipeline.tokenize import TokenizerError
 
 log = logging.getLogger("aiayn")
@@ -59,8 +60,7 @@ def cmd_config(cfg: RunConfig, args: argparse.Namespace) -> None:
     print(dump_config(cfg), end="")
 
 
-def cmd_prepare_data(cfg: RunConfig, args: argparse.Namespace) -> Path:
-    corpus = prepare_corpus(cfg.data, Path(cfg.work_dir))
+def _print_corpus(corpus: Path) -> None:
     manifest = read_manifest(corpus)
     print(f"corpus: {corpus}")
     for key, split in manifest["splits"].items():
@@ -69,42 +69,46 @@ def cmd_prepare_data(cfg: RunConfig, args: argparse.Namespace) -> Path:
     print(f"  train cleaning: read {report['read']:,}, kept {report['kept']:,}")
     for rule in report["rules"]:
         print(f"    {rule['rule']:<14} removed {rule['removed']:>9,}   remaining {rule['remaining']:>9,}")
-    return corpus
+
+
+def cmd_prepare_data(cfg: RunConfig, args: argparse.Namespace) -> None:
+    _print_corpus(prepare_corpus(cfg.data, Path(cfg.work_dir)))
 
 
 def cmd_tokenize(cfg: RunConfig, args: argparse.Namespace) -> None:
-    from pipeline.stages import build_inputs
-
     inputs = build_inputs(cfg)
     print(f"corpus:    {inputs.corpus}\ntokenizer: {inputs.tokenizer}\nshards:    {inputs.shards}")
 
 
-def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> Path:
-    """One process, in this one (for several: torchrun ... -m pipeline.train)."""
-    from pipeline.stages import build_inputs, run_dir
+def _train(cfg: RunConfig, shards: Path) -> Path:
     from pipeline.train import train
 
-    out = train(cfg, build_inputs(cfg).shards, run_dir(cfg))
+    out = train(cfg, shards, run_dir(cfg))
     print(f"run: {out}")
     return out
 
 
-def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> Path:
-    from pipeline.average import average_checkpoints
-    from pipeline.stages import run_dir
+def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> None:
+    """One process, in this one (for several: torchrun ... -m pipeline.train)."""
+    _train(cfg, build_inputs(cfg).shards)
 
-    run = run_dir(cfg)
-    out = average_checkpoints(run / "checkpoints", cfg.average.last_n, run / "averaged" / f"last{cfg.average.last_n}.pt")
+
+def _average(cfg: RunConfig, run: Path) -> Path:
+    from pipeline.average import average_checkpoints
+
+    n = cfg.average.last_n
+    out = average_checkpoints(run / "checkpoints", n, run / "averaged" / f"last{n}.pt")
     print(f"averaged: {out}")
     return out
 
 
-def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> Path:
-    from pipeline.evaluate import evaluate
-    from pipeline.stages import build_inputs, run_dir
+def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
+    _average(cfg, run_dir(cfg))
 
-    inputs = build_inputs(cfg)
-    checkpoint = Path(args.checkpoint) if args.checkpoint else run_dir(cfg) / "averaged" / f"last{cfg.average.last_n}.pt"
+
+def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
+    from pipeline.evaluate import evaluate
+
     if not checkpoint.is_file():
         raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
     out = evaluate(checkpoint, inputs.tokenizer, inputs.corpus, cfg.decode, checkpoint.parent / f"eval-{checkpoint.stem}")
@@ -113,7 +117,11 @@ def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> Path:
     for key, s in scores.items():
         print(f"  {key:<24} sacreBLEU {s['sacrebleu']['score']:6.2f}   chrF {s['chrf']['score']:6.2f}   "
               f"tokenized compound-split BLEU {s['tok_bleu_compound_split']['score']:6.2f}")
-    return out
+
+
+def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
+    checkpoint = Path(args.checkpoint) if args.checkpoint else run_dir(cfg) / "averaged" / f"last{cfg.average.last_n}.pt"
+    _evaluate(cfg, build_inputs(cfg), checkpoint)
 
 
 def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
@@ -142,13 +150,12 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
 
 
 def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
-    """The pipeline's stages in order on this machine, without an orchestrator: data, tokenizer and shards,
-    training (one process), averaging of the last ``average.last_n`` checkpoints, evaluation."""
-    cmd_prepare_data(cfg, args)
-    cmd_train(cfg, args)
-    cmd_average(cfg, args)
-    args.checkpoint = None
-    cmd_evaluate(cfg, args)
+    """The pipeline's stages in order on this machine, without an orchestrator: data, tokenizer and shards
+    (resolved once: each check hashes every input file), training (one process), averaging of the last
+    ``average.last_n`` checkpoints, evaluation."""
+    inputs = build_inputs(cfg)
+    _print_corpus(inputs.corpus)
+    _evaluate(cfg, inputs, _average(cfg, _train(cfg, inputs.shards)))
 
 
 COMMANDS = {

@@ -29,7 +29,7 @@ from model import Transformer
 from model.decoding import beam_search
 from pipeline.config import DecodeConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import sha256_file, write_json
+from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.tokenize import Tokenizer
 from pipeline.train.checkpoint import load_checkpoint
 
@@ -130,8 +130,8 @@ def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: De
         table = pq.read_table(Path(corpus_dir) / corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
         src, refs = table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
         hyps = translate(model, tokenizer, src, decode)
-        _write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
-        _write_text(out_dir / f"{key}.samples.md", _samples_markdown(key, list(zip(src, refs, hyps))[:SAMPLE_ROWS]))
+        write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
+        write_text(out_dir / f"{key}.samples.md", _samples_markdown(key, list(zip(src, refs, hyps))[:SAMPLE_ROWS]))
         results[key] = {"name": corpus["splits"][key].get("name", key), **score(hyps, refs, corpus["tgt_lang"])}
         log.info("%s: sacreBLEU %.2f, chrF %.2f, tokenized compound-split BLEU %.2f", key,
                  results[key]["sacrebleu"]["score"], results[key]["chrf"]["score"],
@@ -142,8 +142,3 @@ def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: De
                       "decoding": decode.model_dump(), "splits": results})
     return path
 
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

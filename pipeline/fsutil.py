@@ -26,12 +26,31 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write JSON deterministically (sorted keys, no timestamps) via a temporary file and rename."""
-    text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; write it in the block. On success it is flushed to disk and renamed
+    to ``path`` (readers see the old file or the new one, never half of one); on error it is removed."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write UTF-8 text atomically (:func:`atomic_file`)."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON deterministically (sorted keys, no timestamps), atomically."""
+    write_text(path, json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n")
 
 
 @contextlib.contextmanager

@@ -111,3 +111,13 @@ def test_section_hash_is_stable_and_local() -> None:
     assert a.section_hash() == load_config("multi30k-cpu").section_hash()
     assert a.section_hash() != b.section_hash()
     assert a.section_hash("data", "tokenizer") == b.section_hash("data", "tokenizer")
+
+
+def test_run_folder_ignores_budgets_but_not_settings() -> None:
+    from pipeline.stages import run_dir
+
+    base = load_config("multi30k-cpu")
+    longer = load_config("multi30k-cpu", ["train.max_steps=50000", "train.max_minutes=120"])
+    assert run_dir(base) == run_dir(longer)  # raising a budget continues the same run
+    for change in ("train.warmup_steps=2000", "model.dropout=0.2", "tokenizer.vocab_size=9000"):
+        assert run_dir(load_config("multi30k-cpu", [change])) != run_dir(base), change

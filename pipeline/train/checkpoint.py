@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pipeline.fsutil import sha256_file, write_json
+from pipeline.fsutil import atomic_file, sha256_file, write_json
 
 log = logging.getLogger("aiayn.train")
 
@@ -57,14 +56,10 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep_last: i
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(step)
-    tmp = folder / f".{name}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save({"format": CHECKPOINT_FORMAT, **state}, f)
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-    digest = sha256_file(tmp)
-    entry = {"file": name, "step": step, "sha256": digest, "bytes": tmp.stat().st_size}
-    os.replace(tmp, folder / name)
+    with atomic_file(folder / name) as tmp:
+        torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp)
+    path = folder / name
+    entry = {"file": name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
     entries = [e for e in read_index(folder) if e["file"] != name] + [entry]
     keep, drop = entries[-keep_last:], entries[:-keep_last]
     _write_index(folder, keep)  # the index forgets a file before the file goes
