@@ -58,11 +58,14 @@ def beam_search(
     max_len_b: int = 50,
     nbest: int = 1,
     use_cache: bool = True,
+    min_len: int = 1,
 ) -> list[list[Hypothesis]]:
     """Decode ``src_tokens`` (batch, src_len), right-padded with ``model.pad_id``; returns, per sentence, its
     ``nbest`` best hypotheses, best first. ``model`` is a :class:`model.Transformer` (encode / decode with a
     cache / reorder_cache); call it in eval mode. ``beam_size=1`` is greedy decoding. ``use_cache=False``
     re-runs the decoder over each whole prefix (O(T^2)): the reference the cached path is tested against.
+    ``min_len``: eos is blocked until an output would hold this many tokens, eos included (fairseq's
+    ``--min-len``; benchmarks force equal output lengths with it); the maximum length still wins.
     """
     if beam_size < 1 or not 1 <= nbest <= beam_size:
         raise ValueError(f"need beam_size >= 1 and 1 <= nbest <= beam_size, got {beam_size}, {nbest}")
@@ -101,6 +104,8 @@ def beam_search(
         lprobs[:, pad_id] = -math.inf
         lprobs[:, bos_id] = -math.inf
         length = step + 1  # tokens generated once this step's token is chosen, eos included
+        if length < min_len:
+            lprobs[:, eos_id] = -math.inf
         must_end = length >= max_lens[active]  # (n,)
         if must_end.any():
             rows = must_end.repeat_interleave(k)  # (n * k,)

@@ -44,15 +44,12 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 def resolve_config(args: argparse.Namespace) -> RunConfig:
     """Config file, then environment, then explicit flags, then ``--set`` overrides (last wins)."""
     overrides: list = []
-    for env, key in (("AIAYN_DATA_ROOT", "data.root"), ("AIAYN_WORK_DIR", "work_dir")):
-        if os.environ.get(env):
-            overrides.append((key, os.environ[env]))
-    if args.data_root:
-        overrides.append(("data.root", args.data_root))
+    if os.environ.get("AIAYN_WORK_DIR"):
+        overrides.append(("work_dir", os.environ["AIAYN_WORK_DIR"]))
     if args.work_dir:
         overrides.append(("work_dir", args.work_dir))
     overrides += args.set
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, data_root=args.data_root or os.environ.get("AIAYN_DATA_ROOT") or None)
 
 
 def cmd_config(cfg: RunConfig, args: argparse.Namespace) -> None:
@@ -107,16 +104,21 @@ def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
 
 
 def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
-    from pipeline.evaluate import evaluate
+    from pipeline.evaluate import evaluate_for
 
     if not checkpoint.is_file():
         raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
-    out = evaluate(checkpoint, inputs.tokenizer, inputs.corpus, cfg.decode, checkpoint.parent / f"eval-{checkpoint.stem}")
+    out = evaluate_for(cfg, checkpoint, inputs)
     scores = json.loads(out.read_text(encoding="utf-8"))["splits"]
     print(f"scores: {out}")
     for key, s in scores.items():
-        print(f"  {key:<24} sacreBLEU {s['sacrebleu']['score']:6.2f}   chrF {s['chrf']['score']:6.2f}   "
-              f"tokenized compound-split BLEU {s['tok_bleu_compound_split']['score']:6.2f}")
+        if cfg.task == "parsing":
+            print(f"  {key:<24} EVALB F1 {s['f1']:6.2f}   P {s['precision']:6.2f}   R {s['recall']:6.2f}   "
+                  f"exact {s['exact_match']:6.2f}   well-formed before repair {100 * s['well_formed_before_repair_rate']:5.1f}%"
+                  f"   right-branching F1 {s['right_branching_f1']:6.2f}")
+        else:
+            print(f"  {key:<24} sacreBLEU {s['sacrebleu']['score']:6.2f}   chrF {s['chrf']['score']:6.2f}   "
+                  f"tokenized compound-split BLEU {s['tok_bleu_compound_split']['score']:6.2f}")
 
 
 def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
@@ -125,7 +127,10 @@ def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
 
 
 def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
-    """Raw text (stdin or --input) to translations on stdout, normalised as the data stage normalises."""
+    """Raw text (stdin or --input) to translations on stdout, normalised as the data stage normalises.
+
+    For ``task: parsing`` the input is tokenized sentences (PTB tokens separated by spaces) and each output line
+    is a repaired tree over exactly those words (POS tags ``XX``)."""
     from collections import Counter
 
     from pipeline.data.clean import Normalizer
@@ -145,6 +150,15 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
 
         bar = tqdm(total=len(lines), unit="sent", file=sys.stderr)
         progress = bar.update
+    if cfg.task == "parsing":
+        from pipeline.parsing.evaluate import parse
+
+        empty = [i for i, line in enumerate(lines, start=1) if not line]
+        if empty:
+            raise DataError(f"{args.input or 'stdin'}: line {empty[0]} is empty; a parse needs at least one word")
+        for tree, _ in parse(model, tokenizer, lines, cfg.decode, progress=progress)[1]:
+            print(tree)
+        return
     for line in translate(model, tokenizer, lines, cfg.decode, progress=progress):
         print(line)
 
@@ -164,8 +178,9 @@ COMMANDS = {
     "tokenize": (cmd_tokenize, "data stage, then the shared sentencepiece model and the token shards"),
     "train": (cmd_train, "train in this process (several: torchrun ... -m pipeline.train)"),
     "average": (cmd_average, "average the last average.last_n checkpoints of the run"),
-    "evaluate": (cmd_evaluate, "translate dev and test sets and score them (sacreBLEU, chrF, tokenized BLEU)"),
-    "translate": (cmd_translate, "translate raw text from stdin or --input to stdout"),
+    "evaluate": (cmd_evaluate, "decode dev and test sets and score them (translation: sacreBLEU, chrF, "
+                               "tokenized BLEU; parsing: EVALB F1)"),
+    "translate": (cmd_translate, "translate (parsing: parse) raw text from stdin or --input to stdout"),
     "run": (cmd_run, "every stage in order on this machine"),
 }
 

@@ -36,7 +36,8 @@ class _Strict(BaseModel):
 
 # --------------------------------------------------------------------------------------------------- data
 
-SourceFormat = Literal["text", "tsv", "sgm", "parquet", "arrow", "hf_disk", "hub"]
+SourceFormat = Literal["text", "tsv", "sgm", "parquet", "arrow", "hf_disk", "hub", "ptb"]
+Task = Literal["translation", "parsing"]
 
 
 class SourceSpec(_Strict):
@@ -48,6 +49,9 @@ class SourceSpec(_Strict):
     - ``parquet`` / ``arrow`` / ``hf_disk``: ``path`` to a file or directory; ``fields`` maps language to column
       (default: columns named by language, or a ``translation`` struct column as on the hub).
     - ``hub``: a Hugging Face dataset (``dataset``, ``subset``, ``split``, ``revision``) via ``datasets``.
+    - ``ptb``: Penn Treebank bracketed trees (``task: parsing``): ``path`` to a ``.mrg`` / one-tree-per-line file,
+      or to a folder with ``include`` glob patterns selecting its files (sorted by path), e.g. WSJ sections
+      ``[0[2-9]/*.mrg, 1?/*.mrg, 2[01]/*.mrg]``. Pairs are (words, linearised tree); the gold tree is kept.
     """
 
     name: str = Field(min_length=1)
@@ -60,6 +64,7 @@ class SourceSpec(_Strict):
     subset: str | None = None
     split: str | None = None
     revision: str | None = None
+    include: list[str] | None = None  # ptb: glob patterns under the folder ``path``
 
     @field_validator("name")
     @classmethod
@@ -78,7 +83,10 @@ class SourceSpec(_Strict):
             "arrow": ("path",),
             "hf_disk": ("path",),
             "hub": ("dataset", "split"),
+            "ptb": ("path",),
         }
+        if self.include is not None and (self.format != "ptb" or not self.include):
+            raise ValueError("'include' (a non-empty list of glob patterns) is for format 'ptb' only")
         if self.format == "text" and not (self.path or self.files):
             raise ValueError("format 'text' needs 'path' (a prefix: <path>.<lang>) or 'files' ({lang: file})")
         for key in need.get(self.format, ()):
@@ -158,6 +166,13 @@ class TokenizerConfig(_Strict):
     num_workers: int = Field(default=2, ge=1)
     special: SpecialIds = SpecialIds()
 
+    @model_validator(mode="after")
+    def _word_has_no_bytes(self) -> "TokenizerConfig":
+        # sentencepiece's word model cannot hold byte pieces (its trainer fails with a bare assertion)
+        if self.model_type == "word" and self.byte_fallback:
+            raise ValueError("model_type 'word' needs byte_fallback: false (unknown words become <unk>)")
+        return self
+
 
 # ------------------------------------------------------------------------------------------------- model
 
@@ -236,16 +251,61 @@ class DecodeConfig(_Strict):
     length_penalty: float = Field(default=0.6, ge=0)
     max_len_a: float = Field(default=1.0, ge=0)  # max output length = a * source_len + b
     max_len_b: int = Field(default=50, ge=0)
+    # Shortest output, eos included (eos is blocked before it); not in the paper (1 = no limit). Benchmarks
+    # force equal output lengths with min_len = max_len_b, max_len_a = 0, as fairseq's --min-len does.
+    min_len: int = Field(default=1, ge=1)
     batch_sentences: int = Field(default=64, ge=1)
+    # bf16 autocast for the model's matrix products while decoding (scores stay float64); fp32 = paper.
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+
+class TrackingConfig(_Strict):
+    """MLflow experiment, registered model and promotion rule. The server address is not configuration but
+    environment (``MLFLOW_TRACKING_URI``): the same config runs against any tracking server."""
+
+    experiment: str = Field(default="aiayn", min_length=1)
+    registered_model: str = ""  # empty: transformer-<src_lang>-<tgt_lang> (RunConfig.registered_model_name)
+    # The alias ``champion`` moves to a new version only if its score on this metric (a name logged by the
+    # evaluation: ``<test set>.<score>``) beats the champion's by more than ``promote_margin``.
+    promote_metric: str = Field(default="newstest2014.sacrebleu", min_length=1)
+    promote_margin: float = Field(default=0.0, ge=0)
+    attention_sentences: int = Field(default=3, ge=0)  # dev sentences drawn as attention heat-maps
 
 
 # ------------------------------------------------------------------------------------------------- a run
+
+
+class LaunchConfig(_Strict):
+    """How the orchestrator starts training: torchrun's processes and rendezvous (not part of any hash).
+
+    One node: ``nnodes: 1`` (``--standalone``). Several: the same flow run on each node with its
+    ``node_rank`` and a shared ``rdzv_endpoint`` (host:port of node 0) and ``rdzv_id``.
+    """
+
+    nproc_per_node: int | Literal["auto"] = "auto"  # auto: one per visible GPU, else 1
+    nnodes: int = Field(default=1, ge=1)
+    node_rank: int = Field(default=0, ge=0)
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "LaunchConfig":
+        if isinstance(self.nproc_per_node, int) and self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node ({self.nproc_per_node}) must be >= 1 or 'auto'")
+        if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
+            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port of node 0) and rdzv_id "
+                             "(the same string on every node)")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank ({self.node_rank}) must be < nnodes ({self.nnodes})")
+        return self
 
 
 class RunConfig(_Strict):
     """Everything one pipeline run needs; resolved once and passed down."""
 
     name: str = Field(min_length=1)
+    # translation: sentence pairs, BLEU. parsing (paper section 6.3): words -> linearised tree, EVALB F1.
+    task: Task = "translation"
     preset: str = "base"  # the paper row (or CPU size) this run is built on; a tag, not a switch
     work_dir: str = "runs"  # stage outputs go below it, in folders named by content hashes
     data: DataConfig
@@ -254,6 +314,30 @@ class RunConfig(_Strict):
     train: TrainConfig = TrainConfig()
     average: AverageConfig = AverageConfig()
     decode: DecodeConfig = DecodeConfig()
+    launch: LaunchConfig = LaunchConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @property
+    def registered_model_name(self) -> str:
+        """The MLflow registered model: ``tracking.registered_model``, or ``transformer-<src>-<tgt>``."""
+        return self.tracking.registered_model or f"transformer-{self.data.src_lang}-{self.data.tgt_lang}"
+
+    @model_validator(mode="after")
+    def _task_fits(self) -> "RunConfig":
+        sources = [("data.dev", self.data.dev)] + [(f"data.train[{i}]", s) for i, s in enumerate(self.data.train)] + [
+            (f"data.test[{i}]", s) for i, s in enumerate(self.data.test)]
+        if self.task == "parsing":
+            wrong = [f"{where} ({s.format})" for where, s in sources if s.format != "ptb"]
+            if wrong:
+                raise ValueError(f"task 'parsing' reads treebanks: every source needs format 'ptb', not {wrong}")
+            if self.tokenizer.model_type != "word":
+                raise ValueError("task 'parsing' needs tokenizer.model_type 'word' (one piece per word and per "
+                                 "bracket symbol)")
+        else:
+            wrong = [where for where, s in sources if s.format == "ptb"]
+            if wrong:
+                raise ValueError(f"format 'ptb' sources ({wrong}) are for task 'parsing'; set task: parsing")
+        return self
 
     def section_hash(self, *sections: str) -> str:
         """Stable short hash of the named sections (all when none): names folders and cache keys."""
@@ -375,10 +459,21 @@ def _field_path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "<top level>"
 
 
-def load_config(name_or_path: str | Path, overrides: Overrides | None = None) -> RunConfig:
-    """Load, merge presets, apply overrides and validate. Raises :class:`ConfigError` naming each bad field."""
+def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
+                data_root: str | Path | None = None) -> RunConfig:
+    """Load, merge presets, apply overrides and validate. Raises :class:`ConfigError` naming each bad field.
+
+    ``data_root`` points the run at local corpora: it sets ``data.root`` and, when the config names a
+    ``local_data`` preset (a hub config's local twin, e.g. ``data/multi30k``), takes the data section from it.
+    """
     path = resolve_config_path(name_or_path)
-    tree = apply_overrides(_load_yaml_tree(path), overrides)
+    tree = _load_yaml_tree(path)
+    local = tree.pop("local_data", None)
+    if data_root is not None:
+        if local:
+            tree["data"] = _load_yaml_tree(resolve_config_path(local, path.parent))["data"]
+        tree = apply_overrides(tree, [("data.root", str(data_root))])
+    tree = apply_overrides(tree, overrides)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:

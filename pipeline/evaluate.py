@@ -9,8 +9,9 @@ Scores, per dev/test set, against the references exactly as distributed (``tgt_r
   about a point above ``sacrebleu`` on newstest2014; never compare it with another paper's sacreBLEU.
 
 Outputs in the evaluation folder: ``<split>.hyp`` (one detokenized hypothesis per line, in corpus order),
-``<split>.samples.md`` (source / reference / hypothesis rows for humans) and ``scores.json`` (all scores, their
-signatures, the decoding settings and the checkpoint's sha256).
+``<split>.samples.md`` (source / reference / hypothesis rows for humans), the same rows as ``<split>.samples.json``
+(a list of {source, reference, hypothesis}: tracking's sample table and attention heat-maps) and ``scores.json``
+(all scores, their signatures, the decoding settings and the checkpoint's sha256).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from sacremoses import MosesTokenizer
 
 from model import Transformer
 from model.decoding import beam_search
-from pipeline.config import DecodeConfig
+from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import read_manifest
 from pipeline.fsutil import sha256_file, write_json, write_text
+from pipeline.stages import Inputs
 from pipeline.tokenize import Tokenizer
 from pipeline.train.checkpoint import load_checkpoint
 
@@ -65,9 +67,10 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str]
         src = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_id, dtype=torch.long)  # (batch, src_len)
         for r, row in enumerate(rows):
             src[r, : len(row)] = torch.tensor(row)
-        hyps = beam_search(model, src.to(device), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                           beam_size=decode.beam_size, alpha=decode.length_penalty, max_len_a=decode.max_len_a,
-                           max_len_b=decode.max_len_b)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=decode.precision == "bf16"):
+            hyps = beam_search(model, src.to(device), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                               beam_size=decode.beam_size, alpha=decode.length_penalty, max_len_a=decode.max_len_a,
+                               max_len_b=decode.max_len_b, min_len=decode.min_len)
         for i, text in zip(chunk, tokenizer.decode_batch([h[0].tokens for h in hyps])):
             out[i] = text
         if progress:
@@ -103,11 +106,21 @@ def score(hypotheses: Sequence[str], references: Sequence[str], tgt_lang: str) -
     }
 
 
-def _samples_markdown(name: str, rows: list[tuple[str, str, str]]) -> str:
+def samples_markdown(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A numbered Markdown table of sample rows for humans (``<split>.samples.md``)."""
     cell = lambda s: s.replace("|", "\\|")  # noqa: E731  (a pipe would end the table cell)
-    lines = [f"# {name}: sample translations", "", "| # | source | reference | hypothesis |", "|---|---|---|---|"]
-    lines += [f"| {i} | {cell(s)} | {cell(r)} | {cell(h)} |" for i, (s, r, h) in enumerate(rows, start=1)]
+    lines = [f"# {title}", "", "| # | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += ["| " + " | ".join([str(i), *map(cell, row)]) + " |" for i, row in enumerate(rows, start=1)]
     return "\n".join(lines) + "\n"
+
+
+def eval_split_keys(corpus: dict, corpus_dir: Path, splits: Sequence[str] | None) -> list[str]:
+    """The corpus splits to evaluate: ``splits``, or every split but ``train``; unknown names are an error."""
+    keys = list(splits) if splits else [k for k, s in corpus["splits"].items() if s["role"] != "train"]
+    unknown = [k for k in keys if k not in corpus["splits"]]
+    if unknown:
+        raise ValueError(f"{corpus_dir}: no split {unknown}; it has {sorted(corpus['splits'])}")
+    return keys
 
 
 def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, out_dir: Path,
@@ -117,10 +130,7 @@ def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: De
     ``splits`` defaults to every split but ``train`` (``dev`` and each ``test.<name>``).
     """
     corpus = read_manifest(corpus_dir)
-    keys = list(splits) if splits else [k for k, s in corpus["splits"].items() if s["role"] != "train"]
-    unknown = [k for k in keys if k not in corpus["splits"]]
-    if unknown:
-        raise ValueError(f"{corpus_dir}: no split {unknown}; it has {sorted(corpus['splits'])}")
+    keys = eval_split_keys(corpus, corpus_dir, splits)
     model = load_model(checkpoint, device)
     tokenizer = Tokenizer(tokenizer_dir)
     out_dir = Path(out_dir)
@@ -131,7 +141,10 @@ def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: De
         src, refs = table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
         hyps = translate(model, tokenizer, src, decode)
         write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
-        write_text(out_dir / f"{key}.samples.md", _samples_markdown(key, list(zip(src, refs, hyps))[:SAMPLE_ROWS]))
+        samples = list(zip(src, refs, hyps))[:SAMPLE_ROWS]
+        write_text(out_dir / f"{key}.samples.md", samples_markdown(f"{key}: sample translations",
+                                                                   ("source", "reference", "hypothesis"), samples))
+        write_json(out_dir / f"{key}.samples.json", [{"source": s, "reference": r, "hypothesis": h} for s, r, h in samples])
         results[key] = {"name": corpus["splits"][key].get("name", key), **score(hyps, refs, corpus["tgt_lang"])}
         log.info("%s: sacreBLEU %.2f, chrF %.2f, tokenized compound-split BLEU %.2f", key,
                  results[key]["sacrebleu"]["score"], results[key]["chrf"]["score"],
@@ -142,3 +155,17 @@ def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: De
                       "decoding": decode.model_dump(), "splits": results})
     return path
 
+
+
+def evaluate_for(cfg: RunConfig, checkpoint: Path, inputs: Inputs, out_dir: Path | None = None,
+                 device: str = "cpu") -> Path:
+    """Evaluate ``checkpoint`` on every dev/test split of ``inputs.corpus`` as ``cfg.task`` demands; returns
+    ``scores.json``. Translation: :func:`evaluate` (BLEU variants); parsing:
+    :func:`pipeline.parsing.evaluate.evaluate_parsing` (EVALB F1). ``out_dir`` defaults to
+    ``<checkpoint folder>/eval-<checkpoint stem>``."""
+    out_dir = Path(out_dir) if out_dir is not None else Path(checkpoint).parent / f"eval-{Path(checkpoint).stem}"
+    if cfg.task == "parsing":
+        from pipeline.parsing.evaluate import evaluate_parsing
+
+        return evaluate_parsing(checkpoint, inputs.tokenizer, inputs.corpus, cfg.decode, out_dir, device=device)
+    return evaluate(checkpoint, inputs.tokenizer, inputs.corpus, cfg.decode, out_dir, device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -75,12 +76,38 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def exclusive(folder: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (a ``.lock`` file in it) for the block; a second holder waits.
+
+    Two runs of the same config share a content-addressed folder: the second waits, then finds the work done
+    (or resumes it) instead of writing beside the first.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s %s is in use by another run; waiting for it", what, folder)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def code_hash(*files: Path) -> str:
     """Hash of source files: a change to the code that writes a stage's output invalidates its cached folders."""
     h = hashlib.sha256()
     for path in files:
         h.update(Path(path).name.encode() + b"\0" + Path(path).read_bytes())
     return h.hexdigest()[:16]
+
+
+def identity_fingerprint(identity: dict) -> str:
+    """sha256 of the canonical JSON of a stage's identity: the name of its output folder."""
+    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def stage_folder(work_dir: Path, stage: str, identity: dict) -> tuple[Path, str, bool]:
@@ -90,8 +117,7 @@ def stage_folder(work_dir: Path, stage: str, identity: dict) -> tuple[Path, str,
     run finished the folder (its manifest exists): the caller returns it as is. A folder without a manifest is an
     interrupted run's leftover and is removed, so the caller always writes from scratch.
     """
-    text = json.dumps(identity, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    fingerprint = hashlib.sha256(text.encode()).hexdigest()
+    fingerprint = identity_fingerprint(identity)
     out = Path(work_dir).resolve() / stage / fingerprint[:16]
     if (out / MANIFEST).is_file():
         log.info("%s unchanged, reusing %s", stage, out)

@@ -71,9 +71,13 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
     the training text cannot fill (or too small for its characters), naming the setting to change.
     """
     corpus_dir = Path(corpus_dir)
-    train = read_manifest(corpus_dir)["splits"]["train"]
+    corpus = read_manifest(corpus_dir)
+    train = corpus["splits"]["train"]
+    # A parsing corpus lists its closed target vocabulary (bracket labels, ')', XX): each is reserved as one
+    # piece, so every symbol the training trees use is in the vocabulary whatever vocab_size is.
+    symbols = corpus.get("target_symbols", [])
     identity = {"format": TOKENIZER_FORMAT, "code": code_hash(Path(__file__)), "settings": model_settings(cfg),
-                "trainer": TRAINER_OPTIONS, "train_sha256": train["sha256"]}
+                "trainer": TRAINER_OPTIONS, "train_sha256": train["sha256"], "user_defined_symbols": symbols}
     out, fingerprint, done = stage_folder(work_dir, "tokenizer", identity)
     if done:
         return out
@@ -87,7 +91,7 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
 
     started = time.perf_counter()
     with atomic_dir(out) as tmp:
-        model = _train(_sentences(path, picked), cfg, text)
+        model = _train(_sentences(path, picked), cfg, text, symbols)
         (tmp / MODEL_FILE).write_bytes(model)
         sp = spm.SentencePieceProcessor(model_proto=model)
         (tmp / VOCAB_FILE).write_text(
@@ -103,6 +107,7 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
             "special": cfg.special.model_dump(),
             "settings": identity["settings"],
             "trainer": TRAINER_OPTIONS,
+            "user_defined_symbols": symbols,
             "train": {"file": train["file"], "sha256": train["sha256"], "rows": train["rows"],
                       "sentences": sentences, "used": used},
             "versions": {"sentencepiece": spm.__version__},
@@ -144,9 +149,9 @@ def _sentences(path: Path, picked: np.ndarray) -> Iterator[str]:
             yield from batch.column(side).filter(keep[:, side]).to_pylist()
 
 
-def _train(sentences: Iterator[str], cfg: TokenizerConfig, text: str) -> bytes:
-    """The serialized model trained on ``sentences`` (``text`` describes them in errors); sentencepiece's errors
-    are translated into what to change."""
+def _train(sentences: Iterator[str], cfg: TokenizerConfig, text: str, symbols: Sequence[str] = ()) -> bytes:
+    """The serialized model trained on ``sentences`` (``text`` describes them in errors), with ``symbols`` as
+    user-defined pieces; sentencepiece's errors are translated into what to change."""
     special = cfg.special
     model = io.BytesIO()
     try:
@@ -154,7 +159,7 @@ def _train(sentences: Iterator[str], cfg: TokenizerConfig, text: str) -> bytes:
             sentence_iterator=sentences, model_writer=model, model_type=cfg.model_type,
             vocab_size=cfg.vocab_size, character_coverage=cfg.character_coverage, byte_fallback=cfg.byte_fallback,
             pad_id=special.pad, unk_id=special.unk, bos_id=special.bos, eos_id=special.eos,
-            minloglevel=1, **TRAINER_OPTIONS)
+            user_defined_symbols=list(symbols), minloglevel=1, **TRAINER_OPTIONS)
     except RuntimeError as e:
         raise _explain(str(e), cfg, text) from None
     return model.getvalue()

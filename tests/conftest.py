@@ -68,3 +68,15 @@ def tiny_stack(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> S
     corpus = prepare_corpus(cfg.data, work)
     tokenizer = train_tokenizer(corpus, cfg.tokenizer, work)
     return Stack(work, corpus, tokenizer, build_shards(corpus, tokenizer, cfg.tokenizer, work))
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real MLflow tracking server (SQLite + local artifacts) on a free port; yields its URL."""
+    from pipeline.localstack import free_port, start_mlflow
+
+    service = start_mlflow(tmp_path_factory.mktemp("mlflow"), free_port())
+    try:
+        yield service.url
+    finally:
+        service.stop()

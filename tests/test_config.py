@@ -121,3 +121,15 @@ def test_run_folder_ignores_budgets_but_not_settings() -> None:
     assert run_dir(base) == run_dir(longer)  # raising a budget continues the same run
     for change in ("train.warmup_steps=2000", "model.dropout=0.2", "tokenizer.vocab_size=9000"):
         assert run_dir(load_config("multi30k-cpu", [change])) != run_dir(base), change
+
+
+def test_a_local_data_root_swaps_a_hub_config_to_its_local_twin(shared_data) -> None:
+    hub = load_config("multi30k-cpu-hub")
+    assert {s.format for s in (*hub.data.train, hub.data.dev, *hub.data.test)} == {"hub"}
+    local = load_config("multi30k-cpu-hub", data_root=shared_data)
+    assert local.data == load_config("multi30k-cpu", data_root=shared_data).data
+    assert local.data.root == str(shared_data)
+    assert local.section_hash("data", "tokenizer", "model", "train") == \
+        load_config("multi30k-cpu", data_root=shared_data).section_hash("data", "tokenizer", "model", "train")
+    # A config without a local twin only moves its root.
+    assert load_config("multi30k-cpu", data_root="/elsewhere").data.root == "/elsewhere"

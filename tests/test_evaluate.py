@@ -62,6 +62,8 @@ def test_evaluate_writes_hypotheses_samples_and_scores(averaged, tiny_stack, tmp
     # The hypotheses file is exactly what translate() produces for the corpus sources, in corpus order.
     src = pq.read_table(tiny_stack.corpus / "test.test2016.parquet").column("src").to_pylist()[:50]
     assert translate(load_model(averaged), Tokenizer(tiny_stack.tokenizer), src, FAST_DECODE) == hyps[:50]
+    rows = json.loads((tmp_path / "test.test2016.samples.json").read_text(encoding="utf-8"))
+    assert [(r["source"], r["hypothesis"]) for r in rows] == list(zip(src[:20], hyps[:20]))
     with pytest.raises(ValueError, match=r"no split \['test.nope'\]"):
         evaluate(averaged, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, tmp_path, splits=["test.nope"])
 

@@ -20,3 +20,27 @@ def test_atomic_file_replaces_on_success_and_keeps_the_old_file_on_error(tmp_pat
     assert [p.name for p in tmp_path.iterdir()] == ["scores.json"]  # no temporary file left behind
     write_json(target, {"bleu": 2})
     assert target.read_text() == '{\n  "bleu": 2\n}\n'
+
+
+def test_exclusive_lets_one_holder_in_at_a_time(tmp_path: Path) -> None:
+    """Two runs of one config: the second waits for the first instead of writing beside it."""
+    import threading
+    import time
+
+    from pipeline.fsutil import exclusive
+
+    events: list[str] = []
+
+    def hold(name: str) -> None:
+        with exclusive(tmp_path / "run", "run folder"):
+            events.append(f"{name} in")
+            time.sleep(0.3)
+            events.append(f"{name} out")
+
+    threads = [threading.Thread(target=hold, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert events == ["a in", "a out", "b in", "b out"]

@@ -1,6 +1,6 @@
 """The data stage: read, clean and version a parallel corpus (see docs/formats.md for the output)."""
 
-from pipeline.data.corpus import CORPUS_FORMAT, prepare_corpus, read_manifest
+from pipeline.data.corpus import CORPUS_FORMAT, corpus_fingerprint, prepare_corpus, read_manifest
 from pipeline.data.sources import DataError
 
-__all__ = ["CORPUS_FORMAT", "DataError", "prepare_corpus", "read_manifest"]
+__all__ = ["CORPUS_FORMAT", "DataError", "corpus_fingerprint", "prepare_corpus", "read_manifest"]

@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
 from pipeline.data.sources import DataError, Source, open_source, resolve_root
-from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder,
-                             write_json)
+from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, read_stage_manifest, sha256_file,
+                             stage_folder, write_json)
 
 log = logging.getLogger("aiayn.data")
 
@@ -44,7 +44,7 @@ _PROGRESS_EVERY = 1_000_000
 def _code_hash() -> str:
     """Hash of this stage's code: a change to cleaning or writing invalidates cached corpora."""
     here = Path(__file__).resolve().parent
-    return code_hash(*sorted(here.glob("*.py")), here.parent / "fsutil.py")
+    return code_hash(*sorted(here.glob("*.py")), here.parent / "fsutil.py", here.parent / "parsing" / "trees.py")
 
 
 class _SplitWriter:
@@ -94,7 +94,7 @@ def _write_eval_split(source: Source, role: str, out: Path, batch_rows: int, nor
     writer = _SplitWriter(out, role, batch_rows)
     pairs = []
     for line, src, tgt in source.pairs():
-        s, t = normalize(src), normalize(tgt)
+        s, t = normalize(src), normalize(source.model_target(tgt))
         if not s or not t:
             counts["empty_side_kept"] += 1
         writer.add(source.spec.name, line, s, t, tgt)
@@ -113,25 +113,36 @@ def _progress(pairs: Iterator, name: str) -> Iterator:
         yield item
 
 
+def _open_sources(data: DataConfig) -> tuple[Source, list[Source], list[Source], dict]:
+    """Every source resolved and checked (local files hashed), and the stage identity they give."""
+    root = resolve_root(data.root)
+    langs = (data.src_lang, data.tgt_lang)
+    dev = open_source(data.dev, root, *langs, "data.dev")
+    tests = [open_source(s, root, *langs, f"data.test[{i}]") for i, s in enumerate(data.test)]
+    train = [open_source(s, root, *langs, f"data.train[{i}]") for i, s in enumerate(data.train)]
+    config = data.model_dump(mode="json", exclude={"root"}, exclude_none=True)  # where the data sits is not what it is
+    identity = {"format": CORPUS_FORMAT, "code": _code_hash(), "config": config,
+                "inputs": _provenance({"dev": [dev], "test": tests, "train": train}, with_rows=False)}
+    return dev, tests, train, identity
+
+
+def corpus_fingerprint(data: DataConfig) -> str:
+    """The content address of the corpus ``data`` describes (config, code, every input's hash), without
+    building it: what an orchestrator keys its cache on. Hub sources are loaded (or found in the cache)."""
+    return identity_fingerprint(_open_sources(data)[3])
+
+
 def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
     """Build (or reuse) the cleaned corpus for ``data`` under ``work_dir/corpus/`` and return its folder.
 
     Every source is resolved and checked before anything is written; output appears only complete (temporary
     folder renamed at the end). Raises :class:`DataError` naming the file, line and what to do.
     """
-    root = resolve_root(data.root)
-    langs = (data.src_lang, data.tgt_lang)
-    dev = open_source(data.dev, root, *langs, "data.dev")
-    tests = [open_source(s, root, *langs, f"data.test[{i}]") for i, s in enumerate(data.test)]
-    train = [open_source(s, root, *langs, f"data.train[{i}]") for i, s in enumerate(data.train)]
-
-    config = data.model_dump(mode="json", exclude={"root"}, exclude_none=True)  # where the data sits is not what it is
-    groups = {"dev": [dev], "test": tests, "train": train}
-    identity = {"format": CORPUS_FORMAT, "code": _code_hash(), "config": config,
-                "inputs": _provenance(groups, with_rows=False)}
+    dev, tests, train, identity = _open_sources(data)
     out, fingerprint, done = stage_folder(work_dir, "corpus", identity)
     if done:
         return out
+    groups = {"dev": [dev], "test": tests, "train": train}
 
     started = time.perf_counter()
     with atomic_dir(out) as tmp:
@@ -151,13 +162,16 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
         del eval_pairs
         writer = _SplitWriter(tmp / "train.parquet", "train", data.write_batch_rows)
         read: Counter = Counter()
+        symbols: set[str] = set()  # parsing: the closed target vocabulary of the kept training trees
         for source in train:
             name = source.spec.name
             for line, src, tgt in _progress(source.pairs(), name):
                 read[name] += 1
-                s, t = normalize(src), normalize(tgt)
+                s, t = normalize(src), normalize(source.model_target(tgt))
                 if keep.keep(s, t):
                     writer.add(name, line, s, t, None)
+                    if source.spec.format == "ptb":
+                        symbols.update(t.split())
         entry = writer.close()
         report = _cleaning_report(sum(read.values()), counts, entry["rows"])
         if not entry["rows"]:
@@ -175,10 +189,11 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
             "code": identity["code"],
             "src_lang": data.src_lang,
             "tgt_lang": data.tgt_lang,
-            "config": config,
+            "config": identity["config"],
             "inputs": _provenance(groups, with_rows=True),
             "splits": splits,
             "eval_normalization": dict(sorted(eval_counts.items())),
+            **({"target_symbols": sorted(symbols)} if symbols else {}),
             # NFC depends on the Unicode tables of the Python that ran; record them with the writer's version.
             "versions": {"python": platform.python_version(), "unicode": unicodedata.unidata_version,
                          "pyarrow": pa.__version__},

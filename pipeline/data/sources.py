@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import SourceSpec
 from pipeline.fsutil import sha256_file
+from pipeline.parsing.trees import TreeError, clean, linearize, parse_tree, read_trees
 
 Pair = tuple[int, str, str]  # (1-based line in the source, source sentence, target sentence)
 
@@ -120,6 +121,10 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def pairs(self) -> Iterator[Pair]:
         """Stream ``(line, src, tgt)``; sets ``info.rows_read`` when exhausted."""
+
+    def model_target(self, tgt: str) -> str:
+        """What the model learns to produce from ``tgt`` as read (kept as ``tgt_raw`` for scoring): ``tgt`` itself."""
+        return tgt
 
 
 class TextSource(Source):
@@ -411,6 +416,10 @@ def _hub_reachable(timeout: float = 5.0) -> str | None:
         return f"{url.hostname}:{port}: {e}"
 
 
+class HubUnavailable(DataError):
+    """The hub could not be reached or did not serve the dataset: worth retrying later (unlike bad input)."""
+
+
 class HubSource(DatasetSource):
     """A dataset on the Hugging Face hub, cached under ``HF_DATASETS_CACHE``.
 
@@ -426,15 +435,64 @@ class HubSource(DatasetSource):
                               "revision": spec.revision or ""}
         ident = f"{spec.dataset}" + (f" ({spec.subset})" if spec.subset else "") + f" split {spec.split!r}"
         if not _hub_offline() and (why := _hub_reachable()):
-            raise DataError(
+            raise HubUnavailable(
                 f"{self.where}: cannot reach the Hugging Face hub for {ident} ({why}). If the dataset is in your "
                 f"cache, set HF_HUB_OFFLINE=1 to use it; otherwise {LOCAL_ALTERNATIVE}"
             )
         try:
             return datasets.load_dataset(spec.dataset, spec.subset, split=spec.split, revision=spec.revision)
         except Exception as e:  # the hub client raises many types (HTTP, offline, missing split); all end here
-            hint = f"HF_HUB_OFFLINE is set and it is not in the cache; {LOCAL_ALTERNATIVE}" if _hub_offline() else LOCAL_ALTERNATIVE
-            raise DataError(f"{self.where}: could not load {ident}: {type(e).__name__}: {e}. {hint}") from None
+            if _hub_offline():
+                raise DataError(f"{self.where}: could not load {ident}: {type(e).__name__}: {e}. HF_HUB_OFFLINE is "
+                                f"set and it is not in the cache; {LOCAL_ALTERNATIVE}") from None
+            raise HubUnavailable(f"{self.where}: could not load {ident}: {type(e).__name__}: {e}. "
+                                 f"{LOCAL_ALTERNATIVE}") from None
+
+
+class PtbSource(Source):
+    """Penn Treebank trees (``.mrg`` files or one tree per line): ``path`` a file, or a folder + ``include`` globs.
+
+    Yields ``(n, words, tree)``: ``n`` counts the source's trees from 1 (files in sorted path order), ``words``
+    are the tree's words without ``-NONE-`` elements, ``tree`` the gold tree as distributed on one line (scored
+    against). :meth:`model_target` gives the linearised, cleaned tree the model learns (pipeline.parsing.trees).
+    """
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        path = resolve_inside(self.root, self.spec.path, f"{self.where}.path")
+        if self.spec.include:
+            if not path.is_dir():
+                raise DataError(f"{self.where}: 'include' needs 'path' to be a folder, but {path} is not one")
+            self.paths = sorted({p for pattern in self.spec.include for p in path.glob(pattern) if p.is_file()})
+            if not self.paths:
+                raise DataError(f"{self.where}: no file under {path} matches include {self.spec.include}; check "
+                                "data.root and the patterns (e.g. WSJ sections: '0[2-9]/*.mrg')")
+            for p in self.paths:
+                _existing_file(p, self.where)
+        else:
+            if path.is_dir():
+                raise DataError(f"{self.where}: {path} is a folder; give 'include' patterns selecting its tree files")
+            self.paths = [_existing_file(path, self.where)]
+        self.info.location = {"path": self._rel(path), "include": ",".join(self.spec.include or [])}
+        self._record_files(self.paths)
+
+    def pairs(self) -> Iterator[Pair]:
+        n = 0
+        for path in self.paths:
+            try:
+                for line, tree in read_trees(path):
+                    cleaned = clean(tree)
+                    if cleaned is None:
+                        raise DataError(f"{path}: line {line}: the tree has no word besides -NONE- elements; "
+                                        "it cannot be parsed or scored, remove it")
+                    n += 1
+                    yield n, " ".join(cleaned.words()), str(tree)
+            except TreeError as e:
+                raise DataError(str(e)) from None
+        self.info.rows_read = n
+
+    def model_target(self, tgt: str) -> str:
+        return linearize(clean(parse_tree(tgt)))
 
 
 _READERS: dict[str, type[Source]] = {
@@ -445,6 +503,7 @@ _READERS: dict[str, type[Source]] = {
     "arrow": ArrowSource,
     "hf_disk": DatasetSource,
     "hub": HubSource,
+    "ptb": PtbSource,
 }
 
 

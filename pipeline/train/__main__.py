@@ -16,6 +16,9 @@ Two nodes (run on each node, same command but its own ``--node-rank``; HOST0 is 
     torchrun --nnodes 2 --nproc_per_node 8 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
         --rdzv-id my-run -m pipeline.train --config wmt14-en-de-base --out /shared/runs/base
 
+With ``--mlflow-run-id RUN_ID`` rank 0 also logs params, step metrics and system metrics into that MLflow run
+(``pipeline.tracking.MlflowSink``); the server is ``MLFLOW_TRACKING_URI``, checked before training starts.
+
 Running the same command again resumes from the newest intact checkpoint in ``--out``. Without ``--shards``
 the shards are built (or reused: every stage is a cached no-op when unchanged) from the config, on rank 0
 first while the other ranks wait. ``--out`` defaults to the config's run folder (``pipeline.stages.run_dir``:
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -45,7 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p)
     p.add_argument("--shards", type=Path, help="shard folder (default: build or reuse it from the config)")
     p.add_argument("--out", type=Path, help="run folder: checkpoints, metrics.jsonl, train_summary.json")
+    p.add_argument("--mlflow-run-id", help="also log into this MLflow run (rank 0; server: MLFLOW_TRACKING_URI)")
     return p
+
+
+def mlflow_sinks(run_id: str | None, info: DistInfo) -> list:
+    """An MLflow sink on rank 0 when a run id is given (tracking is imported only then: it pulls in mlflow)."""
+    if not run_id or not info.is_main:
+        return []
+    from pipeline.tracking import MlflowSink, TrackingError
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise TrackingError("--mlflow-run-id needs MLFLOW_TRACKING_URI, the tracking server's address "
+                            "(e.g. http://127.0.0.1:5000)")
+    return [MlflowSink(run_id, uri)]
 
 
 def ensure_shards(cfg: RunConfig, info: DistInfo) -> Path:
@@ -61,15 +79,26 @@ def main(argv: list[str] | None = None) -> int:
     info = setup()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"%(asctime)s %(levelname)s [rank {info.rank}] %(name)s: %(message)s")
+    errors = user_errors()
+    if args.mlflow_run_id:
+        from pipeline.tracking import TrackingError
+
+        errors = (*errors, TrackingError)
+    sinks: list = []
     try:
         cfg = resolve_config(args)
+        sinks = mlflow_sinks(args.mlflow_run_id, info)  # fails here, before training, if the server is down
         shards = args.shards or ensure_shards(cfg, info)
         out = args.out or run_dir(cfg)
-        out = train(cfg, shards, out, info=info)
-    except user_errors() as e:
+        out = train(cfg, shards, out, sinks=sinks, info=info)
+        for s in sinks:
+            s.close()  # raises TrackingError if buffered metrics cannot be sent
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        for s in sinks:
+            s.close()  # after a failure, still send what was logged (a no-op once closed)
         teardown(info)
     if info.is_main:
         print(out)

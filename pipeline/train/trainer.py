@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler
 from pipeline.config import RunConfig, dump_config
-from pipeline.fsutil import sha256_file, write_json
+from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.shards import MANIFEST, ShardDataset, token_batches
 
 from .checkpoint import check_compatible, find_latest, load_checkpoint, read_index, save_checkpoint
@@ -266,7 +266,7 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
     all_sinks: list[MetricsSink] = []
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(dump_config(cfg), encoding="utf-8")
+        write_text(out_dir / "config.yaml", dump_config(cfg))
         all_sinks = [JsonlSink(out_dir / "metrics.jsonl"), ConsoleSink(t.max_steps, step), *sinks]
         params = {**_flat(cfg.model_dump(mode="json")), "world_size": info.world_size, "accumulation_steps": accum,
                   "num_parameters": model.num_parameters(), "device": str(info.device),

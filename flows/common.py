@@ -1,0 +1,79 @@
+"""The stage sequence every pipeline flow composes (translation and parsing differ only in their configs):
+
+    data -> tokenizer -> shards -> train (torchrun) -> average -> evaluate -> register (+ champion) -> report
+
+Each stage task is cached across runs on the content of its inputs, its config and its code; each stage also
+gets a child run in MLflow under the pipeline's parent run, reused stages included.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.runtime import flow_run
+
+from pipeline.config import RunConfig, load_config
+from tasks.caching import run_cached
+from tasks.report import publish_report
+from tasks.stages import average, evaluate, prepare_data, train_tokenizer, write_shards
+from tasks.tracking import finish_tracking, log_stage, open_stage, register, start_tracking
+from tasks.training import train
+
+
+@task(name="resolve-config")
+def resolve_config(config: str, overrides: dict[str, Any], data_root: str | None, flow_name: str,
+                   expect: dict[str, str]) -> RunConfig:
+    """Load the named config with the run's overrides; refuse one this flow is not for (``expect``: field ->
+    value, e.g. the language pair, or ``task: parsing``)."""
+    cfg = load_config(config, overrides, data_root=data_root)
+    got = {"src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang, "task": cfg.task}
+    wrong = {k: got[k] for k, v in expect.items() if got[k] != v}
+    if wrong:
+        raise ValueError(f"config {config!r} has {wrong}, but flow {flow_name} needs {expect}; pick a config for "
+                         "this flow or run the flow made for that config")
+    return cfg
+
+
+def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root: str | None,
+                 overrides: dict[str, Any] | None, max_steps: int | None, max_minutes: float | None,
+                 tracking_uri: str | None, register_model: bool) -> dict:
+    """The stages in order; returns the stage outputs, the scores file and the promotion decision."""
+    shortcuts = {k: v for k, v in (("train.max_steps", max_steps), ("train.max_minutes", max_minutes)) if v is not None}
+    # The worker's environment is the deployment's: it may point at local corpora and at the tracking server.
+    data_root = data_root or os.environ.get("AIAYN_DATA_ROOT") or None
+    overrides = {**({"work_dir": os.environ["AIAYN_WORK_DIR"]} if os.environ.get("AIAYN_WORK_DIR") else {}),
+                 **(overrides or {}), **shortcuts}
+    cfg = resolve_config(config, overrides, data_root, flow_name, expect)
+    work = Path(cfg.work_dir).resolve()
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
+    parent = start_tracking(cfg, uri, run_name=flow_run.get_name() or cfg.name,
+                            tags={"prefect.flow": flow_name, "prefect.flow_run_id": str(flow_run.get_id() or ""),
+                                  "prefect.flow_run_url": str(flow_run.get_flow_run_ui_url() or "")})
+    try:
+        stages: dict[str, tuple[Path, bool]] = {}
+        corpus, hit = stages["data"] = run_cached(prepare_data, data=cfg.data, work_dir=work)
+        log_stage(parent, "data", hit, {"corpus": corpus})
+        tokenizer, hit = stages["tokenizer"] = run_cached(train_tokenizer, corpus=corpus, tokenizer=cfg.tokenizer,
+                                                          work_dir=work)
+        shards, hit_shards = stages["shards"] = run_cached(write_shards, corpus=corpus, tokenizer_dir=tokenizer,
+                                                           tokenizer=cfg.tokenizer, work_dir=work)
+        log_stage(parent, "tokenize", hit and hit_shards, {"tokenizer": tokenizer, "shards": shards})
+        train_run = open_stage(parent, "train")
+        run, hit = stages["train"] = run_cached(train, cfg=cfg, shards=shards, launch=cfg.launch,
+                                                tracking_run_id=train_run)
+        log_stage(parent, "train", hit, {"run": run}, run_id=train_run)
+        averaged, hit = stages["average"] = run_cached(average, checkpoints=run / "checkpoints", cfg=cfg.average)
+        scores, hit = stages["evaluate"] = run_cached(evaluate, cfg=cfg, checkpoint=averaged, tokenizer_dir=tokenizer,
+                                                      corpus=corpus, shards=shards)
+        log_stage(parent, "evaluate", hit, {"checkpoint": averaged, "tokenizer": tokenizer, "scores": scores},
+                  attention_sentences=cfg.tracking.attention_sentences)
+        decision = register(cfg, parent, averaged, tokenizer, scores) if register_model else None
+        publish_report(cfg, stages, decision, parent)
+    except BaseException:
+        finish_tracking(parent, "FAILED")
+        raise
+    finish_tracking(parent, "FINISHED")
+    return {"stages": {k: str(v[0]) for k, v in stages.items()}, "scores": str(scores), "decision": decision}

@@ -1,0 +1,274 @@
+"""The local stack: everything a user needs on one machine, bound to 127.0.0.1.
+
+    python -m pipeline.localstack up [--data-root DIR]   # Prefect server + work pool + deployments + worker, MLflow
+    python -m pipeline.localstack status
+    python -m pipeline.localstack down                   # stops exactly the processes ``up`` started
+
+``up`` starts a Prefect server (SQLite), an MLflow tracking server (SQLite + a local artifact folder), creates
+the process work pool, deploys ``prefect.yaml`` and starts a worker; it prints the two UI addresses. It is safe
+to run twice: a service whose recorded process is alive and healthy is kept. Every process is recorded in
+``<home>/stack.json`` with its PID and start time, so ``down`` never signals a process it did not start, even
+after a PID was reused. Ports default to Prefect's 4200 and MLflow's 5000 (``--prefect-port``, ``--mlflow-port``).
+
+The Prefect CLI finds the server through ``prefect.toml`` in the project root (``api.url``), so after ``up``
+``prefect deployment run 'train-en-de/multi30k-cpu' --watch`` works from the project root. With other ports,
+export the ``PREFECT_API_URL`` that ``up`` prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from pipeline.fsutil import write_json
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+WORK_POOL = "aiayn-cpu"  # the process pool prefect.yaml deploys to
+
+
+class StackError(RuntimeError):
+    """A service did not start or a port is taken; the message says which and where its log is."""
+
+
+@dataclass
+class Service:
+    """One started process: enough to find it again (pid + start time) and to reach it (url)."""
+
+    name: str
+    pid: int
+    create_time: float
+    url: str
+    log: str
+
+    def alive(self) -> bool:
+        """True only if the recorded PID still runs the process we started (not a reused PID)."""
+        try:
+            return abs(psutil.Process(self.pid).create_time() - self.create_time) < 1.0
+        except psutil.Error:
+            return False
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM the service's process group (it was started in its own session), then SIGKILL what is left."""
+        if not self.alive():
+            return
+        leader = psutil.Process(self.pid)
+        procs = [leader, *leader.children(recursive=True)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for proc in procs:
+                try:
+                    proc.send_signal(sig)
+                except psutil.Error:
+                    pass
+            _, procs = psutil.wait_procs(procs, timeout=timeout_s)
+            procs = [p for p in procs if _running(p)]
+            if not procs:
+                return
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (tests start servers on these)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((HOST, port)) == 0
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def start_service(name: str, cmd: list[str], env: dict[str, str], health_url: str | None, url: str, log: Path,
+                  timeout_s: float = 120.0) -> Service:
+    """Start ``cmd`` in its own session (so SIGTERM reaches it and its children), wait until ``health_url``
+    answers 200, and return it; on failure stop it and raise :class:`StackError` with the log's tail."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=REPO, start_new_session=True)
+    service = Service(name, proc.pid, psutil.Process(proc.pid).create_time(), url, str(log))
+    deadline = time.monotonic() + timeout_s
+    while health_url is not None and not healthy(health_url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            service.stop()
+            why = f"exited with status {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s:.0f} s"
+            raise StackError(f"{name} {why}; its log ({log}) ends with:\n{_tail(log)}")
+        time.sleep(0.3)
+    return service
+
+
+def start_mlflow(home: Path, port: int) -> Service:
+    """An MLflow tracking server on 127.0.0.1:``port``: runs and registry in SQLite, artifacts in a folder."""
+    home = home.resolve()
+    (home / "artifacts").mkdir(parents=True, exist_ok=True)
+    if port_in_use(port):
+        raise StackError(f"port {port} on {HOST} is taken; stop what uses it or pass --mlflow-port")
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # ~500 MB less (STACK-NOTES)
+    cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", HOST, "--port", str(port),
+           "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
+           "--artifacts-destination", str(home / "artifacts")]
+    url = f"http://{HOST}:{port}"
+    return start_service("mlflow", cmd, env, f"{url}/health", url, home / "mlflow.log")
+
+
+def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
+    """Environment for Prefect processes of this stack: its own PREFECT_HOME (database, result storage)."""
+    env = {**os.environ, "PREFECT_HOME": str(home.resolve()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "AIAYN_PROJECT_DIR": str(REPO)}  # prefect.yaml's pull step runs flows in this checkout
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def start_prefect_server(home: Path, port: int) -> Service:
+    """A Prefect server on 127.0.0.1:``port`` with SQLite under ``home``."""
+    if port_in_use(port):
+        raise StackError(f"port {port} on {HOST} is taken; stop what uses it or pass --prefect-port")
+    env = prefect_env(home, None)
+    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_SERVER_API_PORT"] = str(port)  # without it the UI calls the default port (STACK-NOTES)
+    env["PREFECT_SERVER_API_HOST"] = HOST
+    cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", HOST, "--port", str(port)]
+    url = f"http://{HOST}:{port}"
+    return start_service("prefect-server", cmd, env, f"{url}/api/health", url, home / "server.log")
+
+
+def prefect_cli(args: list[str], env: dict[str, str]) -> None:
+    """Run a Prefect CLI command from the project root; raise :class:`StackError` with its output if it fails."""
+    res = subprocess.run([str(Path(sys.executable).with_name("prefect")), "--no-prompt", *args], env=env, cwd=REPO,
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        raise StackError(f"prefect {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+
+
+def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str, str]) -> Service:
+    """A process worker on the stack's pool; flow runs inherit its environment (tracking URI, data root)."""
+    env = {**prefect_env(home, api_url), "MLFLOW_TRACKING_URI": mlflow_url, **extra_env}
+    cmd = [str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", WORK_POOL,
+           "--type", "process"]
+    # A worker has no health endpoint by default; it is up once its process runs (it polls the server).
+    return start_service("prefect-worker", cmd, env, None, api_url, home / "worker.log")
+
+
+class Stack:
+    """The recorded services of one stack home (``<home>/stack.json``)."""
+
+    def __init__(self, home: Path):
+        self.home = home.resolve()
+        self.state = self.home / "stack.json"
+
+    def load(self) -> dict[str, Service]:
+        if not self.state.is_file():
+            return {}
+        return {k: Service(**v) for k, v in json.loads(self.state.read_text(encoding="utf-8")).items()}
+
+    def save(self, services: dict[str, Service]) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        write_json(self.state, {k: asdict(v) for k, v in services.items()})
+
+    def up(self, prefect_port: int, mlflow_port: int, data_root: Path | None = None,
+           work_dir: Path | None = None) -> dict[str, Service]:
+        """Start what is not running, deploy prefect.yaml, and return the services (safe to call twice)."""
+        services = {k: s for k, s in self.load().items() if s.alive()}
+        if "mlflow" not in services:
+            services["mlflow"] = start_mlflow(self.home / "mlflow", mlflow_port)
+            self.save(services)
+        if "prefect-server" not in services:
+            services["prefect-server"] = start_prefect_server(self.home / "prefect", prefect_port)
+            self.save(services)
+        api_url = services["prefect-server"].url + "/api"
+        env = prefect_env(self.home / "prefect", api_url)
+        prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"], env)
+        prefect_cli(["deploy", "--all"], env)
+        extra = {}
+        if data_root is not None:
+            extra["AIAYN_DATA_ROOT"] = str(data_root.resolve())
+        if work_dir is not None:
+            extra["AIAYN_WORK_DIR"] = str(work_dir.resolve())
+        if "prefect-worker" not in services:
+            services["prefect-worker"] = start_worker(self.home / "prefect", api_url, services["mlflow"].url, extra)
+            self.save(services)
+        return services
+
+    def down(self) -> list[str]:
+        """Stop exactly the recorded processes that are still ours; forget the record. Returns their names."""
+        services = self.load()
+        stopped = []
+        for name in ("prefect-worker", "prefect-server", "mlflow"):  # worker first: it talks to the server
+            if name in services and services[name].alive():
+                services[name].stop()
+                stopped.append(name)
+        self.state.unlink(missing_ok=True)
+        return stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.localstack", description=__doc__.splitlines()[0])
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--home", type=Path, default=Path(os.environ.get("AIAYN_STACK_HOME", REPO / "runs" / "stack")),
+                   help="where the stack keeps its databases, artifacts, logs and PID records (default runs/stack)")
+    p.add_argument("--prefect-port", type=int, default=4200)
+    p.add_argument("--mlflow-port", type=int, default=5000)
+    p.add_argument("--data-root", type=Path, help="local corpora for flow runs (sets AIAYN_DATA_ROOT for the worker)")
+    p.add_argument("--work-dir", type=Path, help="where flow runs write stage outputs (AIAYN_WORK_DIR)")
+    args = p.parse_args(argv)
+    stack = Stack(args.home)
+    try:
+        if args.action == "up":
+            services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir)
+            print(f"Prefect UI:  {services['prefect-server'].url}")
+            print(f"MLflow UI:   {services['mlflow'].url}")
+            print(f"worker:      pool {WORK_POOL}, log {services['prefect-worker'].log}")
+            print(f"export PREFECT_API_URL={services['prefect-server'].url}/api "
+                  f"MLFLOW_TRACKING_URI={services['mlflow'].url}")
+        elif args.action == "down":
+            stopped = stack.down()
+            print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
+        else:
+            services = stack.load()
+            for name, s in services.items():
+                print(f"{name:<15} {'up' if s.alive() else 'down':<5} pid {s.pid:<8} {s.url}  log {s.log}")
+            if not services:
+                print("no stack recorded under", stack.home)
+    except StackError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

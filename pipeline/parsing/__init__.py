@@ -1,0 +1,1 @@
+"""English constituency parsing (paper section 6.3): treebank trees, linearisation, repair and EVALB scoring."""

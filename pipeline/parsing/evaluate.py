@@ -1,0 +1,121 @@
+"""Parsing evaluation: beam search from a checkpoint, repair into trees, EVALB (COLLINS.prm) scores.
+
+Per dev/test split of a parsing corpus (``src`` = words, ``tgt_raw`` = the gold tree as distributed):
+
+1. the model writes a bracket sequence for each sentence (the paper's decoding: beam 21, alpha 0.3, at most
+   input length + 300 tokens; ``cfg.decode``);
+2. :func:`pipeline.parsing.trees.repair` makes it a tree over exactly the sentence's words, counting every
+   output that needed it; the model writes ``XX`` for POS tags, so the tree's preterminals take the gold tags
+   (tags are not scored: they only tell EVALB which words are punctuation, as they do in the gold tree);
+3. :mod:`pipeline.parsing.evalb` scores it against the gold tree, labelled (the paper's F1) and unlabelled, next
+   to the right-branching baseline on the same sentences.
+
+Outputs in the evaluation folder: ``<split>.hyp`` (one repaired tree per line, EVALB's input format),
+``<split>.gold`` (the gold trees without their outer bracket, one per line: ``evalb -p COLLINS.prm <split>.gold
+<split>.hyp`` reproduces the scores), ``<split>.raw`` (the model's output before repair), ``<split>.samples.md``
+and ``<split>.samples.json`` (words / gold / output / tree for humans and tracking), and ``scores.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pyarrow.parquet as pq
+
+from model import Transformer
+from pipeline.config import DecodeConfig
+from pipeline.data import read_manifest
+from pipeline.evaluate import SAMPLE_ROWS, eval_split_keys, load_model, samples_markdown, translate
+from pipeline.fsutil import sha256_file, write_json, write_text
+from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
+from pipeline.parsing.trees import Repair, Tree, parse_tree, remove_empty, repair, right_branching, strip_root
+from pipeline.tokenize import Tokenizer
+
+log = logging.getLogger("aiayn.parsing")
+
+
+def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
+          tags: Sequence[Sequence[str]] | None = None,
+          progress: Callable[[int], None] | None = None) -> tuple[list[str], list[tuple[Tree, Repair]]]:
+    """The model's raw outputs for tokenized ``sentences`` (words separated by spaces) and, for each, the
+    repaired tree over its words with what repair changed. ``tags`` (one list per sentence) fill the
+    preterminals; without them every tag is ``XX``."""
+    outputs = translate(model, tokenizer, sentences, decode, progress)
+    trees = [repair(out, sent.split(), tags[i] if tags is not None else None)
+             for i, (out, sent) in enumerate(zip(outputs, sentences))]
+    return outputs, trees
+
+
+def _summaries(golds: list[Tree], tests: list[Tree]) -> dict:
+    labeled = score_corpus(zip(golds, tests), COLLINS)
+    unlabeled = score_corpus(zip(golds, tests), UNLABELED)
+    return {"labeled": {k: v.as_dict() for k, v in labeled.items()},
+            "unlabeled": {k: v.as_dict() for k, v in unlabeled.items()}}
+
+
+def score_parses(golds: list[Tree], tests: list[Tree], repairs: list[Repair]) -> dict:
+    """The scores of one split: EVALB (labelled: the paper's F1; unlabelled), repair statistics and the
+    right-branching baseline's EVALB scores on the same sentences. Top-level numbers are EVALB's "all
+    sentences" summary in percent; rates are fractions."""
+    n = len(golds)
+    evalb = _summaries(golds, tests)
+    baseline = _summaries(golds, [right_branching(remove_empty(g).tagged_words()) for g in golds])
+    kinds = Counter(kind for r in repairs for kind, v in vars(r).items() if v)
+    repaired = sum(r.needed for r in repairs)
+    top = evalb["labeled"]["all"]
+    return {
+        "sentences": n,
+        "precision": top["precision"], "recall": top["recall"], "f1": top["f1"], "exact_match": top["exact_match"],
+        "unlabeled_f1": evalb["unlabeled"]["all"]["f1"],
+        "f1_len40": evalb["labeled"][f"len<={COLLINS.cutoff_len}"]["f1"],
+        "well_formed_before_repair_rate": round(1 - repaired / n, 4) if n else 0.0,
+        "repaired_rate": round(repaired / n, 4) if n else 0.0,
+        "repairs": {"sentences": repaired, **{k: kinds[k] for k in sorted(kinds)}},
+        "right_branching_f1": baseline["labeled"]["all"]["f1"],
+        "right_branching_unlabeled_f1": baseline["unlabeled"]["all"]["f1"],
+        "evalb": {**evalb, "params": "COLLINS.prm (unlabeled: LABELED 0)"},
+        "right_branching": baseline,
+    }
+
+
+def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, out_dir: Path,
+                     splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+    """Parse each dev/test split of the corpus with the checkpoint and score it with EVALB; returns
+    ``scores.json``. ``splits`` defaults to every split but ``train``."""
+    corpus = read_manifest(corpus_dir)
+    keys = eval_split_keys(corpus, corpus_dir, splits)
+    model = load_model(checkpoint, device)
+    tokenizer = Tokenizer(tokenizer_dir)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for key in keys:
+        table = pq.read_table(Path(corpus_dir) / corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
+        src, raw_golds = table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
+        golds = [strip_root(parse_tree(g)) for g in raw_golds]
+        tags = [[t for t, _ in remove_empty(g).tagged_words()] for g in golds]
+        outputs, parsed = parse(model, tokenizer, src, decode, tags)
+        trees, repairs = [t for t, _ in parsed], [r for _, r in parsed]
+        write_text(out_dir / f"{key}.hyp", "".join(f"{t}\n" for t in trees))
+        write_text(out_dir / f"{key}.gold", "".join(f"{g}\n" for g in golds))
+        write_text(out_dir / f"{key}.raw", "".join(f"{o}\n" for o in outputs))
+        samples = [(s, str(g), o, str(t), "yes" if r.needed else "no")
+                   for s, g, o, t, r in list(zip(src, golds, outputs, trees, repairs))[:SAMPLE_ROWS]]
+        write_text(out_dir / f"{key}.samples.md", samples_markdown(
+            f"{key}: sample parses", ("words", "gold", "output", "tree", "repaired"), samples))
+        write_json(out_dir / f"{key}.samples.json",
+                   [{"source": s, "reference": g, "output": o, "hypothesis": t, "repaired": r == "yes"}
+                    for s, g, o, t, r in samples])
+        results[key] = {"name": corpus["splits"][key].get("name", key), **score_parses(golds, trees, repairs)}
+        r = results[key]
+        log.info("%s: EVALB F1 %.2f (P %.2f R %.2f, exact %.2f), well-formed before repair %.1f%%, "
+                 "right-branching F1 %.2f", key, r["f1"], r["precision"], r["recall"], r["exact_match"],
+                 100 * r["well_formed_before_repair_rate"], r["right_branching_f1"])
+    path = out_dir / "scores.json"
+    write_json(path, {"task": "parsing", "checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+                      "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
+                      "decoding": decode.model_dump(), "splits": results})
+    return path

@@ -1,0 +1,115 @@
+"""Data lineage: the raw sources, the cleaned corpus and the token shards as MLflow dataset inputs.
+
+Each dataset carries a source (where it came from) and a digest (its content hash from the stage manifest), so
+two runs on different data show different datasets in the UI's "Datasets used" column and run comparison.
+Inputs are logged on the given run and on its parent (the pipeline run), where runs are usually compared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlflow.data.dataset_source import DatasetSource
+from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.data.sources import LocalArtifactDatasetSource
+from mlflow.entities import DatasetInput, InputTag
+from mlflow.types import ColSpec, DataType, Schema
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
+
+from pipeline.data import read_manifest
+from pipeline.fsutil import MANIFEST
+from pipeline.shards import read_shard_manifest
+from pipeline.tokenize import Tokenizer
+
+from .runs import client, content_digest, log_metrics, set_tags
+
+# The corpus Parquet columns (docs/formats.md), shown as the dataset schema.
+CORPUS_SCHEMA = Schema([ColSpec(DataType.string, "split"), ColSpec(DataType.string, "origin"),
+                        ColSpec(DataType.long, "line"), ColSpec(DataType.string, "src"),
+                        ColSpec(DataType.string, "tgt"), ColSpec(DataType.string, "tgt_raw", required=False)])
+
+
+def _dataset_input(name: str, source: DatasetSource, digest: str, context: str, schema: Schema | None = None,
+                   **tags: object) -> DatasetInput:
+    ds = MetaDataset(source, name=name, digest=digest[:32], schema=schema)
+    input_tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)] + [InputTag(k, str(v)) for k, v in tags.items()]
+    return DatasetInput(ds._to_mlflow_entity(), input_tags)
+
+
+def log_inputs(run_id: str, inputs: list[DatasetInput]) -> None:
+    """Log dataset inputs on ``run_id`` and, for a child run, on its parent as well."""
+    c = client()
+    c.log_inputs(run_id, inputs)
+    parent = c.get_run(run_id).data.tags.get(MLFLOW_PARENT_RUN_ID)
+    if parent:
+        c.log_inputs(parent, inputs)
+
+
+def _raw_source(entry: dict) -> DatasetSource:
+    loc = entry["location"]
+    if entry["format"] == "hub":
+        return HuggingFaceDatasetSource(loc["dataset"], config_name=loc["subset"] or None, split=loc["split"],
+                                        revision=loc["revision"] or None)
+    # Local sources: paths relative to data.root, as the manifest records them (the root differs per machine).
+    return LocalArtifactDatasetSource(loc.get("files") or loc.get("file") or loc["path"])
+
+
+def log_corpus(run_id: str, corpus_dir: Path) -> dict:
+    """Log the data stage: its manifest (artifact), row and cleaning counts (metrics), and as inputs each raw
+    source (context ``raw``: source = its files or hub dataset, digest = hash of its input file hashes) and each
+    cleaned split (context ``corpus``: source = its Parquet file, digest = its sha256). Returns the metrics."""
+    corpus_dir = Path(corpus_dir).resolve()
+    manifest = read_manifest(corpus_dir)
+    c = client()
+    c.log_artifact(run_id, str(corpus_dir / MANIFEST), "data/corpus")
+    metrics: dict[str, float] = {}
+    for key, split in manifest["splits"].items():
+        metrics[f"corpus.{key}.rows"] = split["rows"]
+    cleaning = manifest["splits"]["train"]["cleaning"]
+    metrics["corpus.train.read"], metrics["corpus.train.kept"] = cleaning["read"], cleaning["kept"]
+    metrics.update({f"corpus.train.removed.{k}": v for k, v in cleaning["removed"].items()})
+    metrics.update({f"corpus.train.normalized.{k}": v for k, v in cleaning["normalized"].items()})
+    log_metrics(run_id, metrics)
+    set_tags(run_id, {"corpus_fingerprint": manifest["fingerprint"][:16]})
+
+    inputs = []
+    for role, entries in manifest["inputs"].items():
+        for entry in entries:
+            digest = content_digest({"files": entry.get("files"), "fingerprint": entry.get("fingerprint")})
+            inputs.append(_dataset_input(entry["name"], _raw_source(entry), digest, "raw", role=role,
+                                         format=entry["format"], rows_read=entry["rows_read"]))
+    for key, split in manifest["splits"].items():
+        inputs.append(_dataset_input(f"corpus/{key}", LocalArtifactDatasetSource(str(corpus_dir / split["file"])),
+                                     split["sha256"], "corpus", CORPUS_SCHEMA, split=key, rows=split["rows"]))
+    log_inputs(run_id, inputs)
+    return metrics
+
+
+def log_tokenizer(run_id: str, tokenizer_dir: Path, shards_dir: Path) -> dict:
+    """Log the tokenizer stage: sentencepiece model, vocabulary and both manifests (artifacts), vocabulary and
+    token statistics (metrics), and each split's shards as an input (context ``shards``: source = the shard
+    folder, digest = hash of its shard files' sha256). Returns the metrics."""
+    tokenizer_dir, shards_dir = Path(tokenizer_dir).resolve(), Path(shards_dir).resolve()
+    tok = Tokenizer(tokenizer_dir)  # checks the model file against its manifest
+    shards = read_shard_manifest(shards_dir)
+    c = client()
+    for name in (tok.model_path.name, "spm.vocab", MANIFEST):
+        c.log_artifact(run_id, str(tokenizer_dir / name), "tokenizer")
+    c.log_artifact(run_id, str(shards_dir / MANIFEST), "data/shards")
+
+    metrics: dict[str, float] = {"tokenizer.vocab_size": tok.vocab_size}
+    inputs = []
+    for key, split in shards["splits"].items():
+        metrics[f"shards.{key}.rows"] = split["rows"]
+        for side in ("src", "tgt"):
+            for stat in ("tokens", "mean_len", "max_len", "unk_rate", "byte_rate"):
+                metrics[f"shards.{key}.{side}.{stat}"] = split[side][stat]
+        digest = content_digest([s["sha256"] for s in split["shards"]])
+        inputs.append(_dataset_input(f"shards/{key}", LocalArtifactDatasetSource(str(shards_dir)), digest, "shards",
+                                     split=key, rows=split["rows"], files=len(split["shards"]),
+                                     tokenizer_sha256=tok.sha256[:16]))
+    log_metrics(run_id, metrics)
+    set_tags(run_id, {"tokenizer_sha256": tok.sha256[:16], "shards_fingerprint": shards["fingerprint"][:16]})
+    log_inputs(run_id, inputs)
+    return metrics

@@ -1,0 +1,95 @@
+"""Training and evaluation results on a run: summary, learning curves, scores, samples, heat-maps, checkpoint."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from pipeline.evaluate import load_model
+from pipeline.fsutil import sha256_file
+from pipeline.tokenize import Tokenizer
+
+from .plots import attention_figures, learning_curves, read_metrics
+from .runs import TrackingError, client, log_metrics, set_tags
+
+ATTENTION_MAX_PIECES = 30  # longer dev sentences make unreadable heat-maps; the first short ones are drawn
+
+
+def log_training(run_id: str, run_dir: Path) -> Path:
+    """Log a training run folder: ``train_summary.json``, ``config.yaml``, ``metrics.jsonl`` and the learning
+    curves (``plots/learning_curves.png``: train/dev loss, perplexity, learning rate, tokens/s). Returns the
+    PNG's local path."""
+    run_dir = Path(run_dir)
+    c = client()
+    for name in ("train_summary.json", "config.yaml", "metrics.jsonl"):
+        c.log_artifact(run_id, str(run_dir / name), "training")
+    summary = json.loads((run_dir / "train_summary.json").read_text(encoding="utf-8"))
+    set_tags(run_id, {"stopped_by": summary["stopped_by"], "world_size": summary["world_size"]})
+    log_metrics(run_id, {"train.steps": summary["steps"], "train.wall_seconds": summary["wall_seconds"],
+                         "train.tgt_tokens": summary["tokens"]["tgt"]}, step=summary["steps"])
+    out = Path(tempfile.mkdtemp(prefix="aiayn-plots-")) / "learning_curves.png"
+    learning_curves(read_metrics(run_dir / "metrics.jsonl"), out)
+    c.log_artifact(run_id, str(out), "plots")
+    return out
+
+
+def flat_scores(scores: dict) -> dict[str, float]:
+    """``scores.json`` as metrics named ``<set>.<score>`` (the set's name from the config): translation's named
+    scores (``newstest2014.sacrebleu``, ``test2016.chrf``, ``newstest2013.tok_bleu_compound_split``) and
+    parsing's numbers (``ptb-sample-test.f1``, ``.precision``, ``.well_formed_before_repair_rate``, ...)."""
+    flat = {}
+    for split in scores["splits"].values():
+        for key, value in split.items():
+            if isinstance(value, dict) and "score" in value:
+                flat[f"{split['name']}.{key}"] = float(value["score"])
+            elif isinstance(value, float):
+                flat[f"{split['name']}.{key}"] = value
+    return flat
+
+
+def log_evaluation(run_id: str, checkpoint: Path, tokenizer_dir: Path, scores_json: Path, *,
+                   attention_sentences: int = 3) -> dict[str, float]:
+    """Log an evaluation: every score per set as a metric (:func:`flat_scores`), the evaluation folder (hyps,
+    samples, ``scores.json``), a table of sample translations (``evaluation/samples_table.json``, one row per
+    sample: set, source, reference, hypothesis), the averaged checkpoint, and attention heat-maps for the first
+    ``attention_sentences`` short dev samples (``attention/``). Returns the scores as logged."""
+    checkpoint, scores_json = Path(checkpoint), Path(scores_json)
+    eval_dir = scores_json.parent
+    scores = json.loads(scores_json.read_text(encoding="utf-8"))
+    if sha256_file(checkpoint) != scores["checkpoint"]["sha256"]:
+        raise TrackingError(f"{checkpoint} is not the checkpoint {scores_json} scored (sha256 differs)")
+    metrics = flat_scores(scores)
+    c = client()
+    log_metrics(run_id, metrics)
+    first = next(iter(scores["splits"].values()))
+    set_tags(run_id, {f"signature.{k}": v["signature"] for k, v in first.items() if isinstance(v, dict) and "signature" in v}
+             | {"checkpoint_sha256": scores["checkpoint"]["sha256"][:16]})
+    c.log_artifacts(run_id, str(eval_dir), "evaluation")
+
+    samples = {}
+    for key, split in scores["splits"].items():
+        path = eval_dir / f"{key}.samples.json"
+        if not path.is_file():
+            raise TrackingError(f"{path} not found: the evaluation folder {eval_dir} predates sample files; "
+                                "re-run the evaluation (python -m pipeline evaluate)")
+        samples[key] = json.loads(path.read_text(encoding="utf-8"))
+    rows = [{"set": scores["splits"][k]["name"], **row} for k, split_rows in samples.items() for row in split_rows]
+    table = pd.DataFrame(rows, columns=list(dict.fromkeys(c for row in rows for c in row)) or ["set"])
+    c.log_table(run_id, table, "evaluation/samples_table.json")
+
+    c.log_artifact(run_id, str(checkpoint), "checkpoint")
+
+    if attention_sentences and "dev" in samples:
+        model, tokenizer = load_model(checkpoint), Tokenizer(tokenizer_dir)
+        short = [r for r in samples["dev"] if len(tokenizer.encode_batch([r["source"]])[0]) < ATTENTION_MAX_PIECES]
+        with tempfile.TemporaryDirectory(prefix="aiayn-attention-") as tmp:
+            for i, row in enumerate(short[:attention_sentences], start=1):
+                # Teacher-forced on the model's own translation: where it attended while producing it.
+                # (a parser's raw ``output`` is its target sequence; ``hypothesis`` is the repaired tree)
+                attention_figures(model, tokenizer, row["source"], row.get("output", row["hypothesis"]), Path(tmp),
+                                  f"dev{i}")
+            c.log_artifacts(run_id, tmp, "attention")
+    return metrics

@@ -1,0 +1,201 @@
+"""Connecting to the tracking server, the parent run per pipeline run and one child run per stage.
+
+Every call names its run by id through an :class:`mlflow.MlflowClient`: Prefect runs tasks in worker threads,
+so nothing here relies on MLflow's fluent "active run", which is per thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Iterable
+from urllib.parse import urlparse
+
+import mlflow
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from pipeline.config import REPO_ROOT, RunConfig, dump_config
+
+log = logging.getLogger("aiayn.tracking")
+
+# MLflow's limits (mlflow.utils.validation): longer param values are refused, bigger batches too.
+MAX_PARAM_VALUE = 6000
+BATCH_PARAMS = 100
+BATCH_METRICS = 1000
+
+
+class TrackingError(RuntimeError):
+    """Tracking cannot go on: an unreachable server, a deleted experiment, metrics that could not be sent.
+    The message names the server or run and what to do."""
+
+
+def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
+    """Raise :class:`TrackingError` at once unless an http(s) tracking server answers ``GET /health``.
+
+    Database and file URIs need no server and pass. This is the fail-fast check: MLflow's own client retries a
+    dead server for minutes before it gives up.
+    """
+    if urlparse(uri).scheme not in ("http", "https"):
+        return
+    url = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            if r.status == 200:
+                return
+            why = f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        why = f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        why = str(getattr(e, "reason", e))
+    raise TrackingError(f"MLflow tracking server {uri} is not reachable ({url}: {why}). Start it "
+                        "(python -m pipeline.localstack up) or point MLFLOW_TRACKING_URI at a running server.")
+
+
+def client() -> MlflowClient:
+    """A client for the tracking URI set by :func:`connect` (or ``MLFLOW_TRACKING_URI``)."""
+    return MlflowClient()
+
+
+def _experiment_id(c: MlflowClient, name: str) -> str:
+    exp = c.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return c.create_experiment(name)
+        except MlflowException:  # created meanwhile by a concurrent run: read it back
+            exp = c.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        raise TrackingError(f"MLflow experiment {name!r} ({exp.experiment_id}) is deleted: restore it "
+                            f"(mlflow experiments restore --experiment-id {exp.experiment_id}) or set "
+                            "tracking.experiment to another name")
+    return exp.experiment_id
+
+
+def connect(uri: str, experiment: str, timeout_s: float = 10.0) -> str:
+    """Check the server answers (fail fast), make ``uri`` this process's tracking URI (also exported as
+    ``MLFLOW_TRACKING_URI``, so subprocesses such as torchrun inherit it) and return the id of ``experiment``,
+    creating it if needed."""
+    check_reachable(uri, timeout_s)
+    mlflow.set_tracking_uri(uri)
+    return _experiment_id(MlflowClient(uri), experiment)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
+    """Nested dicts and lists as ``{"a.b.0.c": "value"}``, values as strings cut to MLflow's length limit."""
+    out: dict[str, str] = {}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else None
+    if items is None:
+        text = str(tree)
+        out[prefix.rstrip(".")] = text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 3] + "..."
+        return out
+    for k, v in items:
+        out.update(flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def git_commit() -> tuple[str, bool] | None:
+    """(HEAD commit, whether tracked files differ from it) of the repository, or None outside a git checkout."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read only: never rewrite the index
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, env=env)
+        if head.returncode != 0:
+            return None
+        status = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=30, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip(), bool(status.stdout.strip())
+
+
+def log_params(run_id: str, params: dict[str, Any]) -> None:
+    """Log params in MLflow-sized batches."""
+    c = client()
+    for batch in chunked([Param(k, str(v)) for k, v in params.items()], BATCH_PARAMS):
+        c.log_batch(run_id, params=batch)
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """Log metrics at one step in MLflow-sized batches."""
+    now = int(time.time() * 1000)
+    c = client()
+    for batch in chunked([Metric(k, float(v), now, step) for k, v in metrics.items()], BATCH_METRICS):
+        c.log_batch(run_id, metrics=batch)
+
+
+def set_tags(run_id: str, tags: dict[str, Any]) -> None:
+    """Set (or overwrite) tags on a run."""
+    client().log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+# Tags a child run copies from its parent, so that stage runs can be filtered on their own.
+INHERITED_TAGS = ("config_hash", "preset", "language_pair", "mlflow.source.git.commit")
+
+
+def start_pipeline_run(cfg: RunConfig, *, run_name: str, tags: dict[str, str]) -> str:
+    """Create the parent run of one pipeline run in ``cfg.tracking.experiment``; returns its id.
+
+    Params: the whole resolved config, flattened (``model.d_model``, ``data.train.0.name``, ...). The config
+    holds no credentials by design (those come from the environment), so all of it is logged. Artifact:
+    ``config.yaml``. Tags: git commit (and whether the checkout differs from it), config hash, preset,
+    language pair, config name, and ``tags`` (the flow passes its Prefect flow run id and UI address).
+    """
+    c = client()
+    experiment_id = _experiment_id(c, cfg.tracking.experiment)
+    all_tags = {"config_hash": cfg.section_hash(), "config_name": cfg.name, "preset": cfg.preset,
+                "language_pair": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", "mlflow.source.name": "aiayn-pipeline"}
+    git = git_commit()
+    if git is not None:
+        all_tags.update({"mlflow.source.git.commit": git[0], "git_dirty": str(git[1]).lower()})
+    all_tags.update(tags)
+    run = c.create_run(experiment_id, run_name=run_name, tags={k: str(v) for k, v in all_tags.items()})
+    run_id = run.info.run_id
+    log_params(run_id, flatten(cfg.model_dump(mode="json")))
+    c.log_text(run_id, dump_config(cfg), "config.yaml")
+    return run_id
+
+
+def start_stage_run(parent_run_id: str, stage: str, *, tags: dict[str, str] | None = None) -> str:
+    """Create a child run (tag ``mlflow.parentRunId``) named ``stage`` under the parent; returns its id."""
+    c = client()
+    parent = c.get_run(parent_run_id)
+    inherited = {k: parent.data.tags[k] for k in INHERITED_TAGS if k in parent.data.tags}
+    all_tags = {**inherited, "mlflow.parentRunId": parent_run_id, "stage": stage, **(tags or {})}
+    run = c.create_run(parent.info.experiment_id, run_name=stage, tags={k: str(v) for k, v in all_tags.items()})
+    return run.info.run_id
+
+
+def finish_run(run_id: str, status: str = "FINISHED") -> None:
+    """End a run as FINISHED, FAILED or KILLED."""
+    if status not in ("FINISHED", "FAILED", "KILLED"):
+        raise ValueError(f"run status {status!r}: use FINISHED, FAILED or KILLED")
+    client().set_terminated(run_id, RunStatus.to_string(RunStatus.from_string(status)))
+
+
+def run_url(run_id: str) -> str | None:
+    """The run's page in the MLflow UI (http(s) tracking servers only), e.g. for the Prefect report."""
+    uri = mlflow.get_tracking_uri()
+    if urlparse(uri).scheme not in ("http", "https"):
+        return None
+    run = client().get_run(run_id)
+    return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+
+
+def content_digest(obj: Any) -> str:
+    """A short stable digest of a JSON-able value (MLflow dataset digests hold at most 36 characters)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def chunked(items: list, size: int) -> Iterable[list]:
+    """``items`` in consecutive lists of at most ``size``."""
+    for i in range(0, len(items), size):
+        yield items[i : i + size]

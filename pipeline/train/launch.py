@@ -1,0 +1,34 @@
+"""The torchrun command an orchestrator starts training with (one node or several; see LaunchConfig)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from pipeline.config import LaunchConfig
+
+
+def processes_per_node(launch: LaunchConfig) -> int:
+    """``auto``: one process per visible GPU, else one (a CPU process already uses every core through threads)."""
+    if launch.nproc_per_node == "auto":
+        return max(torch.cuda.device_count(), 1)
+    return launch.nproc_per_node
+
+
+def torchrun_command(launch: LaunchConfig, config_file: Path, shards: Path, out: Path,
+                     extra: Sequence[str] = ()) -> list[str]:
+    """``python -m torch.distributed.run ... -m pipeline.train --config FILE --shards DIR --out DIR [extra]``.
+
+    The module form of torchrun runs under this interpreter (the project's venv), with no console-script lookup.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes_per_node(launch))]
+    if launch.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", str(launch.rdzv_endpoint), "--rdzv-id", str(launch.rdzv_id)]
+    return cmd + ["-m", "pipeline.train", "--config", str(config_file), "--shards", str(shards), "--out", str(out),
+                  *extra]

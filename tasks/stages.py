@@ -1,0 +1,83 @@
+"""Prefect tasks for the data, tokenizer, shard, averaging and evaluation stages: thin wrappers over the plain
+stage functions (paths and configs in, paths out), adding cross-run caching and, where the network is
+involved, retries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import task
+from prefect.tasks import exponential_backoff
+
+from pipeline.config import AverageConfig, DataConfig, RunConfig, TokenizerConfig
+from pipeline.data import DataError, corpus_fingerprint, prepare_corpus
+from pipeline.data.sources import HubUnavailable
+from pipeline.stages import Inputs
+from tasks.caching import stage_cache_key
+
+
+def _hub_unavailable(task, task_run, state) -> bool:
+    """Retry only what may pass later (the hub down or slow), never bad input: that fails the same way again."""
+    try:
+        state.result()
+    except HubUnavailable:
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def _corpus_content(data: DataConfig) -> str:
+    """The corpus fingerprint; when a source cannot be opened, a key no finished run has (the task then runs
+    and fails with the source's own error, instead of the cache-key hook logging it as its own)."""
+    try:
+        return corpus_fingerprint(data)
+    except DataError as e:
+        return f"unresolved:{type(e).__name__}:{e}"
+
+
+@task(name="prepare-data", persist_result=True, retries=3, retry_delay_seconds=exponential_backoff(10),
+      retry_condition_fn=_hub_unavailable,
+      cache_key_fn=stage_cache_key(["pipeline/data", "pipeline/fsutil.py"], content={"data": _corpus_content}))
+def prepare_data(data: DataConfig, work_dir: Path) -> Path:
+    """Read, clean and version the corpus; the cache key covers every input file's content hash."""
+    return prepare_corpus(data, work_dir)
+
+
+@task(name="train-tokenizer", persist_result=True,
+      cache_key_fn=stage_cache_key(["pipeline/tokenize.py", "pipeline/fsutil.py"]))
+def train_tokenizer(corpus: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
+    """The sentencepiece model shared by source and target, trained on the corpus's training split."""
+    from pipeline.tokenize import train_tokenizer as train
+
+    return train(corpus, tokenizer, work_dir)
+
+
+@task(name="write-shards", persist_result=True,
+      cache_key_fn=stage_cache_key(["pipeline/shards.py", "pipeline/tokenize.py", "pipeline/fsutil.py"]))
+def write_shards(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
+    """Every split encoded into memory-mappable token shards."""
+    from pipeline.shards import build_shards
+
+    return build_shards(corpus, tokenizer_dir, tokenizer, work_dir)
+
+
+@task(name="average-checkpoints", persist_result=True,
+      cache_key_fn=stage_cache_key(["pipeline/average.py", "pipeline/train/checkpoint.py"]))
+def average(checkpoints: Path, cfg: AverageConfig) -> Path:
+    """The element-wise mean of the last ``cfg.last_n`` checkpoints (float64 accumulation)."""
+    from pipeline.average import average_checkpoints
+
+    n = cfg.last_n
+    return average_checkpoints(checkpoints, n, checkpoints.parent / "averaged" / f"last{n}.pt")
+
+
+@task(name="evaluate", persist_result=True,
+      cache_key_fn=stage_cache_key(["pipeline/evaluate.py", "pipeline/parsing", "model", "pipeline/tokenize.py"],
+                                   content={"cfg": lambda c: c.section_hash("task", "decode")}))
+def evaluate(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path, shards: Path) -> Path:
+    """Decode dev and every test split and score them as the task demands (translation: every BLEU variant
+    and chrF; parsing: EVALB F1); returns ``scores.json``."""
+    from pipeline.evaluate import evaluate_for
+
+    return evaluate_for(cfg, checkpoint, Inputs(corpus, tokenizer_dir, shards))

@@ -1,0 +1,347 @@
+"""Constituency parsing: treebank reading, linearisation, repair, EVALB scoring, the data stage and a tiny run."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.average import average_checkpoints
+from pipeline.config import ConfigError, load_config
+from pipeline.data import DataError, prepare_corpus, read_manifest
+from pipeline.evaluate import evaluate_for
+from pipeline.parsing.evalb import COLLINS, UNLABELED, brackets, score_corpus, score_sentence
+from pipeline.parsing.trees import (PLACEHOLDER, Tree, TreeError, clean, is_well_formed, linearize, parse_tree,
+                                    read_trees, repair, right_branching, strip_root)
+from pipeline.shards import build_shards
+from pipeline.stages import Inputs
+from pipeline.tokenize import Tokenizer, train_tokenizer
+from pipeline.train import train
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = ["model.encoder_layers=1", "model.decoder_layers=1", "model.d_model=32", "model.n_heads=2",
+              "model.d_ff=64", "train.max_steps=2", "train.max_tokens=2048", "train.update_tokens=2048",
+              "train.warmup_steps=2", "train.checkpoint_every_steps=2", "train.dev_every_steps=1000",
+              "train.dev_max_sentences=16"]
+
+
+def t(text: str) -> Tree:
+    return strip_root(parse_tree(text))
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def test_mrg_files_and_one_tree_per_line_read_the_same(shared_data) -> None:
+    ptb = shared_data / "ptb-sample"
+    mrg = list(read_trees(ptb / "combined" / "wsj_0001.mrg"))
+    assert [line for line, _ in mrg] == [2, 17]  # the line each multi-line tree starts on (line 1 is blank)
+    oneline = [tree for _, tree in zip(range(2), read_trees(ptb / "wsj_sample.oneline.mrg"))]
+    assert [str(tree) for _, tree in mrg] == [str(tree[1]) for tree in oneline]
+    first = mrg[0][1]
+    assert first.label == "" and first.words()[:4] == ["Pierre", "Vinken", ",", "61"]
+    assert str(first).startswith("( (S (NP-SBJ (NP (NNP Pierre) (NNP Vinken)) (, ,) (ADJP")
+
+
+@pytest.mark.parametrize("text, where", [
+    ("( (S (NP (DT a)) ))\n(S (NP", "line 2 is not closed"),
+    ("(S (NN a)))", "line 1: ')' closes no bracket"),
+    ("(S (NN a))\nstray (S (NN b))", "line 2: text 'stray' outside any bracket"),
+    ("(S (NP ) (NN a))", "line 1: empty bracket (NP)"),
+    ("(S (NN a) b)", "mixes a word with other children"),
+])
+def test_bad_treebank_files_name_file_and_line(tmp_path, text, where) -> None:
+    path = tmp_path / "bad.mrg"
+    path.write_text(text)
+    with pytest.raises(TreeError) as e:
+        list(read_trees(path))
+    msg = str(e.value).replace("the tree starting on line 2 is not closed", "line 2 is not closed")
+    assert str(path) in msg and where in msg
+
+
+# ------------------------------------------------------------------------------ cleaning, linearisation
+
+
+def test_traces_function_tags_and_root_wrapper_are_removed() -> None:
+    raw = parse_tree("( (S (NP-SBJ-1 (DT The) (NN cat)) (VP (VBD reported) (SBAR (-NONE- 0) (S (-NONE- *T*-1))) "
+                     "(NP=2 (-LRB- -LRB-) (NN it) (-RRB- -RRB-))) (. .)) )")
+    cleaned = clean(raw)
+    assert str(cleaned) == "(S (NP (DT The) (NN cat)) (VP (VBD reported) (NP (-LRB- -LRB-) (NN it) (-RRB- -RRB-))) (. .))"
+    assert linearize(cleaned) == "(S (NP XX XX ) (VP XX (NP XX XX XX ) ) XX )"
+    # a wrapper around several constituents is kept as TOP (EVALB deletes TOP brackets)
+    assert str(clean(parse_tree("( (NP (NN a)) (. .) )"))) == "(TOP (NP (NN a)) (. .))"
+    assert clean(parse_tree("( (S (-NONE- *)) )")) is None
+
+
+def test_linearisation_round_trips_on_every_sample_tree(shared_data) -> None:
+    n = 0
+    for _, raw in read_trees(shared_data / "ptb-sample" / "wsj_sample.oneline.mrg"):
+        gold = clean(raw)
+        lin = linearize(gold)
+        tagged = gold.tagged_words()
+        tree, fix = repair(lin, [w for _, w in tagged], [tag for tag, _ in tagged])
+        assert not fix.needed and str(tree) == str(gold), lin
+        n += 1
+    assert n == 3914
+
+
+# ------------------------------------------------------------------------------------------------ repair
+
+
+@pytest.mark.parametrize("output, expected, changed", [
+    ("(S (NP XX XX ) (VP XX ) )", "(S (NP (XX a) (XX b)) (VP (XX c)))", {}),
+    ("(S (NP XX XX ) (VP XX", "(S (NP (XX a) (XX b)) (VP (XX c)))", {"unclosed": 2}),
+    ("(S (NP XX XX ) ) ) (VP XX )", "(S (S (NP (XX a) (XX b))) (VP (XX c)))", {"unmatched_close": 1, "wrapped": True}),
+    ("(S (NP XX XX XX XX ) (VP XX ) )", "(S (NP (XX a) (XX b) (XX c)))",
+     {"leaves_removed": 2, "empty_constituents": 1}),
+    ("(S (NP XX ) )", "(S (NP (XX a)) (XX b) (XX c))", {"leaves_added": 2}),
+    ("(S (NP ) XX <unk> XX ( XX )", "(S (XX a) (XX b) (XX c))", {"empty_constituents": 1, "unknown_tokens": 2}),
+    ("", "(S (XX a) (XX b) (XX c))", {"leaves_added": 3, "wrapped": True}),
+    ("XX(NP XX)XX", "(S (XX a) (NP (XX b)) (XX c))", {"wrapped": True}),
+])
+def test_repair_cases(output, expected, changed) -> None:
+    tree, fix = repair(output, ["a", "b", "c"])
+    assert str(tree) == expected
+    assert {k: v for k, v in vars(fix).items() if v} == changed
+    assert fix.needed == bool(changed) and is_well_formed(output, 3) == (not changed)
+
+
+def test_repair_always_gives_a_tree_over_exactly_the_words() -> None:
+    rng = random.Random(8)
+    alphabet = ["(S", "(NP", "(VP", "(PP", ")", ")", ")", PLACEHOLDER, PLACEHOLDER, PLACEHOLDER, "(", "<unk>",
+                "⁇", "XX)", "(XX", "word", ""]
+    for _ in range(3000):
+        output = " ".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        words = [f"w{i}" for i in range(rng.randint(1, 15))]
+        tags = [rng.choice(["NN", ",", "."]) for _ in words]
+        tree, fix = repair(output, words, tags)
+        assert tree.words() == words and [tag for tag, _ in tree.tagged_words()] == tags
+        assert str(parse_tree(str(tree))) == str(tree)  # one balanced tree with a single root
+        assert not tree.is_preterminal and tree.label not in ("", PLACEHOLDER)
+        again, second = repair(linearize(tree), words, tags)  # a repaired output is well-formed
+        assert not second.needed and str(again) == str(tree)
+
+
+def test_right_branching_baseline_shape() -> None:
+    tagged = [("PRP", "He"), ("VBD", "saw"), ("PRP", "her"), (".", ".")]
+    assert str(right_branching(tagged)) == "(S (PRP He) (S (VBD saw) (S (PRP her) (. .))))"
+    assert str(right_branching([("NN", "x")])) == "(S (NN x))"
+
+
+# -------------------------------------------------------------------------------------------------- EVALB
+
+GOLD = "(S (NP (DT The) (NN cat)) (VP (VBD sat) (PP (IN on) (NP (DT the) (NN mat)))) (. .))"
+
+
+def test_hand_worked_precision_recall_f1() -> None:
+    # 7 words, 6 once '.' is deleted; five brackets over them
+    _, length, gold = brackets(t(GOLD))
+    assert length == 7 and sorted(gold) == [("NP", 0, 2), ("NP", 4, 6), ("PP", 3, 6), ("S", 0, 6), ("VP", 2, 6)]
+    test = t("(S (NP (DT The) (NN cat)) (VP (VBD sat) (PP (IN on) (DT the)) (NN mat)) (. .))")
+    s = score_sentence(t(GOLD), test)
+    assert (s.gold, s.test, s.matched, s.complete) == (5, 4, 3, False)
+    summary = score_corpus([(t(GOLD), test)])["all"]
+    assert (summary.precision, summary.recall, summary.f1, summary.exact_match) == (75.0, 60.0, 66.67, 0.0)
+    assert score_corpus([(t(GOLD), t(GOLD))])["all"].exact_match == 100.0
+
+
+def test_punctuation_is_ignored() -> None:
+    # '.' attached inside the VP instead of under S: with punctuation deleted every bracket still matches
+    gold = t("(S (NP (PRP He)) (VP (VBD left)) (. .))")
+    test = t("(S (NP (PRP He)) (VP (VBD left) (. .)))")
+    assert score_sentence(gold, test).complete
+    # a constituent holding only punctuation spans nothing and is no bracket (EVALB's zero-length rule)
+    assert brackets(t("(S (NP (PRP He)) (VP (VBD left)) (PRN (, ,) (: --)))"))[2] == brackets(gold)[2]
+    # `` '' , : . are deleted, but not -LRB- or $ (COLLINS.prm deletes only the five)
+    words, length, _ = brackets(t("(S (`` ``) (NP ($ $) (CD 5)) (-LRB- -LRB-) (: ;) ('' '') (, ,) (. .))"))
+    assert words == ["$", "5", "-LRB-"] and length == 8
+
+
+def test_advp_and_prt_are_one_label() -> None:
+    gold = t("(S (NP (PRP He)) (VP (VBD gave) (PRT (RP up))))")
+    assert score_sentence(gold, t("(S (NP (PRP He)) (VP (VBD gave) (ADVP (RP up))))")).complete
+    assert not score_sentence(gold, t("(S (NP (PRP He)) (VP (VBD gave) (NP (RP up))))")).complete
+
+
+def test_root_label_is_ignored() -> None:
+    # (TOP ...) as tgrep writes gold files, ( ...) as the treebank does, or no wrapper: the same brackets
+    plain = t("(S (NP (PRP He)) (VP (VBD left)))")
+    for text in ("(TOP (S (NP (PRP He)) (VP (VBD left))))", "( (S (NP (PRP He)) (VP (VBD left))) )"):
+        assert score_sentence(plain, t(text)).complete and score_sentence(t(text), plain).complete
+    assert ("TOP", 0, 2) not in brackets(Tree("TOP", [plain]))[2]  # DELETE_LABEL TOP when a TOP bracket stays
+
+
+def test_evalb_readme_trace_example_and_function_tags() -> None:
+    # EVALB README [6].3 / [7].1: traces and the constituents dominating only traces are removed
+    with_traces = t("(S (NP-SBJ (PRP He)) (VP (VBD reported) (SBAR (-NONE- 0) (S (-NONE- *T*-1)))) (. .))")
+    without = t("(S (NP (PRP He)) (VP (VBD reported)) (. .))")
+    assert brackets(with_traces) == brackets(without)
+    # [7].2: function tags cut at '-' or '=' (NP-SBJ -> NP, NP=2 -> NP)
+    assert brackets(t("(S (NP=2 (PRP He)) (VP (VBD left)))"))[2] == brackets(t("(S (NP (PRP He)) (VP (VBD left)))"))[2]
+    # [7].4: length counts every word but -NONE- (punctuation included)
+    assert brackets(with_traces)[1] == 3
+
+
+def test_evalb_readme_repeated_brackets_rule() -> None:
+    # [7].5: gold has n brackets with one span and label, test m: m > n -> precision n/m; n > m -> recall m/n
+    two = t("(S (NP (NP (DT the) (NN man))) (VP (VBD left)))")
+    one = t("(S (NP (DT the) (NN man)) (VP (VBD left)))")
+    s = score_sentence(one, two)  # gold n=1 NP[0,2), test m=2
+    assert (s.gold, s.test, s.matched) == (3, 4, 3)
+    s = score_sentence(two, one)
+    assert (s.gold, s.test, s.matched) == (4, 3, 3)
+    assert score_sentence(two, two).complete
+
+
+def test_errors_skips_cutoff_and_summed_totals() -> None:
+    gold = t(GOLD)
+    other_words = t("(S (NP (DT A) (NN dog)) (VP (VBD sat) (PP (IN on) (NP (DT the) (NN mat)))) (. .))")
+    assert score_sentence(gold, other_words).status == 1
+    assert score_sentence(t("(S (NP (PRP He)) (VP (VBD left)))"), t("(S (NP (PRP He)) (VP (VBD left) (VBD x)))")).status == 1
+    assert score_sentence(t("(FRAG (. .))"), t("(S (. .))")).status == 2  # nothing left to score
+    long = t("(S " + " ".join(f"(NN w{i})" for i in range(40)) + " (. .))")  # 41 words with '.'
+    pairs = [(gold, gold), (long, long), (gold, other_words), (t("(FRAG (. .))"), t("(S (. .))"))]
+    summary = score_corpus(pairs)
+    everything, short = summary["all"], summary["len<=40"]
+    assert (everything.sentences, everything.errors, everything.skipped, everything.valid) == (4, 1, 1, 2)
+    assert (everything.gold_brackets, everything.matched_brackets, everything.complete) == (6, 6, 2)
+    assert (short.sentences, short.valid, short.gold_brackets) == (3, 1, 5)
+    unlabeled = score_sentence(t("(S (NP (PRP He)) (VP (VBD left)))"), t("(X (Y (PRP He)) (Z (VBD left)))"), UNLABELED)
+    assert unlabeled.complete and not score_sentence(
+        t("(S (NP (PRP He)) (VP (VBD left)))"), t("(X (Y (PRP He)) (Z (VBD left)))"), COLLINS).complete
+
+
+# ------------------------------------------------------------------------------------------- configs, data
+
+
+def test_parsing_configs_and_their_validation(tmp_path) -> None:
+    cpu, wsj = load_config("ptb-sample-cpu"), load_config("wsj-parsing")
+    for cfg in (cpu, wsj):
+        assert cfg.task == "parsing" and cfg.tokenizer.model_type == "word"
+        assert (cfg.decode.beam_size, cfg.decode.length_penalty, cfg.decode.max_len_a, cfg.decode.max_len_b) == (
+            21, 0.3, 1.0, 300)
+    assert (wsj.model.encoder_layers, wsj.model.d_model, wsj.model.n_heads, wsj.tokenizer.vocab_size) == (4, 1024, 16, 16000)
+    assert wsj.data.test[0].include == ["23/*.mrg"] and wsj.data.dev.include == ["22/*.mrg"]
+    assert load_config("multi30k-cpu").task == "translation"
+    with pytest.raises(ConfigError, match="every source needs format 'ptb'"):
+        load_config("ptb-sample-cpu", ["data.test=[{name: t, format: text, path: x}]"])
+    with pytest.raises(ConfigError, match="are for task 'parsing'"):
+        load_config("ptb-sample-cpu", ["task=translation"])
+    with pytest.raises(ConfigError, match="needs byte_fallback: false"):
+        load_config("ptb-sample-cpu", ["tokenizer.byte_fallback=true"])
+    with pytest.raises(ConfigError, match="needs tokenizer.model_type 'word'"):
+        load_config("ptb-sample-cpu", ["tokenizer.model_type=bpe", "tokenizer.byte_fallback=true"])
+    with pytest.raises(ConfigError, match="'include'.*for format 'ptb' only"):
+        load_config("multi30k-cpu", ["data.dev.include=['*.en']"])
+
+
+@pytest.fixture(scope="module")
+def ptb_stack(shared_data, tmp_path_factory):
+    cfg = load_config("ptb-sample-cpu", [("data.root", str(shared_data))])
+    work = tmp_path_factory.mktemp("ptb")
+    corpus = prepare_corpus(cfg.data, work)
+    return cfg, work, corpus, train_tokenizer(corpus, cfg.tokenizer, work)
+
+
+def test_data_stage_writes_words_linearised_trees_and_gold(ptb_stack) -> None:
+    _, _, corpus, _ = ptb_stack
+    manifest = read_manifest(corpus)
+    splits = manifest["splits"]
+    assert (splits["dev"]["rows"], splits["test.ptb-sample-test"]["rows"]) == (273, 245)
+    assert splits["train"]["cleaning"]["read"] == 3396  # wsj_0001-0159; 0160-0179 dev, 0180-0199 test
+    assert splits["train"]["origins"] == {"ptb-sample-train": {"read": 3396, "kept": splits["train"]["rows"]}}
+    assert {"(S", "(NP", ")", PLACEHOLDER} <= set(manifest["target_symbols"])
+    dev = pq.read_table(corpus / "dev.parquet").to_pylist()
+    for row in dev:
+        gold = clean(parse_tree(row["tgt_raw"]))
+        assert row["src"] == " ".join(gold.words()) and row["tgt"] == linearize(gold)
+    assert dev[0]["line"] == 1 and dev[0]["tgt_raw"].startswith("( (S (NP-SBJ (NNP Savin)")
+
+
+def test_tokenizer_keeps_every_target_symbol_one_piece(ptb_stack) -> None:
+    cfg, _, corpus, tok_dir = ptb_stack
+    tok = Tokenizer(tok_dir)
+    assert tok.vocab_size == cfg.tokenizer.vocab_size
+    for symbol in read_manifest(corpus)["target_symbols"]:
+        assert len(tok.encode(symbol)) == 1 and tok.unk_id not in tok.encode(symbol), symbol
+    target = "(S (NP XX XX ) (VP XX (NP XX ) ) XX )"
+    assert len(tok.encode(target)) == len(target.split()) and tok.decode(tok.encode(target)) == target
+    assert tok.encode("Pierre Vinken qzxqzx")[-1] == tok.unk_id  # words: one piece each, unknown ones <unk>
+
+
+def test_missing_treebank_files_are_named(shared_data, tmp_path) -> None:
+    cfg = load_config("ptb-sample-cpu", [("data.root", str(shared_data)), "data.dev.include=['wsj_99*.mrg']"])
+    with pytest.raises(DataError, match=r"data.dev: no file under .*ptb-sample/combined matches include"):
+        prepare_corpus(cfg.data, tmp_path)
+
+
+def test_evaluate_for_parsing_scores_repaired_trees(ptb_stack, tmp_path) -> None:
+    """The flow's evaluation entry on a barely trained model: EVALB scores over trees with the gold words."""
+    cfg, work, corpus, tok_dir = ptb_stack
+    cfg = load_config("ptb-sample-cpu", [("data.root", cfg.data.root), ("work_dir", str(work)), *TINY_MODEL,
+                                         "decode.beam_size=1", "decode.max_len_a=0.0", "decode.max_len_b=5",
+                                         "decode.batch_sentences=256"])
+    shards = build_shards(corpus, tok_dir, cfg.tokenizer, work)
+    run = train(cfg, shards, tmp_path / "run")
+    checkpoint = average_checkpoints(run / "checkpoints", 1, run / "averaged" / "last1.pt")
+    scores = json.loads(evaluate_for(cfg, checkpoint, Inputs(corpus, tok_dir, shards)).read_text())
+    assert scores["task"] == "parsing" and scores["decoding"]["beam_size"] == 1
+    assert sorted(scores["splits"]) == ["dev", "test.ptb-sample-test"]
+    split = scores["splits"]["test.ptb-sample-test"]
+    assert split["sentences"] == split["evalb"]["labeled"]["all"]["valid"] == 245
+    for key in ("precision", "recall", "f1", "exact_match", "right_branching_f1", "unlabeled_f1"):
+        assert 0 <= split[key] <= 100
+    # 5 output tokens cannot hold a tree of these sentences: every output was repaired
+    assert split["repaired_rate"] == 1.0 and split["well_formed_before_repair_rate"] == 0.0
+    out = checkpoint.parent / "eval-last1"
+    hyps = (out / "test.ptb-sample-test.hyp").read_text().splitlines()
+    golds = (out / "test.ptb-sample-test.gold").read_text().splitlines()
+    for hyp, gold in zip(hyps, golds):  # same words and tags, so EVALB itself can score these two files
+        assert parse_tree(hyp).tagged_words() == clean(parse_tree(gold)).tagged_words()
+    assert score_corpus((t(g), t(h)) for g, h in zip(golds, hyps))["all"].f1 == split["f1"]
+    # baseline: the right-branching trees of the gold sentences, scored the same way
+    baseline = score_corpus((t(g), right_branching(clean(t(g)).tagged_words())) for g in golds)["all"]
+    assert baseline.f1 == split["right_branching_f1"]
+    assert len(json.loads((out / "dev.samples.json").read_text())) == 20
+
+
+@pytest.mark.slow
+def test_tiny_parsing_run_end_to_end(shared_data, tmp_path) -> None:
+    """Every stage through the CLI on a few sample files: scores, repaired trees over the gold words."""
+    source = "{name: %s, format: ptb, path: ptb-sample/combined, include: ['%s']}"
+    sets = [f"data.train=[{source % ('ptb-sample-train', 'wsj_000?.mrg')}]", "data.dev.include=['wsj_0010.mrg']",
+            f"data.test=[{source % ('ptb-sample-test', 'wsj_0011.mrg')}]", "model.encoder_layers=1", "model.decoder_layers=1",
+            "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "tokenizer.vocab_size=600",
+            "train.max_steps=6", "train.max_tokens=2048", "train.update_tokens=2048", "train.warmup_steps=4",
+            "train.checkpoint_every_steps=3", "train.dev_every_steps=1000", "average.last_n=2",
+            "decode.beam_size=2", "decode.max_len_b=10"]
+    cmd = [sys.executable, "-m", "pipeline", "run", "--config", "ptb-sample-cpu", "--data-root", str(shared_data),
+           "--work-dir", str(tmp_path), *[a for s in sets for a in ("--set", s)]]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "EVALB F1" in res.stdout and "right-branching F1" in res.stdout
+    scores_path = Path(next(line for line in res.stdout.splitlines() if line.startswith("scores: ")).split(": ", 1)[1])
+    report = json.loads(scores_path.read_text())
+    assert report["task"] == "parsing" and report["decoding"]["beam_size"] == 2
+    split = report["splits"]["test.ptb-sample-test"]
+    for key in ("precision", "recall", "f1", "exact_match", "right_branching_f1", "unlabeled_f1"):
+        assert 0 <= split[key] <= 100
+    assert split["repaired_rate"] + split["well_formed_before_repair_rate"] == pytest.approx(1.0)
+    assert split["evalb"]["labeled"]["all"]["sentences"] == split["sentences"] > 0
+    assert len((scores_path.parent / "test.ptb-sample-test.hyp").read_text().splitlines()) == split["sentences"]
+    # the translate command parses: one repaired tree per input line, over exactly its words
+    tokenizer = next((tmp_path / "tokenizer").iterdir())
+    cmd = [sys.executable, "-m", "pipeline", "translate", "--config", "ptb-sample-cpu", "--checkpoint",
+           str(scores_path.parent.parent / "last2.pt"), "--tokenizer", str(tokenizer), "--set", "decode.beam_size=2",
+           "--set", "decode.max_len_b=10"]
+    res = subprocess.run(cmd, input="He left .\nMr.  Vinken is chairman .\n", capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    trees = [parse_tree(line) for line in res.stdout.splitlines()]
+    assert [tree.words() for tree in trees] == [["He", "left", "."], ["Mr.", "Vinken", "is", "chairman", "."]]
+    assert {tag for tree in trees for tag, _ in tree.tagged_words()} == {PLACEHOLDER}
