@@ -46,23 +46,21 @@ class DecoderCache:
         key = self.self_attn[0].key
         return 0 if key is None else key.size(2)
 
-    def attention_caches(self) -> list[AttentionCache]:
-        """All attention caches, self-attention first."""
-        return self.self_attn + self.cross_attn
 
-
-def reorder_cache(cache: DecoderCache, new_order: Tensor) -> DecoderCache:
+def reorder_cache(cache: DecoderCache, new_order: Tensor, reorder_memory: bool = True) -> DecoderCache:
     """Select rows of the cache along the batch (batch * beam) dimension, in place; returns the cache.
 
     ``new_order`` is a 1-D LongTensor of row indices into the current batch, e.g. the beam each surviving
     hypothesis came from (``batch_index * beam + beam_index``). It may be shorter than the batch (finished
-    sentences dropped) or repeat rows (a beam that forks).
+    sentences dropped) or repeat rows (a beam that forks). ``reorder_memory=False`` leaves the encoder-decoder
+    keys/values and the source mask as they are: right (and a copy saved per layer) whenever every new row comes
+    from the same sentence's group of rows, which all hold the same memory (beam search when no sentence left).
     """
-    for entry in cache.attention_caches():
+    for entry in cache.self_attn + (cache.cross_attn if reorder_memory else []):
         if entry.key is not None:
             entry.key = entry.key.index_select(0, new_order)
             entry.value = entry.value.index_select(0, new_order)
-    if cache.src_pad_mask is not None:
+    if reorder_memory and cache.src_pad_mask is not None:
         cache.src_pad_mask = cache.src_pad_mask.index_select(0, new_order)
     return cache
 

@@ -45,7 +45,7 @@ def max_output_lengths(src_tokens: Tensor, pad_id: int, max_len_a: float, max_le
     return (max_len_a * src_len.double() + max_len_b).floor().long().clamp(min=1, max=limit)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def beam_search(
     model,
     src_tokens: Tensor,
@@ -99,7 +99,8 @@ def beam_search(
                                   cache)
         else:
             logits = model.decode(prefixes, memory, src_pad_mask)
-        lprobs = F.log_softmax(logits[:, -1].double(), dim=-1)  # (n * k, vocab)
+        # log-softmax in float32 (half the time of float64 here); scores accumulate in float64
+        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1).double()  # (n * k, vocab)
         vocab = lprobs.size(-1)
         lprobs[:, pad_id] = -math.inf
         lprobs[:, bos_id] = -math.inf
@@ -137,8 +138,8 @@ def beam_search(
         prefixes = torch.cat([prefixes[order], top_tok.gather(1, open_pos)[keep].view(-1, 1)], dim=1)
         scores = open_scores[keep]
         active = active[keep]
-        if use_cache:
-            model.reorder_cache(cache, order)
+        if use_cache:  # while no sentence leaves, every row keeps its sentence's memory: no copy needed
+            model.reorder_cache(cache, order, reorder_memory=len(keep) < n)
         else:
             memory, src_pad_mask = memory[order], src_pad_mask[order]
         step += 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -123,22 +124,43 @@ def eval_split_keys(corpus: dict, corpus_dir: Path, splits: Sequence[str] | None
     return keys
 
 
+@dataclass(frozen=True)
+class EvalSetup:
+    """What every evaluation (translation, parsing) starts from."""
+
+    corpus: dict  # the corpus manifest
+    keys: list[str]  # the splits to score
+    model: Transformer
+    tokenizer: Tokenizer
+    out_dir: Path
+
+    def split(self, corpus_dir: Path, key: str) -> tuple[list[str], list[str]]:
+        """A split's sources and raw (unfiltered, untokenized) references, in corpus order."""
+        table = pq.read_table(Path(corpus_dir) / self.corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
+        return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
+
+
+def eval_setup(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+               splits: Sequence[str] | None, device: str) -> EvalSetup:
+    """Read the corpus manifest, check the splits, load the model and tokenizer, create ``out_dir``."""
+    corpus = read_manifest(corpus_dir)
+    keys = eval_split_keys(corpus, corpus_dir, splits)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return EvalSetup(corpus, keys, load_model(checkpoint, device), Tokenizer(tokenizer_dir), out_dir)
+
+
 def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, out_dir: Path,
              splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
     """Translate each dev/test split of the corpus with the checkpoint and score it; returns ``scores.json``.
 
     ``splits`` defaults to every split but ``train`` (``dev`` and each ``test.<name>``).
     """
-    corpus = read_manifest(corpus_dir)
-    keys = eval_split_keys(corpus, corpus_dir, splits)
-    model = load_model(checkpoint, device)
-    tokenizer = Tokenizer(tokenizer_dir)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device)
+    corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
     results = {}
-    for key in keys:
-        table = pq.read_table(Path(corpus_dir) / corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
-        src, refs = table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
+    for key in setup.keys:
+        src, refs = setup.split(corpus_dir, key)
         hyps = translate(model, tokenizer, src, decode)
         write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
         samples = list(zip(src, refs, hyps))[:SAMPLE_ROWS]
@@ -162,8 +184,10 @@ def evaluate_for(cfg: RunConfig, checkpoint: Path, inputs: Inputs, out_dir: Path
     """Evaluate ``checkpoint`` on every dev/test split of ``inputs.corpus`` as ``cfg.task`` demands; returns
     ``scores.json``. Translation: :func:`evaluate` (BLEU variants); parsing:
     :func:`pipeline.parsing.evaluate.evaluate_parsing` (EVALB F1). ``out_dir`` defaults to
-    ``<checkpoint folder>/eval-<checkpoint stem>``."""
-    out_dir = Path(out_dir) if out_dir is not None else Path(checkpoint).parent / f"eval-{Path(checkpoint).stem}"
+    ``<checkpoint folder>/eval-<checkpoint stem>-<hash of task and decoding settings>``, so that runs that differ
+    only in how they decode never write into the same folder."""
+    if out_dir is None:
+        out_dir = Path(checkpoint).parent / f"eval-{Path(checkpoint).stem}-{cfg.section_hash('task', 'decode')[:8]}"
     if cfg.task == "parsing":
         from pipeline.parsing.evaluate import evaluate_parsing
 

@@ -68,7 +68,8 @@ def test_exponent_floats_parse_as_floats(tmp_path: Path) -> None:
         ("model.n_heads=3", "model", "d_model (256) must be divisible by n_heads (3)"),
         ("data.train.0.format=xml", "data.train", "'text'"),
         ("data.cleaning.min_words=300", "data.cleaning", "must not exceed max_words"),
-        ("train.nproc_per_node=0", "train.nproc_per_node", ">= 1"),
+        ("launch.nproc_per_node=0", "launch", "nproc_per_node (0) must be >= 1"),
+        ("launch.nnodes=2", "launch", "needs rdzv_endpoint"),
     ],
 )
 def test_bad_values_fail_at_load_naming_the_field(override: str, field: str, words: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -125,3 +126,25 @@ def test_nbest_sorted_and_length_penalty_is_gnmt() -> None:
 def test_nbest_lists_are_sorted(model, sources) -> None:
     for nbest in beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=4, nbest=4, max_len_b=12):
         assert [h.score for h in nbest] == sorted((h.score for h in nbest), reverse=True)
+
+
+def test_min_len_forces_every_output_to_that_length(model, sources) -> None:
+    eager = copy.deepcopy(model)  # a model that wants to end at once: eos wins every step by a wide margin
+    with torch.no_grad():
+        eager.decoder.layers[-1].ffn_residual.norm.bias.fill_(1.0)  # final hidden states ~ N(1, 1) per entry
+        eager.output_projection.weight[EOS] = 1.0  # shared matrix: eos logit ~ d_model, others ~ N(0, small)
+    for beam in (1, 4):
+        assert all(h.tokens == [] for h in decode(eager, sources, beam_size=beam))
+        forced = decode(eager, sources, beam_size=beam, max_len_a=0.0, max_len_b=10, min_len=10)
+        assert all(len(h.tokens) + 1 == 10 and EOS not in h.tokens for h in forced)  # + 1: the eos
+
+
+def test_bf16_autocast_decodes_close_to_fp32(model, sources) -> None:
+    fp32 = beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=4, max_len_b=12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=4, max_len_b=12)
+    # bf16 products round to ~3 significant digits: scores stay close, most outputs are unchanged
+    assert sum(a[0].tokens == b[0].tokens for a, b in zip(fp32, bf16)) >= len(fp32) // 2
+    for a, b in zip(fp32, bf16):
+        if a[0].tokens == b[0].tokens:
+            assert b[0].score == pytest.approx(a[0].score, rel=0.05)

@@ -248,6 +248,40 @@ def test_reorder_cache_follows_the_selected_rows():
     assert torch.allclose(torch.cat(steps, dim=1), expected, atol=1e-5)
 
 
+def test_reorder_without_memory_keeps_the_encoder_decoder_keys_when_rows_stay_in_their_sentence():
+    model = tiny()
+    src = batch([5, 5, 7, 7], seed=15)
+    src[1], src[3] = src[0], src[2]  # two "beams" per sentence share one source, as in beam search
+    tgt = batch([4, 4, 4, 4], seed=16)
+    new_order = torch.tensor([1, 1, 3, 2])  # beams fork within their sentence
+    with torch.no_grad():
+        expected = model(src[new_order], tgt[new_order])
+        memory, src_pad_mask = model.encode(src)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, i : i + 1], memory, src_pad_mask, cache)[new_order] for i in range(2)]
+        cross_key = cache.cross_attn[0].key
+        reorder_cache(cache, new_order, reorder_memory=False)
+        assert cache.cross_attn[0].key is cross_key  # no copy
+        steps += [model.decode(tgt[new_order, i : i + 1], None, None, cache) for i in range(2, 4)]
+    assert torch.allclose(torch.cat(steps, dim=1), expected, atol=1e-5)
+
+
+def test_bf16_autocast_training_step_stays_close_to_fp32():
+    model = tiny(dropout=0.0).train()
+    src, tgt = batch([5, 7, 3], seed=17), batch([6, 4, 5], seed=18)
+    fp32 = model(src, tgt)
+    fp32.float().pow(2).mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = model(src, tgt)  # attention itself runs in float32 (see MultiHeadAttention.forward)
+    bf16.float().pow(2).mean().backward()
+    assert bf16.dtype == torch.bfloat16
+    assert torch.allclose(bf16.float(), fp32, rtol=0.05, atol=0.05)
+    for g, p in zip(grads, model.parameters()):
+        assert torch.isfinite(p.grad).all()
+        assert float((p.grad - g).norm()) <= 0.1 * float(g.norm()) + 1e-6  # bf16 rounding, not a different function
+
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_residual_connections_place_the_layer_norm(norm):
     layer = EncoderLayer(16, 2, 32, dropout=0.0, pre_norm=norm == "pre").eval()

@@ -289,7 +289,8 @@ def test_evaluate_for_parsing_scores_repaired_trees(ptb_stack, tmp_path) -> None
     shards = build_shards(corpus, tok_dir, cfg.tokenizer, work)
     run = train(cfg, shards, tmp_path / "run")
     checkpoint = average_checkpoints(run / "checkpoints", 1, run / "averaged" / "last1.pt")
-    scores = json.loads(evaluate_for(cfg, checkpoint, Inputs(corpus, tok_dir, shards)).read_text())
+    scores_json = evaluate_for(cfg, checkpoint, Inputs(corpus, tok_dir, shards))
+    scores = json.loads(scores_json.read_text())
     assert scores["task"] == "parsing" and scores["decoding"]["beam_size"] == 1
     assert sorted(scores["splits"]) == ["dev", "test.ptb-sample-test"]
     split = scores["splits"]["test.ptb-sample-test"]
@@ -298,7 +299,8 @@ def test_evaluate_for_parsing_scores_repaired_trees(ptb_stack, tmp_path) -> None
         assert 0 <= split[key] <= 100
     # 5 output tokens cannot hold a tree of these sentences: every output was repaired
     assert split["repaired_rate"] == 1.0 and split["well_formed_before_repair_rate"] == 0.0
-    out = checkpoint.parent / "eval-last1"
+    out = scores_json.parent
+    assert out.name == f"eval-last1-{cfg.section_hash('task', 'decode')[:8]}"
     hyps = (out / "test.ptb-sample-test.hyp").read_text().splitlines()
     golds = (out / "test.ptb-sample-test.gold").read_text().splitlines()
     for hyp, gold in zip(hyps, golds):  # same words and tags, so EVALB itself can score these two files

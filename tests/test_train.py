@@ -355,3 +355,15 @@ def test_tiny_model_overfits_a_few_hundred_shared_pairs(shared_data, tmp_path):
     out = train(cfg, shard_dir, tmp_path / "run")
     nll = [m["nll"] for m in metrics(out) if "nll" in m]
     assert nll[0] > 4.0 and nll[-1] < 0.3, nll
+
+
+def test_cpu_threads_split_the_cores_unless_set_explicitly() -> None:
+    code = "import torch; from pipeline.train import setup; setup(); print(torch.get_num_threads())"
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("AIAYN_CPU_THREADS", "LOCAL_WORLD_SIZE")}
+    cores = len(os.sched_getaffinity(0))
+    for extra, expected in (({}, cores), ({"LOCAL_WORLD_SIZE": str(cores)}, 1), ({"AIAYN_CPU_THREADS": "1"}, 1),
+                            ({"AIAYN_CPU_THREADS": "3"}, 3)):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, cwd=repo, capture_output=True,
+                             text=True, check=True).stdout
+        assert int(out.strip().splitlines()[-1]) == expected, extra

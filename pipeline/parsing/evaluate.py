@@ -23,12 +23,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
-import pyarrow.parquet as pq
 
 from model import Transformer
 from pipeline.config import DecodeConfig
-from pipeline.data import read_manifest
-from pipeline.evaluate import SAMPLE_ROWS, eval_split_keys, load_model, samples_markdown, translate
+from pipeline.evaluate import SAMPLE_ROWS, eval_setup, samples_markdown, translate
 from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
 from pipeline.parsing.trees import Repair, Tree, parse_tree, remove_empty, repair, right_branching, strip_root
@@ -85,16 +83,11 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
                      splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
     """Parse each dev/test split of the corpus with the checkpoint and score it with EVALB; returns
     ``scores.json``. ``splits`` defaults to every split but ``train``."""
-    corpus = read_manifest(corpus_dir)
-    keys = eval_split_keys(corpus, corpus_dir, splits)
-    model = load_model(checkpoint, device)
-    tokenizer = Tokenizer(tokenizer_dir)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device)
+    corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
     results = {}
-    for key in keys:
-        table = pq.read_table(Path(corpus_dir) / corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
-        src, raw_golds = table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
+    for key in setup.keys:
+        src, raw_golds = setup.split(corpus_dir, key)
         golds = [strip_root(parse_tree(g)) for g in raw_golds]
         tags = [[t for t, _ in remove_empty(g).tagged_words()] for g in golds]
         outputs, parsed = parse(model, tokenizer, src, decode, tags)

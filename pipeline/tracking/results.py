@@ -77,7 +77,9 @@ def log_evaluation(run_id: str, checkpoint: Path, tokenizer_dir: Path, scores_js
                                 "re-run the evaluation (python -m pipeline evaluate)")
         samples[key] = json.loads(path.read_text(encoding="utf-8"))
     rows = [{"set": scores["splits"][k]["name"], **row} for k, split_rows in samples.items() for row in split_rows]
-    table = pd.DataFrame(rows, columns=list(dict.fromkeys(c for row in rows for c in row)) or ["set"])
+    # The columns people read first, then any a task adds (a parser's raw output, whether it was repaired).
+    columns = list(dict.fromkeys(["set", "source", "reference", "hypothesis", *(c for row in rows for c in row)]))
+    table = pd.DataFrame(rows, columns=columns)
     c.log_table(run_id, table, "evaluation/samples_table.json")
 
     c.log_artifact(run_id, str(checkpoint), "checkpoint")

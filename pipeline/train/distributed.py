@@ -49,7 +49,7 @@ def setup() -> DistInfo:
     """Read the torchrun environment, join the process group (if world > 1) and pick the device; idempotent.
 
     CPU threads are split between the processes of a node (``cores // local_world_size``) so that N ranks on one
-    machine do not oversubscribe its cores.
+    machine do not oversubscribe its cores; ``AIAYN_CPU_THREADS`` sets the count per process instead.
     """
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
@@ -58,7 +58,8 @@ def setup() -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    torch.set_num_threads(max(1, _cpu_cores() // local_world))
+    threads = os.environ.get("AIAYN_CPU_THREADS")  # an explicit count wins (benchmarks, shared machines)
+    torch.set_num_threads(int(threads) if threads else max(1, _cpu_cores() // local_world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         # Long timeout: rank 0 may build shards while the others wait at a barrier.
