@@ -24,9 +24,10 @@ def select_last(folder: Path, last_n: int) -> list[dict]:
     if not entries:
         raise CheckpointError(f"{folder}: no checkpoints listed (no index.json); train first")
     if last_n > len(entries):
-        raise CheckpointError(f"{folder}: asked to average the last {last_n} checkpoints, only {len(entries)} are "
-                              f"kept (steps {[e['step'] for e in entries]}); lower average.last_n or raise "
-                              "train.keep_last_checkpoints")
+        raise CheckpointError(f"{folder}: asked to average the last {last_n} checkpoints, only {len(entries)} exist "
+                              f"(steps {[e['step'] for e in entries]}); lower average.last_n, train longer or "
+                              "checkpoint more often (train.checkpoint_every_steps), or, if older ones were pruned, "
+                              "raise train.keep_last_checkpoints")
     return entries[-last_n:]
 
 

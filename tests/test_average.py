@@ -84,5 +84,5 @@ def test_refuses_a_corrupt_or_missing_member(tmp_path: Path) -> None:
     (folder / "ckpt-00000002.pt").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"ckpt-00000002\.pt: sha256 differs"):
         average_checkpoints(folder, 2, tmp_path / "avg.pt")
-    with pytest.raises(CheckpointError, match=r"only 3 are kept"):
+    with pytest.raises(CheckpointError, match=r"only 3 exist"):
         average_checkpoints(folder, 5, tmp_path / "avg.pt")
