@@ -18,14 +18,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.config import parse_value
 from tests.conftest import REPO_ROOT as REPO, TINY
 
 STAGES = ["prepare-data", "train-tokenizer", "write-shards", "train", "average-checkpoints", "evaluate"]
 # The tiny run of the deployment: TINY's model and batch, 10 updates, greedy decoding capped short.
-QUICK = {**{k: v for k, v in (o.split("=", 1) for o in TINY)}, "train.checkpoint_every_steps": 5,
+QUICK = {**{k: parse_value(v) for k, v in (o.split("=", 1) for o in TINY)}, "train.checkpoint_every_steps": 5,
          "average.last_n": 2, "decode.beam_size": 1, "decode.max_len_a": 0.1, "decode.max_len_b": 2,
          "decode.batch_sentences": 512}
-QUICK = {k: json.loads(v) if isinstance(v, str) and re.fullmatch(r"[0-9.e-]+", v) else v for k, v in QUICK.items()}
 
 
 def _api(base: str, path: str, body: dict | None = None):
