@@ -19,7 +19,8 @@ equal tiny models. Output length is forced (``--min-len``/``--max-len-b`` in fai
 ``decode.min_len``/``decode.max_len_b`` here, ``min/max_decoding_length`` in CTranslate2) so that every
 implementation runs the same number of decoder steps whatever its weights; tokens/s counts the generated tokens,
 eos included. Ours decodes through :func:`pipeline.evaluate.translate` (tokenization and detokenization
-included); fairseq and CTranslate2 read pre-tokenized ids.
+included), in fp32 and with ``decode.precision=bf16`` (a bf16 copy of the model, no autocast); fairseq and
+CTranslate2 (both fp32) read pre-tokenized ids.
 
 Peer environment (outside the repo; fairseq pins numpy < 2; pip warns about torchaudio, which is not used)::
 

@@ -65,7 +65,9 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
         run, hit = stages["train"] = run_cached(train, cfg=cfg, shards=shards, launch=cfg.launch,
                                                 tracking_run_id=train_run)
         log_stage(parent, "train", hit, {"run": run}, run_id=train_run)
-        averaged, hit = stages["average"] = run_cached(average, checkpoints=run / "checkpoints", cfg=cfg.average)
+        averaged, hit = stages["average"] = run_cached(average, cfg=cfg, checkpoints=run / "checkpoints",
+                                                       tokenizer_dir=tokenizer, corpus=corpus, shards=shards)
+        log_stage(parent, "average", hit, {"checkpoint": averaged})
         scores, hit = stages["evaluate"] = run_cached(evaluate, cfg=cfg, checkpoint=averaged, tokenizer_dir=tokenizer,
                                                       corpus=corpus, shards=shards)
         log_stage(parent, "evaluate", hit, {"checkpoint": averaged, "tokenizer": tokenizer, "scores": scores},

@@ -89,6 +89,7 @@ def beam_search(
     scores = torch.zeros(batch, k, dtype=torch.float64, device=device)  # (n, k) raw log-probs of open beams
     scores[:, 1:] = -math.inf  # all beams start identical: only the first may expand at step one
     finished: list[list[Hypothesis]] = [[] for _ in range(batch)]
+    best_done = torch.full((batch,), -math.inf, dtype=torch.float64, device=device)  # best finished score
 
     step = 0
     while active.numel():
@@ -100,7 +101,7 @@ def beam_search(
         else:
             logits = model.decode(prefixes, memory, src_pad_mask)
         # log-softmax in float32 (half the time of float64 here); scores accumulate in float64
-        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1).double()  # (n * k, vocab)
+        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (n * k, vocab)
         vocab = lprobs.size(-1)
         lprobs[:, pad_id] = -math.inf
         lprobs[:, bos_id] = -math.inf
@@ -114,23 +115,27 @@ def beam_search(
             lprobs[rows] = -math.inf
             lprobs[rows, eos_id] = eos_col
 
-        cand = (scores.view(n * k, 1) + lprobs).view(n, k * vocab)  # (n, k * vocab)
-        top_scores, top_idx = cand.topk(min(2 * k, k * vocab), dim=1)  # (n, 2k)
-        top_beam, top_tok = top_idx // vocab, top_idx % vocab  # (n, 2k)
+        # The 2k best continuations of a sentence are among the 2k best tokens of each of its beams (a token
+        # outside its beam's 2k best is beaten by 2k continuations of that beam alone), so each row is cut to
+        # its 2k best before adding the beam scores: float64 work on (n, k * 2k), not (n, k * vocab).
+        width = min(2 * k, vocab)
+        row_lprobs, row_tok = lprobs.topk(width, dim=1)  # (n * k, width)
+        cand = (scores.view(n * k, 1) + row_lprobs.double()).view(n, k * width)  # (n, k * width)
+        top_scores, top_idx = cand.topk(min(2 * k, k * width), dim=1)  # (n, 2k)
+        top_beam, top_tok = top_idx // width, row_tok.view(n, k * width).gather(1, top_idx)  # (n, 2k)
         is_eos = top_tok.eq(eos_id) & top_scores.gt(-math.inf)  # (n, 2k)
 
         # eos among the k best candidates ends a hypothesis (as fairseq: a lower-ranked eos would not be kept).
         lp_now = length_penalty(float(length), alpha)
         for row, col in is_eos[:, :k].nonzero().tolist():
-            beam = int(top_beam[row, col])
+            beam, sentence = int(top_beam[row, col]), int(active[row])
             raw = float(top_scores[row, col])
-            finished[int(active[row])].append(Hypothesis(prefixes[row * k + beam, 1:].tolist(), raw / lp_now, raw))
+            finished[sentence].append(Hypothesis(prefixes[row * k + beam, 1:].tolist(), raw / lp_now, raw))
+            best_done[sentence] = max(float(best_done[sentence]), raw / lp_now)
 
         open_scores, open_pos = top_scores.masked_fill(is_eos, -math.inf).topk(k, dim=1)  # (n, k)
-        best_done = torch.tensor([max((h.score for h in finished[int(s)]), default=-math.inf) for s in active],
-                                 dtype=torch.float64, device=device)  # (n,)
         bound = open_scores[:, 0] / max_lp[active]  # (n,) best any continuation could still reach
-        done = must_end | best_done.ge(bound) | open_scores[:, 0].eq(-math.inf)  # (n,)
+        done = must_end | best_done[active].ge(bound) | open_scores[:, 0].eq(-math.inf)  # (n,)
 
         keep = (~done).nonzero().squeeze(1)  # (n',) row groups still searching
         beams = top_beam.gather(1, open_pos)[keep]  # (n', k)

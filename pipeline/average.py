@@ -6,16 +6,30 @@ whose architecture, parameter names or shapes differ are refused, naming them: a
 meaningless. A listed checkpoint that is missing or corrupt is refused too, rather than silently averaging a
 different set. The result is a standalone checkpoint in the training format (model, configs, shards, step),
 without optimizer state, that loads like any other.
+
+Choosing N (``average.choose_from``, not in the paper, which fixes N per model size): each candidate average is
+decoded on the dev split with the run's decoding settings and scored (translation: sacreBLEU; parsing: EVALB
+F1); the best wins, ties going to the smaller N. ``choice.json`` records every candidate (its steps, its dev
+score, its sha256) and the choice. Dev scores are reused on a re-run when the candidate's average is unchanged
+(same checkpoints, same bytes), so an interrupted choice resumes. The dev score of the winner is optimistic
+(it was picked on dev); the test sets are the honest numbers.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import torch
 
-from pipeline.fsutil import atomic_file
+from pipeline.config import RunConfig
+from pipeline.fsutil import atomic_file, sha256_file, write_json
+from pipeline.stages import Inputs
 from pipeline.train.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_index, verify_and_load
+
+log = logging.getLogger("aiayn.average")
+CHOICE = "choice.json"
 
 
 def select_last(folder: Path, last_n: int) -> list[dict]:
@@ -76,3 +90,77 @@ def average_checkpoints(folder: Path, last_n: int, out_path: Path) -> Path:
         torch.save(state, tmp)
     return out_path
 
+
+
+def choice_dir(cfg: RunConfig, run: Path) -> Path:
+    """Where a choice of N lives: one folder per (candidates, task, decoding), so changing any of them chooses
+    afresh instead of reusing dev scores decoded differently."""
+    return Path(run) / "averaged" / f"choose-{cfg.section_hash('average', 'task', 'decode')[:8]}"
+
+
+def averaged_path(cfg: RunConfig, run: Path) -> Path:
+    """The averaged checkpoint :func:`average_run` made for ``cfg`` in ``run`` (read from ``choice.json`` when
+    N is chosen on dev); an error that says what to run when there is none yet."""
+    if not cfg.average.choose_from:
+        return Path(run) / "averaged" / f"last{cfg.average.last_n}.pt"
+    choice = choice_dir(cfg, run) / CHOICE
+    if not choice.is_file():
+        raise CheckpointError(f"{choice} not found: N has not been chosen for this run yet; run the average "
+                              "stage first (python -m pipeline average)")
+    return Path(json.loads(choice.read_text(encoding="utf-8"))["checkpoint"])
+
+
+def dev_score(cfg: RunConfig, scores_json: Path) -> tuple[str, float]:
+    """The number N is chosen on, from an evaluation's ``scores.json``: (its name, its value)."""
+    dev = json.loads(Path(scores_json).read_text(encoding="utf-8"))["splits"]["dev"]
+    if cfg.task == "parsing":
+        return "EVALB F1", float(dev["f1"])
+    return "sacreBLEU", float(dev["sacrebleu"]["score"])
+
+
+def choose_last_n(cfg: RunConfig, checkpoints: Path, inputs: Inputs, out_dir: Path) -> Path:
+    """Average the last N checkpoints for each N in ``cfg.average.choose_from`` (those that exist), score each
+    on the dev split, keep the best in ``out_dir`` (the others are deleted) and write ``out_dir/choice.json``;
+    returns the chosen checkpoint."""
+    from pipeline.evaluate import evaluate_for  # decoding is only needed when N is chosen
+
+    checkpoints, out_dir = Path(checkpoints), Path(out_dir)
+    available = len(read_index(checkpoints))
+    wanted = cfg.average.choose_from
+    candidates = [n for n in wanted if n <= available]
+    if not candidates:
+        raise CheckpointError(f"{checkpoints}: average.choose_from {wanted} needs at least {min(wanted)} "
+                              f"checkpoints, only {available} exist; add smaller candidates, train longer or "
+                              "checkpoint more often (train.checkpoint_every_steps)")
+    if len(candidates) < len(wanted):
+        log.warning("only %d checkpoints: candidates %s skipped", available, [n for n in wanted if n > available])
+    rows = []
+    for n in candidates:
+        path = average_checkpoints(checkpoints, n, out_dir / f"last{n}.pt")
+        sha = sha256_file(path)
+        scores = out_dir / f"dev-last{n}" / "scores.json"
+        if not (scores.is_file() and json.loads(scores.read_text(encoding="utf-8"))["checkpoint"]["sha256"] == sha):
+            scores = evaluate_for(cfg, path, inputs, out_dir=scores.parent, splits=["dev"])
+        metric, value = dev_score(cfg, scores)
+        log.info("average of the last %d checkpoints: dev %s %.2f", n, metric, value)
+        rows.append({"n": n, "steps": [e["step"] for e in select_last(checkpoints, n)], "dev": value,
+                     "sha256": sha, "scores": str(scores)})
+    best = max(rows, key=lambda r: (r["dev"], -r["n"]))
+    for row in rows:
+        if row is not best:
+            (out_dir / f"last{row['n']}.pt").unlink(missing_ok=True)
+    chosen = out_dir / f"last{best['n']}.pt"
+    write_json(out_dir / CHOICE, {"metric": f"dev {metric}", "chosen_n": best["n"], "checkpoint": str(chosen),
+                                  "candidates": rows, "skipped": [n for n in wanted if n > available],
+                                  "decoding": cfg.decode.model_dump()})
+    log.info("chose N=%d (dev %s %.2f)", best["n"], metric, best["dev"])
+    return chosen
+
+
+def average_run(cfg: RunConfig, run: Path, inputs: Inputs) -> Path:
+    """A training run's averaged checkpoint as ``cfg.average`` says: the last ``last_n`` checkpoints, or the
+    best on dev of the last N for N in ``choose_from``."""
+    run = Path(run)
+    if cfg.average.choose_from:
+        return choose_last_n(cfg, run / "checkpoints", inputs, choice_dir(cfg, run))
+    return average_checkpoints(run / "checkpoints", cfg.average.last_n, averaged_path(cfg, run))

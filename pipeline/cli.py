@@ -90,17 +90,17 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> None:
     _train(cfg, build_inputs(cfg).shards)
 
 
-def _average(cfg: RunConfig, run: Path) -> Path:
-    from pipeline.average import average_checkpoints
+def _average(cfg: RunConfig, run: Path, inputs: Inputs) -> Path:
+    from pipeline.average import average_run
 
-    n = cfg.average.last_n
-    out = average_checkpoints(run / "checkpoints", n, run / "averaged" / f"last{n}.pt")
+    out = average_run(cfg, run, inputs)
     print(f"averaged: {out}")
     return out
 
 
 def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
-    _average(cfg, run_dir(cfg))
+    """The last ``average.last_n`` checkpoints, or the best on dev of ``average.choose_from``."""
+    _average(cfg, run_dir(cfg), build_inputs(cfg))
 
 
 def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
@@ -122,7 +122,9 @@ def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
 
 
 def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
-    checkpoint = Path(args.checkpoint) if args.checkpoint else run_dir(cfg) / "averaged" / f"last{cfg.average.last_n}.pt"
+    from pipeline.average import averaged_path
+
+    checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg))
     _evaluate(cfg, build_inputs(cfg), checkpoint)
 
 
@@ -156,7 +158,7 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
         empty = [i for i, line in enumerate(lines, start=1) if not line]
         if empty:
             raise DataError(f"{args.input or 'stdin'}: line {empty[0]} is empty; a parse needs at least one word")
-        for tree, _ in parse(model, tokenizer, lines, cfg.decode, progress=progress)[1]:
+        for tree, _ in parse(model, tokenizer, lines, cfg.decode, progress=progress, leaves=cfg.data.tree_leaves)[1]:
             print(tree)
         return
     for line in translate(model, tokenizer, lines, cfg.decode, progress=progress):
@@ -166,10 +168,10 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
 def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
     """The pipeline's stages in order on this machine, without an orchestrator: data, tokenizer and shards
     (resolved once: each check hashes every input file), training (one process), averaging of the last
-    ``average.last_n`` checkpoints, evaluation."""
+    ``average.last_n`` checkpoints (or the best on dev of ``average.choose_from``), evaluation."""
     inputs = build_inputs(cfg)
     _print_corpus(inputs.corpus)
-    _evaluate(cfg, inputs, _average(cfg, _train(cfg, inputs.shards)))
+    _evaluate(cfg, inputs, _average(cfg, _train(cfg, inputs.shards), inputs))
 
 
 COMMANDS = {
@@ -177,7 +179,8 @@ COMMANDS = {
     "prepare-data": (cmd_prepare_data, "data stage: read, clean and version the parallel corpus"),
     "tokenize": (cmd_tokenize, "data stage, then the shared sentencepiece model and the token shards"),
     "train": (cmd_train, "train in this process (several: torchrun ... -m pipeline.train)"),
-    "average": (cmd_average, "average the last average.last_n checkpoints of the run"),
+    "average": (cmd_average, "average the last average.last_n checkpoints of the run (or choose N on dev among "
+                             "average.choose_from)"),
     "evaluate": (cmd_evaluate, "decode dev and test sets and score them (translation: sacreBLEU, chrF, "
                                "tokenized BLEU; parsing: EVALB F1)"),
     "translate": (cmd_translate, "translate (parsing: parse) raw text from stdin or --input to stdout"),

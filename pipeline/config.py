@@ -126,6 +126,11 @@ class DataConfig(_Strict):
     dev: SourceSpec
     test: list[SourceSpec] = Field(default_factory=list)
     cleaning: CleaningConfig = CleaningConfig()
+    # Parsing targets (``ptb`` sources): every preterminal written as the placeholder ``XX`` (Vinyals et al.
+    # 2015, which the paper follows), or as its word (``words``: not the paper; the decoder then copies each
+    # word, which teaches it the word-by-word alignment to the source in far fewer updates, see
+    # configs/presets/parsing-cpu.yaml). Scoring is the same: the tree's leaves are the input words either way.
+    tree_leaves: Literal["XX", "words"] = "XX"
     write_batch_rows: int = Field(default=65_536, ge=1)  # rows held in memory per write; bounds peak RSS
 
     @model_validator(mode="after")
@@ -237,7 +242,22 @@ class TrainConfig(_Strict):
 
 
 class AverageConfig(_Strict):
+    """Checkpoint averaging (paper section 6.1): the last ``last_n`` checkpoints.
+
+    ``choose_from`` (not in the paper; empty = the paper's fixed N): candidate values of N; each average is
+    decoded on the dev split with the run's decoding settings and the best dev score (translation: sacreBLEU;
+    parsing: EVALB F1) picks N. The choice and every candidate's score are recorded (``choice.json``).
+    """
+
     last_n: int = Field(default=5, ge=1)  # paper: 5 for base, 20 for big
+    choose_from: list[int] = []
+
+    @field_validator("choose_from")
+    @classmethod
+    def _positive_distinct(cls, v: list[int]) -> list[int]:
+        if any(n < 1 for n in v) or len(set(v)) != len(v):
+            raise ValueError(f"candidates must be distinct positive checkpoint counts, got {v}")
+        return sorted(v)
 
 
 class DecodeConfig(_Strict):
@@ -251,7 +271,7 @@ class DecodeConfig(_Strict):
     # force equal output lengths with min_len = max_len_b, max_len_a = 0, as fairseq's --min-len does.
     min_len: int = Field(default=1, ge=1)
     batch_sentences: int = Field(default=64, ge=1)
-    # bf16 autocast for the model's matrix products while decoding (scores stay float64); fp32 = paper.
+    # bf16: decode with a bf16 copy of the model (log-softmax float32, scores float64); fp32 = paper.
     precision: Literal["fp32", "bf16"] = "fp32"
 
 

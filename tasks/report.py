@@ -10,6 +10,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
 from pipeline import tracking
+from pipeline.average import CHOICE
 from pipeline.config import RunConfig
 
 
@@ -57,6 +58,13 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
             f"`{summary['stopped_by']}` after {summary['wall_seconds'] / 60:.1f} min on {summary['world_size']} "
             f"process(es); {summary['tokens']['tgt']:,} target tokens this invocation"
             + (f"; final dev loss {dev['dev_loss']:.3f}, ppl {dev['dev_ppl']:.2f}." if dev else "."), ""]
+    choice = stages["average"][0].parent / CHOICE
+    if choice.is_file():
+        c = _read(choice)
+        out += ["## Averaging", "", f"N chosen on {c['metric']}: **{c['chosen_n']}**.", "",
+                "| N | steps | dev |", "|---|---|---|"]
+        out += [f"| {r['n']} | {r['steps'][0]}-{r['steps'][-1]} | {r['dev']:.2f} |" for r in c["candidates"]]
+        out += [""]
     out += ["## Scores", "", "| split | score | value | what |", "|---|---|---|---|", *_scores_rows(scores), ""]
     if decision:
         verdict = "promoted to **champion**" if decision["promoted"] else "not promoted"

@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from pipeline.config import AverageConfig, DataConfig, RunConfig, TokenizerConfig
+from pipeline.config import DataConfig, RunConfig, TokenizerConfig
 from pipeline.data import DataError, corpus_fingerprint, prepare_corpus
 from pipeline.data.sources import HubUnavailable
 from pipeline.stages import Inputs
@@ -63,13 +63,15 @@ def write_shards(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, 
 
 
 @task(name="average-checkpoints", persist_result=True,
-      cache_key_fn=stage_cache_key(["pipeline/average.py", "pipeline/train/checkpoint.py"]))
-def average(checkpoints: Path, cfg: AverageConfig) -> Path:
-    """The element-wise mean of the last ``cfg.last_n`` checkpoints (float64 accumulation)."""
-    from pipeline.average import average_checkpoints
+      cache_key_fn=stage_cache_key(["pipeline/average.py", "pipeline/train/checkpoint.py", "pipeline/evaluate.py",
+                                    "pipeline/parsing", "model"],
+                                   content={"cfg": lambda c: c.section_hash("average", "task", "decode")}))
+def average(cfg: RunConfig, checkpoints: Path, tokenizer_dir: Path, corpus: Path, shards: Path) -> Path:
+    """The element-wise mean of the last ``average.last_n`` checkpoints (float64 accumulation), or, with
+    ``average.choose_from``, the best such mean on the dev split (the corpus and tokenizer decode it)."""
+    from pipeline.average import average_run
 
-    n = cfg.last_n
-    return average_checkpoints(checkpoints, n, checkpoints.parent / "averaged" / f"last{n}.pt")
+    return average_run(cfg, checkpoints.parent, Inputs(corpus, tokenizer_dir, shards))
 
 
 @task(name="evaluate", persist_result=True,

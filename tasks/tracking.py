@@ -37,6 +37,8 @@ def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, P
         tracking.log_tokenizer(run_id, outputs["tokenizer"], outputs["shards"])
     elif stage == "train":
         tracking.log_training(run_id, outputs["run"])
+    elif stage == "average":
+        tracking.log_averaging(run_id, outputs["checkpoint"])
     elif stage == "evaluate":
         tracking.log_evaluation(run_id, outputs["checkpoint"], outputs["tokenizer"], outputs["scores"],
                                 attention_sentences=attention_sentences)

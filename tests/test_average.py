@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,14 @@ def test_refuses_a_corrupt_or_missing_member(tmp_path: Path) -> None:
         average_checkpoints(folder, 2, tmp_path / "avg.pt")
     with pytest.raises(CheckpointError, match=r"only 3 exist"):
         average_checkpoints(folder, 5, tmp_path / "avg.pt")
+
+
+def test_dev_score_is_sacrebleu_for_translation_and_evalb_f1_for_parsing(tmp_path: Path) -> None:
+    from pipeline.average import dev_score
+    from pipeline.config import load_config
+
+    scores = tmp_path / "scores.json"
+    scores.write_text(json.dumps({"splits": {"dev": {"sacrebleu": {"score": 31.5}, "chrf": {"score": 55.0},
+                                                     "f1": 88.25}}}))
+    assert dev_score(load_config("multi30k-cpu"), scores) == ("sacreBLEU", 31.5)
+    assert dev_score(load_config("ptb-sample-cpu"), scores) == ("EVALB F1", 88.25)

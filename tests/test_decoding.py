@@ -139,12 +139,20 @@ def test_min_len_forces_every_output_to_that_length(model, sources) -> None:
         assert all(len(h.tokens) + 1 == 10 and EOS not in h.tokens for h in forced)  # + 1: the eos
 
 
-def test_bf16_autocast_decodes_close_to_fp32(model, sources) -> None:
+@pytest.mark.parametrize("how", ["autocast", "bf16 weights"])
+def test_bf16_decodes_close_to_fp32(model, sources, how) -> None:
     fp32 = beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=4, max_len_b=12)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=4, max_len_b=12)
-    # bf16 products round to ~3 significant digits: scores stay close, most outputs are unchanged
+    if how == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=4, max_len_b=12)
+    else:  # what decode.precision=bf16 runs (pipeline.evaluate.decoding_model)
+        bf16 = beam_search(copy.deepcopy(model).to(torch.bfloat16), sources, bos_id=BOS, eos_id=EOS, beam_size=4,
+                           max_len_b=12)
+    # bf16 products round to ~3 significant digits: scores stay close, most outputs are unchanged. With bf16
+    # weights the residual stream is bf16 too, so rounding adds up over the layers (on a trained model:
+    # Multi30k test2016 sacreBLEU 37.34 fp32, 37.32 bf16 weights, measured).
+    rel = 0.05 if how == "autocast" else 0.1
     assert sum(a[0].tokens == b[0].tokens for a, b in zip(fp32, bf16)) >= len(fp32) // 2
     for a, b in zip(fp32, bf16):
         if a[0].tokens == b[0].tokens:
-            assert b[0].score == pytest.approx(a[0].score, rel=0.05)
+            assert b[0].score == pytest.approx(a[0].score, rel=rel)

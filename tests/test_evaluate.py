@@ -11,11 +11,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.average import average_checkpoints
-from pipeline.config import DecodeConfig
+from pipeline.average import average_checkpoints, average_run, averaged_path, choice_dir
+from pipeline.config import ConfigError, DecodeConfig
+from pipeline.fsutil import sha256_file
+from pipeline.stages import Inputs
 from pipeline.evaluate import compound_split_tokenize, evaluate, load_model, score, translate
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
+from pipeline.train.checkpoint import CheckpointError, load_checkpoint
 from tests.conftest import TINY, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +85,37 @@ def test_translate_command_reads_stdin(averaged, tiny_stack, shared_data) -> Non
     res = subprocess.run([sys.executable, "-m", "pipeline", "translate"], input="x\n", capture_output=True, text=True,
                          cwd=REPO, timeout=120, env={**os.environ, "AIAYN_DATA_ROOT": str(shared_data)})
     assert res.returncode == 2 and "needs --checkpoint" in res.stderr
+
+
+def test_choosing_n_on_dev_scores_every_candidate_and_keeps_the_best(averaged, tiny_stack, shared_data) -> None:
+    """average.choose_from: each candidate average decoded on dev, the best kept and recorded; a re-run reuses
+    the dev scores of unchanged averages; candidates beyond the checkpoints are skipped, all of them an error."""
+    run = averaged.parent.parent  # 3 checkpoints: steps 10, 20, 30
+    fast = ("decode.beam_size=2", "decode.max_len_a=0.5", "decode.max_len_b=4", "decode.batch_sentences=128")
+    cfg = tiny_config(shared_data, "average.choose_from=[3, 1, 2, 8]", *fast)
+    inputs = Inputs(tiny_stack.corpus, tiny_stack.tokenizer, tiny_stack.shards)
+    chosen = average_run(cfg, run, inputs)
+    folder = choice_dir(cfg, run)
+    choice = json.loads((folder / "choice.json").read_text())
+    rows = {r["n"]: r for r in choice["candidates"]}
+    assert sorted(rows) == [1, 2, 3] and choice["skipped"] == [8] and choice["metric"] == "dev sacreBLEU"
+    assert rows[3]["steps"] == [10, 20, 30] and rows[1]["steps"] == [30]
+    for n, row in rows.items():  # each dev score is that candidate's own evaluation
+        assert row["dev"] == json.loads(Path(row["scores"]).read_text())["splits"]["dev"]["sacrebleu"]["score"]
+    best = max(rows.values(), key=lambda r: (r["dev"], -r["n"]))
+    assert choice["chosen_n"] == best["n"] and chosen == folder / f"last{best['n']}.pt"
+    assert sorted(p.name for p in folder.glob("*.pt")) == [chosen.name]  # the losers are not kept
+    assert sha256_file(chosen) == best["sha256"] and averaged_path(cfg, run) == chosen
+    assert load_checkpoint(chosen)["step"] == 30
+
+    stamps = {n: Path(r["scores"]).stat().st_mtime_ns for n, r in rows.items()}
+    assert average_run(cfg, run, inputs) == chosen  # same checkpoints: the averages and their dev scores reused
+    assert {n: Path(r["scores"]).stat().st_mtime_ns for n, r in rows.items()} == stamps
+
+    with pytest.raises(CheckpointError, match=r"choose_from \[8, 9\] needs at least 8 checkpoints, only 3 exist"):
+        average_run(tiny_config(shared_data, "average.choose_from=[9, 8]", *fast), run, inputs)
+    with pytest.raises(ConfigError, match="distinct positive"):
+        tiny_config(shared_data, "average.choose_from=[2, 2]")
 
 
 @pytest.mark.slow

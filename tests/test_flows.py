@@ -144,7 +144,8 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     assert parent.info.status == "FINISHED" and parent.data.tags["prefect.flow"] == "train-en-de"
     children = {r.data.tags["stage"]: r for r in mlflow.search_runs(
         [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
-    assert sorted(children) == ["data", "evaluate", "register", "tokenize", "train"]
+    assert sorted(children) == ["average", "data", "evaluate", "register", "tokenize", "train"]
+    assert children["average"].data.params["average.steps"] == "5,10"
     assert [m.step for m in mlflow.get_metric_history(children["train"].info.run_id, "loss")] == [2, 4, 6, 8, 10]
     assert "test2016.sacrebleu" in children["evaluate"].data.metrics
 
@@ -156,13 +157,20 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     assert "| train | " in report and "| reused |" in report and "| ran |" not in report
 
     # A larger step budget is a changed training config: training re-runs, in the same run folder, so it
-    # resumes from the last checkpoint (step 10) instead of starting over.
-    status, out, third = prefect.run_deployment("train-en-de/multi30k-cpu", {**params, "max_steps": 14})
+    # resumes from the last checkpoint (step 10) instead of starting over. N is now chosen on dev among 1, 2.
+    choose = {"overrides": {**QUICK, "average.choose_from": [1, 2]}, "max_steps": 14}
+    status, out, third = prefect.run_deployment("train-en-de/multi30k-cpu", choose)
     assert status == 0, out[-4000:]
     states = prefect.task_states(third)
     assert [states[s] for s in STAGES] == ["Cached"] * 3 + ["Completed"] * 3, states
     logs = prefect.logs(third)
     assert re.search(r"resuming from \S+: step 10", logs) and "training stopped (max_steps) at step 14" in logs
+    (parent,) = mlflow.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{third}'")
+    (average,) = mlflow.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' "
+                                                         "and tags.stage = 'average'")
+    assert {"average.dev.last1", "average.dev.last2"} <= set(average.data.metrics)
+    assert average.data.params["average.chosen_n"] in ("1", "2")
+    assert "## Averaging" in {a["key"]: a for a in prefect.artifacts(third)}["multi30k-cpu-hub-report"]["data"]
 
 
 @pytest.mark.slow

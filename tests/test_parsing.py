@@ -17,7 +17,7 @@ from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.evaluate import evaluate_for
 from pipeline.parsing.evalb import COLLINS, UNLABELED, brackets, score_corpus, score_sentence
 from pipeline.parsing.trees import (PLACEHOLDER, Tree, TreeError, clean, is_well_formed, linearize, parse_tree,
-                                    read_trees, repair, right_branching, strip_root)
+                                    read_trees, repair, right_branching, strip_root, target_symbols)
 from pipeline.shards import build_shards
 from pipeline.stages import Inputs
 from pipeline.tokenize import Tokenizer, train_tokenizer
@@ -78,16 +78,34 @@ def test_traces_function_tags_and_root_wrapper_are_removed() -> None:
     assert clean(parse_tree("( (S (-NONE- *)) )")) is None
 
 
-def test_linearisation_round_trips_on_every_sample_tree(shared_data) -> None:
+@pytest.mark.parametrize("leaves", [PLACEHOLDER, "words"])
+def test_linearisation_round_trips_on_every_sample_tree(shared_data, leaves) -> None:
     n = 0
     for _, raw in read_trees(shared_data / "ptb-sample" / "wsj_sample.oneline.mrg"):
         gold = clean(raw)
-        lin = linearize(gold)
+        lin = linearize(gold, leaves)
         tagged = gold.tagged_words()
-        tree, fix = repair(lin, [w for _, w in tagged], [tag for tag, _ in tagged])
-        assert not fix.needed and str(tree) == str(gold), lin
+        tree, fix = repair(lin, [w for _, w in tagged], [tag for tag, _ in tagged], leaves)
+        assert not fix.needed and fix.words_replaced == 0 and str(tree) == str(gold), lin
         n += 1
     assert n == 3914
+
+
+def test_words_as_leaves() -> None:
+    """data.tree_leaves=words: the words stand where XX would; any non-bracket token is a leaf, and written
+    words that differ from the input are counted (and replaced by it), not treated as broken structure."""
+    gold = clean(parse_tree("( (S (NP (DT The) (NN cat)) (VP (VBD sat)) (. .)) )"))
+    assert linearize(gold, "words") == "(S (NP The cat ) (VP sat ) . )"
+    assert target_symbols(linearize(gold, "words")) == {"(S", "(NP", "(VP", ")"}  # the words are no symbols
+    assert target_symbols(linearize(gold)) == {"(S", "(NP", "(VP", ")", PLACEHOLDER}
+    words = ["The", "cat", "sat", "."]
+    tree, fix = repair("(S (NP The <unk> ) (VP sit ) . )", words, leaves="words")
+    assert str(tree) == "(S (NP (XX The) (XX cat)) (VP (XX sat)) (XX .))"
+    assert fix.words_replaced == 2 and not fix.needed
+    assert is_well_formed("(S (NP The cat ) (VP sat ) . )", 4, "words")
+    assert not is_well_formed("(S (NP The cat ) (VP sat ) . )", 4)  # as XX targets the words are unknown tokens
+    with pytest.raises(ValueError, match="leaves must be"):
+        linearize(gold, "tags")
 
 
 # ------------------------------------------------------------------------------------------------ repair
@@ -227,6 +245,7 @@ def test_parsing_configs_and_their_validation(tmp_path) -> None:
             21, 0.3, 1.0, 300)
     assert (wsj.model.encoder_layers, wsj.model.d_model, wsj.model.n_heads, wsj.tokenizer.vocab_size) == (4, 1024, 16, 16000)
     assert wsj.data.test[0].include == ["23/*.mrg"] and wsj.data.dev.include == ["22/*.mrg"]
+    assert (wsj.data.tree_leaves, cpu.data.tree_leaves) == (PLACEHOLDER, "words")  # the paper's form; CPU's
     assert load_config("multi30k-cpu").task == "translation"
     with pytest.raises(ConfigError, match="every source needs format 'ptb'"):
         load_config("ptb-sample-cpu", ["data.test=[{name: t, format: text, path: x}]"])
@@ -255,11 +274,12 @@ def test_data_stage_writes_words_linearised_trees_and_gold(ptb_stack) -> None:
     assert (splits["dev"]["rows"], splits["test.ptb-sample-test"]["rows"]) == (273, 245)
     assert splits["train"]["cleaning"]["read"] == 3396  # wsj_0001-0159; 0160-0179 dev, 0180-0199 test
     assert splits["train"]["origins"] == {"ptb-sample-train": {"read": 3396, "kept": splits["train"]["rows"]}}
-    assert {"(S", "(NP", ")", PLACEHOLDER} <= set(manifest["target_symbols"])
+    symbols = set(manifest["target_symbols"])  # ptb-sample-cpu writes words as leaves: they are no symbols
+    assert {"(S", "(NP", ")"} <= symbols and all(s[0] in "()" for s in symbols)
     dev = pq.read_table(corpus / "dev.parquet").to_pylist()
     for row in dev:
         gold = clean(parse_tree(row["tgt_raw"]))
-        assert row["src"] == " ".join(gold.words()) and row["tgt"] == linearize(gold)
+        assert row["src"] == " ".join(gold.words()) and row["tgt"] == linearize(gold, "words")
     assert dev[0]["line"] == 1 and dev[0]["tgt_raw"].startswith("( (S (NP-SBJ (NNP Savin)")
 
 
@@ -269,7 +289,7 @@ def test_tokenizer_keeps_every_target_symbol_one_piece(ptb_stack) -> None:
     assert tok.vocab_size == cfg.tokenizer.vocab_size
     for symbol in read_manifest(corpus)["target_symbols"]:
         assert len(tok.encode(symbol)) == 1 and tok.unk_id not in tok.encode(symbol), symbol
-    target = "(S (NP XX XX ) (VP XX (NP XX ) ) XX )"
+    target = "(S (NP the company ) (VP said (NP it ) ) . )"
     assert len(tok.encode(target)) == len(target.split()) and tok.decode(tok.encode(target)) == target
     assert tok.encode("Pierre Vinken qzxqzx")[-1] == tok.unk_id  # words: one piece each, unknown ones <unk>
 

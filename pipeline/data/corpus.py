@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
 from pipeline.data.sources import DataError, Source, open_source, resolve_root
+from pipeline.parsing.trees import target_symbols
 from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, read_stage_manifest, sha256_file,
                              stage_folder, write_json)
 
@@ -117,9 +118,10 @@ def _open_sources(data: DataConfig) -> tuple[Source, list[Source], list[Source],
     """Every source resolved and checked (local files hashed), and the stage identity they give."""
     root = resolve_root(data.root)
     langs = (data.src_lang, data.tgt_lang)
-    dev = open_source(data.dev, root, *langs, "data.dev")
-    tests = [open_source(s, root, *langs, f"data.test[{i}]") for i, s in enumerate(data.test)]
-    train = [open_source(s, root, *langs, f"data.train[{i}]") for i, s in enumerate(data.train)]
+    leaves = data.tree_leaves
+    dev = open_source(data.dev, root, *langs, "data.dev", leaves)
+    tests = [open_source(s, root, *langs, f"data.test[{i}]", leaves) for i, s in enumerate(data.test)]
+    train = [open_source(s, root, *langs, f"data.train[{i}]", leaves) for i, s in enumerate(data.train)]
     config = data.model_dump(mode="json", exclude={"root"}, exclude_none=True)  # where the data sits is not what it is
     identity = {"format": CORPUS_FORMAT, "code": _code_hash(), "config": config,
                 "inputs": _provenance({"dev": [dev], "test": tests, "train": train}, with_rows=False)}
@@ -171,7 +173,7 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
                 if keep.keep(s, t):
                     writer.add(name, line, s, t, None)
                     if source.spec.format == "ptb":
-                        symbols.update(t.split())
+                        symbols.update(target_symbols(t))
         entry = writer.close()
         report = _cleaning_report(sum(read.values()), counts, entry["rows"])
         if not entry["rows"]:

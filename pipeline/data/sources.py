@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import SourceSpec
 from pipeline.fsutil import sha256_file
-from pipeline.parsing.trees import TreeError, clean, linearize, parse_tree, read_trees
+from pipeline.parsing.trees import PLACEHOLDER, TreeError, clean, linearize, parse_tree, read_trees
 
 Pair = tuple[int, str, str]  # (1-based line in the source, source sentence, target sentence)
 
@@ -491,8 +491,10 @@ class PtbSource(Source):
                 raise DataError(str(e)) from None
         self.info.rows_read = n
 
+    leaves = PLACEHOLDER  # or "words" (data.tree_leaves)
+
     def model_target(self, tgt: str) -> str:
-        return linearize(clean(parse_tree(tgt)))
+        return linearize(clean(parse_tree(tgt)), self.leaves)
 
 
 _READERS: dict[str, type[Source]] = {
@@ -507,6 +509,11 @@ _READERS: dict[str, type[Source]] = {
 }
 
 
-def open_source(spec: SourceSpec, root: Path, src_lang: str, tgt_lang: str, where: str) -> Source:
-    """Resolve and check a source (paths, files, columns) before any pair is read."""
-    return _READERS[spec.format](spec, root, src_lang, tgt_lang, where)
+def open_source(spec: SourceSpec, root: Path, src_lang: str, tgt_lang: str, where: str,
+                tree_leaves: str = PLACEHOLDER) -> Source:
+    """Resolve and check a source (paths, files, columns) before any pair is read; ``tree_leaves`` is how a
+    treebank source linearises preterminals (``data.tree_leaves``)."""
+    source = _READERS[spec.format](spec, root, src_lang, tgt_lang, where)
+    if isinstance(source, PtbSource):
+        source.leaves = tree_leaves
+    return source

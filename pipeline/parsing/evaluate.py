@@ -29,20 +29,22 @@ from pipeline.config import DecodeConfig
 from pipeline.evaluate import SAMPLE_ROWS, eval_setup, samples_markdown, translate
 from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
-from pipeline.parsing.trees import Repair, Tree, parse_tree, remove_empty, repair, right_branching, strip_root
+from pipeline.parsing.trees import (PLACEHOLDER, Repair, Tree, parse_tree, remove_empty, repair, right_branching,
+                                    strip_root)
 from pipeline.tokenize import Tokenizer
 
 log = logging.getLogger("aiayn.parsing")
 
 
 def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
-          tags: Sequence[Sequence[str]] | None = None,
-          progress: Callable[[int], None] | None = None) -> tuple[list[str], list[tuple[Tree, Repair]]]:
+          tags: Sequence[Sequence[str]] | None = None, progress: Callable[[int], None] | None = None,
+          leaves: str = PLACEHOLDER) -> tuple[list[str], list[tuple[Tree, Repair]]]:
     """The model's raw outputs for tokenized ``sentences`` (words separated by spaces) and, for each, the
     repaired tree over its words with what repair changed. ``tags`` (one list per sentence) fill the
-    preterminals; without them every tag is ``XX``."""
+    preterminals; without them every tag is ``XX``. ``leaves``: how the model writes preterminals
+    (``data.tree_leaves``)."""
     outputs = translate(model, tokenizer, sentences, decode, progress)
-    trees = [repair(out, sent.split(), tags[i] if tags is not None else None)
+    trees = [repair(out, sent.split(), tags[i] if tags is not None else None, leaves)
              for i, (out, sent) in enumerate(zip(outputs, sentences))]
     return outputs, trees
 
@@ -80,9 +82,9 @@ def score_parses(golds: list[Tree], tests: list[Tree], repairs: list[Repair]) ->
 
 
 def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, out_dir: Path,
-                     splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+                     splits: Sequence[str] | None = None, device: str = "cpu", leaves: str = PLACEHOLDER) -> Path:
     """Parse each dev/test split of the corpus with the checkpoint and score it with EVALB; returns
-    ``scores.json``. ``splits`` defaults to every split but ``train``."""
+    ``scores.json``. ``splits`` defaults to every split but ``train``; ``leaves`` is ``data.tree_leaves``."""
     setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device)
     corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
     results = {}
@@ -90,7 +92,7 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
         src, raw_golds = setup.split(corpus_dir, key)
         golds = [strip_root(parse_tree(g)) for g in raw_golds]
         tags = [[t for t, _ in remove_empty(g).tagged_words()] for g in golds]
-        outputs, parsed = parse(model, tokenizer, src, decode, tags)
+        outputs, parsed = parse(model, tokenizer, src, decode, tags, leaves=leaves)
         trees, repairs = [t for t, _ in parsed], [r for _, r in parsed]
         write_text(out_dir / f"{key}.hyp", "".join(f"{t}\n" for t in trees))
         write_text(out_dir / f"{key}.gold", "".join(f"{g}\n" for g in golds))
@@ -108,7 +110,7 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
                  "right-branching F1 %.2f", key, r["f1"], r["precision"], r["recall"], r["exact_match"],
                  100 * r["well_formed_before_repair_rate"], r["right_branching_f1"])
     path = out_dir / "scores.json"
-    write_json(path, {"task": "parsing", "checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+    write_json(path, {"task": "parsing", "tree_leaves": leaves, "checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
                       "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
                       "decoding": decode.model_dump(), "splits": results})
     return path

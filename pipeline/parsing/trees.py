@@ -11,6 +11,9 @@ Before linearising, a gold tree is cleaned the way EVALB's COLLINS.prm scores it
 root wrapper is dropped, ``-NONE-`` empty elements go (with every constituent left empty by that), and function
 tags and indices are cut from constituent labels (``NP-SBJ-1`` -> ``NP``, ``NP=2`` -> ``NP``). Every POS tag
 becomes the placeholder ``XX``: the words come back from the input, so the output is a tree only in shape.
+With ``leaves="words"`` (not the paper's form) each preterminal is written as its word instead
+(``(S (NP Mr. Vinken ) (VP is (NP chairman ) ) . )``); the words still come back from the input when the output
+is made a tree, so both forms are scored the same way.
 
 :func:`repair` turns any model output into a well-formed tree over exactly the input words and says what it had
 to change, so every sentence can be scored and the rate of outputs that needed no repair is measurable.
@@ -199,8 +202,11 @@ def _cut_labels(tree: Tree) -> Tree:
 # ------------------------------------------------------------------------------------------- linearisation
 
 
-def linearize(tree: Tree) -> str:
-    """The target sequence: ``(LABEL`` opens, ``)`` closes, every preterminal is ``XX``."""
+def linearize(tree: Tree, leaves: str = PLACEHOLDER) -> str:
+    """The target sequence: ``(LABEL`` opens, ``)`` closes, every preterminal is ``XX`` (``leaves="words"``:
+    its word)."""
+    if leaves not in (PLACEHOLDER, "words"):
+        raise ValueError(f"leaves must be {PLACEHOLDER!r} or 'words', got {leaves!r}")
     out: list[str] = []
     stack: list[Tree | None] = [tree]  # None marks a constituent's end
     while stack:
@@ -208,7 +214,7 @@ def linearize(tree: Tree) -> str:
         if node is None:
             out.append(")")
         elif node.is_preterminal:
-            out.append(PLACEHOLDER)
+            out.append(PLACEHOLDER if leaves == PLACEHOLDER else node.children[0])
         else:
             out.append(f"({node.label}")
             stack.append(None)
@@ -217,8 +223,8 @@ def linearize(tree: Tree) -> str:
 
 
 def target_symbols(linearized: str) -> set[str]:
-    """The distinct symbols of a linearised tree (labels with their '(', ')' and ``XX``)."""
-    return set(linearized.split())
+    """The distinct structure symbols of a linearised tree: labels with their '(', ')' and ``XX`` (not words)."""
+    return {t for t in linearized.split() if t[0] in "()" or t == PLACEHOLDER}
 
 
 @dataclass(frozen=True)
@@ -232,16 +238,21 @@ class Repair:
     leaves_added: int = 0  # XX missing for the input's words, appended to the root
     leaves_removed: int = 0  # XX beyond the input's words, dropped from the end
     wrapped: bool = False  # not a single root constituent: put under a new (S ...)
+    # leaves="words": written words that differ from the input word at their place (replaced by it). Not a
+    # repair of the tree's shape, so not in ``needed`` (an unknown word written as <unk> counts here).
+    words_replaced: int = 0
 
     @property
     def needed(self) -> bool:
-        return any(v for v in vars(self).values())
+        return any(v for k, v in vars(self).items() if k != "words_replaced")
 
 
-def repair(output: str, words: list[str], tags: list[str] | None = None) -> tuple[Tree, Repair]:
+def repair(output: str, words: list[str], tags: list[str] | None = None,
+           leaves: str = PLACEHOLDER) -> tuple[Tree, Repair]:
     """A well-formed tree over exactly ``words`` from any model output, and what had to change.
 
-    ``output`` is read as a bracket sequence (``(LABEL``, ``)``, ``XX``; spacing does not matter). Unknown tokens
+    ``output`` is read as a bracket sequence (``(LABEL``, ``)``, ``XX``; spacing does not matter; with
+    ``leaves="words"`` every token that is not a bracket is a leaf, whatever word it spells). Unknown tokens
     and unmatched ``)`` are dropped, open brackets closed; surplus ``XX`` are dropped from the end and missing ones
     appended to the root; constituents with no word are dropped; an output without a single root constituent
     goes under ``(S ...)``. Each ``XX`` i becomes ``(tags[i] words[i])`` (tag ``XX`` without ``tags``).
@@ -270,8 +281,8 @@ def repair(output: str, words: list[str], tags: list[str] | None = None) -> tupl
                 stack.pop()
             else:
                 counts["unmatched_close"] += 1
-        elif token == PLACEHOLDER:
-            stack[-1].children.append(PLACEHOLDER)
+        elif token == PLACEHOLDER or leaves != PLACEHOLDER:
+            stack[-1].children.append(token)
         else:
             counts["unknown_tokens"] += 1
         i += 1
@@ -286,9 +297,10 @@ def repair(output: str, words: list[str], tags: list[str] | None = None) -> tupl
     top = Tree(FALLBACK_ROOT, root.children) if wrapped else root.children[0]
     added = len(words) - min(have, len(words))
     top.children.extend([PLACEHOLDER] * added)
-    tree = _fill(top, iter(words), iter(tags) if tags is not None else None)
+    replaced = [0]
+    tree = _fill(top, iter(words), iter(tags) if tags is not None else None, replaced)
     return tree, Repair(**counts, empty_constituents=empty, leaves_added=added, leaves_removed=removed,
-                        wrapped=wrapped)
+                        wrapped=wrapped, words_replaced=replaced[0])
 
 
 def _count_leaves(node: Tree) -> int:
@@ -324,19 +336,23 @@ def _prune(node: Tree) -> int:
     return dropped
 
 
-def _fill(node: Tree, words: Iterator[str], tags: Iterator[str] | None) -> Tree:
+def _fill(node: Tree, words: Iterator[str], tags: Iterator[str] | None, replaced: list[int]) -> Tree:
+    """The tree with leaf i as ``(tags[i] words[i])``; counts in ``replaced[0]`` the written words (not ``XX``)
+    that differ from the input word they stand for."""
     children: list[Tree | str] = []
     for child in node.children:
         if isinstance(child, str):
-            children.append(Tree(next(tags) if tags is not None else PLACEHOLDER, [next(words)]))
+            word = next(words)
+            replaced[0] += child not in (PLACEHOLDER, word)
+            children.append(Tree(next(tags) if tags is not None else PLACEHOLDER, [word]))
         else:
-            children.append(_fill(child, words, tags))
+            children.append(_fill(child, words, tags, replaced))
     return Tree(node.label, children)
 
 
-def is_well_formed(output: str, n_words: int) -> bool:
+def is_well_formed(output: str, n_words: int, leaves: str = PLACEHOLDER) -> bool:
     """True when ``output`` needs no repair for a sentence of ``n_words`` words."""
-    return not repair(output, ["w"] * n_words)[1].needed
+    return not repair(output, ["w"] * n_words, leaves=leaves)[1].needed
 
 
 def right_branching(tagged_words: list[tuple[str, str]], label: str = FALLBACK_ROOT) -> Tree:

@@ -1,4 +1,5 @@
-"""Training and evaluation results on a run: summary, learning curves, scores, samples, heat-maps, checkpoint."""
+"""Training, averaging and evaluation results on a run: summary, learning curves, how the average was made,
+scores, samples, heat-maps, checkpoint."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from pathlib import Path
 
 import pandas as pd
 
+from pipeline.average import CHOICE
 from pipeline.evaluate import load_model
 from pipeline.fsutil import sha256_file
 from pipeline.tokenize import Tokenizer
+from pipeline.train.checkpoint import load_checkpoint
 
 from .plots import attention_figures, learning_curves, read_metrics
-from .runs import TrackingError, client, log_metrics, set_tags
+from .runs import TrackingError, client, log_metrics, log_params, set_tags
 
 ATTENTION_MAX_PIECES = 30  # longer dev sentences make unreadable heat-maps; the first short ones are drawn
 
@@ -34,6 +37,26 @@ def log_training(run_id: str, run_dir: Path) -> Path:
     learning_curves(read_metrics(run_dir / "metrics.jsonl"), out)
     c.log_artifact(run_id, str(out), "plots")
     return out
+
+
+def log_averaging(run_id: str, checkpoint: Path) -> dict:
+    """Log how an averaged checkpoint was made: the steps it averages (params ``average.n``,
+    ``average.steps``) and, when N was chosen on dev (a ``choice.json`` beside it), each candidate's dev score
+    as metric ``average.dev.last<N>``, the choice as param ``average.chosen_n`` and ``choice.json`` itself.
+    Returns what was logged."""
+    checkpoint = Path(checkpoint)
+    steps = [e["step"] for e in load_checkpoint(checkpoint).get("averaged_from", [])]
+    logged: dict = {"params": {"average.n": len(steps), "average.steps": ",".join(map(str, steps))}, "metrics": {}}
+    choice_json = checkpoint.parent / CHOICE
+    if choice_json.is_file():
+        choice = json.loads(choice_json.read_text(encoding="utf-8"))
+        logged["params"] |= {"average.chosen_n": choice["chosen_n"], "average.choice_metric": choice["metric"]}
+        logged["metrics"] = {f"average.dev.last{c['n']}": c["dev"] for c in choice["candidates"]}
+        client().log_artifact(run_id, str(choice_json), "averaging")
+    log_params(run_id, logged["params"])
+    log_metrics(run_id, logged["metrics"])
+    set_tags(run_id, {"checkpoint_sha256": sha256_file(checkpoint)[:16]})
+    return logged
 
 
 def flat_scores(scores: dict) -> dict[str, float]:
