@@ -146,9 +146,10 @@ class MultiHeadAttention(nn.Module):
             # per-call overhead (~3.5x at beam 4 x batch 64, measured); the weights are not returned.
             out, weights = attention_with_weights(q, k, v, keep)[0], None
         elif q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # In bf16 on the CPU (autocast, or a bf16 model), attention itself runs in float32: torch's CPU flash-attention kernel is
-            # slower in bf16 than in fp32 (fwd + bwd ~1.5x, measured on AVX512-BF16), and Q K^T, A V are a
-            # small share of the FLOPs at sentence lengths (the projections around them stay in bf16).
+            # In bf16 on the CPU (autocast, or a bf16 model), attention itself runs in float32: torch's CPU
+            # flash-attention kernel is slower in bf16 than in fp32 (fwd + bwd ~1.5x, measured on AVX512-BF16),
+            # and Q K^T, A V are a small share of the FLOPs at sentence lengths (the projections around them stay
+            # in bf16).
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep,
                                                      dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)

@@ -91,7 +91,6 @@ def average_checkpoints(folder: Path, last_n: int, out_path: Path) -> Path:
     return out_path
 
 
-
 def choice_dir(cfg: RunConfig, run: Path) -> Path:
     """Where a choice of N lives: one folder per (candidates, task, decoding), so changing any of them chooses
     afresh instead of reusing dev scores decoded differently."""
@@ -125,15 +124,16 @@ def choose_last_n(cfg: RunConfig, checkpoints: Path, inputs: Inputs, out_dir: Pa
     from pipeline.evaluate import evaluate_for  # decoding is only needed when N is chosen
 
     checkpoints, out_dir = Path(checkpoints), Path(out_dir)
-    available = len(read_index(checkpoints))
+    steps = sorted(e["step"] for e in read_index(checkpoints))
     wanted = cfg.average.choose_from
-    candidates = [n for n in wanted if n <= available]
+    candidates = [n for n in wanted if n <= len(steps)]
+    skipped = [n for n in wanted if n > len(steps)]
     if not candidates:
         raise CheckpointError(f"{checkpoints}: average.choose_from {wanted} needs at least {min(wanted)} "
-                              f"checkpoints, only {available} exist; add smaller candidates, train longer or "
+                              f"checkpoints, only {len(steps)} exist; add smaller candidates, train longer or "
                               "checkpoint more often (train.checkpoint_every_steps)")
-    if len(candidates) < len(wanted):
-        log.warning("only %d checkpoints: candidates %s skipped", available, [n for n in wanted if n > available])
+    if skipped:
+        log.warning("only %d checkpoints: candidates %s skipped", len(steps), skipped)
     rows = []
     for n in candidates:
         path = average_checkpoints(checkpoints, n, out_dir / f"last{n}.pt")
@@ -143,24 +143,25 @@ def choose_last_n(cfg: RunConfig, checkpoints: Path, inputs: Inputs, out_dir: Pa
             scores = evaluate_for(cfg, path, inputs, out_dir=scores.parent, splits=["dev"])
         metric, value = dev_score(cfg, scores)
         log.info("average of the last %d checkpoints: dev %s %.2f", n, metric, value)
-        rows.append({"n": n, "steps": [e["step"] for e in select_last(checkpoints, n)], "dev": value,
-                     "sha256": sha, "scores": str(scores)})
+        rows.append({"n": n, "steps": steps[-n:], "dev": value, "sha256": sha, "scores": str(scores)})
     best = max(rows, key=lambda r: (r["dev"], -r["n"]))
     for row in rows:
         if row is not best:
             (out_dir / f"last{row['n']}.pt").unlink(missing_ok=True)
     chosen = out_dir / f"last{best['n']}.pt"
     write_json(out_dir / CHOICE, {"metric": f"dev {metric}", "chosen_n": best["n"], "checkpoint": str(chosen),
-                                  "candidates": rows, "skipped": [n for n in wanted if n > available],
+                                  "candidates": rows, "skipped": skipped,
                                   "decoding": cfg.decode.model_dump()})
     log.info("chose N=%d (dev %s %.2f)", best["n"], metric, best["dev"])
     return chosen
 
 
-def average_run(cfg: RunConfig, run: Path, inputs: Inputs) -> Path:
+def average_run(cfg: RunConfig, run: Path, inputs: Inputs | None) -> Path:
     """A training run's averaged checkpoint as ``cfg.average`` says: the last ``last_n`` checkpoints, or the
-    best on dev of the last N for N in ``choose_from``."""
+    best on dev of the last N for N in ``choose_from`` (which decodes with ``inputs``: needed only then)."""
     run = Path(run)
     if cfg.average.choose_from:
+        if inputs is None:
+            raise ValueError("choosing N on dev decodes the dev split: pass the run's inputs")
         return choose_last_n(cfg, run / "checkpoints", inputs, choice_dir(cfg, run))
     return average_checkpoints(run / "checkpoints", cfg.average.last_n, averaged_path(cfg, run))

@@ -90,7 +90,7 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> None:
     _train(cfg, build_inputs(cfg).shards)
 
 
-def _average(cfg: RunConfig, run: Path, inputs: Inputs) -> Path:
+def _average(cfg: RunConfig, run: Path, inputs: Inputs | None) -> Path:
     from pipeline.average import average_run
 
     out = average_run(cfg, run, inputs)
@@ -99,8 +99,9 @@ def _average(cfg: RunConfig, run: Path, inputs: Inputs) -> Path:
 
 
 def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
-    """The last ``average.last_n`` checkpoints, or the best on dev of ``average.choose_from``."""
-    _average(cfg, run_dir(cfg), build_inputs(cfg))
+    """The last ``average.last_n`` checkpoints, or the best on dev of ``average.choose_from`` (only that decodes,
+    so only that resolves the corpus and tokenizer: resolving hashes every input file)."""
+    _average(cfg, run_dir(cfg), build_inputs(cfg) if cfg.average.choose_from else None)
 
 
 def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
@@ -158,7 +159,8 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
         empty = [i for i, line in enumerate(lines, start=1) if not line]
         if empty:
             raise DataError(f"{args.input or 'stdin'}: line {empty[0]} is empty; a parse needs at least one word")
-        for tree, _ in parse(model, tokenizer, lines, cfg.decode, progress=progress, leaves=cfg.data.tree_leaves)[1]:
+        _, parsed = parse(model, tokenizer, lines, cfg.decode, progress=progress, leaves=cfg.data.tree_leaves)
+        for tree, _ in parsed:
             print(tree)
         return
     for line in translate(model, tokenizer, lines, cfg.decode, progress=progress):

@@ -90,12 +90,12 @@ class _SplitWriter:
 
 
 def _write_eval_split(source: Source, role: str, out: Path, batch_rows: int, normalize: Normalizer,
-                      counts: Counter) -> tuple[dict, list[tuple[str, str]]]:
+                      counts: Counter, tree_leaves: str) -> tuple[dict, list[tuple[str, str]]]:
     """Dev/test: never filtered (that would change what is measured); normalised, raw target kept."""
     writer = _SplitWriter(out, role, batch_rows)
     pairs = []
     for line, src, tgt in source.pairs():
-        s, t = normalize(src), normalize(source.model_target(tgt))
+        s, t = normalize(src), normalize(source.model_target(tgt, tree_leaves))
         if not s or not t:
             counts["empty_side_kept"] += 1
         writer.add(source.spec.name, line, s, t, tgt)
@@ -118,10 +118,9 @@ def _open_sources(data: DataConfig) -> tuple[Source, list[Source], list[Source],
     """Every source resolved and checked (local files hashed), and the stage identity they give."""
     root = resolve_root(data.root)
     langs = (data.src_lang, data.tgt_lang)
-    leaves = data.tree_leaves
-    dev = open_source(data.dev, root, *langs, "data.dev", leaves)
-    tests = [open_source(s, root, *langs, f"data.test[{i}]", leaves) for i, s in enumerate(data.test)]
-    train = [open_source(s, root, *langs, f"data.train[{i}]", leaves) for i, s in enumerate(data.train)]
+    dev = open_source(data.dev, root, *langs, "data.dev")
+    tests = [open_source(s, root, *langs, f"data.test[{i}]") for i, s in enumerate(data.test)]
+    train = [open_source(s, root, *langs, f"data.train[{i}]") for i, s in enumerate(data.train)]
     config = data.model_dump(mode="json", exclude={"root"}, exclude_none=True)  # where the data sits is not what it is
     identity = {"format": CORPUS_FORMAT, "code": _code_hash(), "config": config,
                 "inputs": _provenance({"dev": [dev], "test": tests, "train": train}, with_rows=False)}
@@ -154,7 +153,7 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
         normalize_eval = Normalizer(data.cleaning, eval_counts)
         for key, role, source in [("dev", "dev", dev)] + [(f"test.{s.spec.name}", "test", s) for s in tests]:
             entry, pairs = _write_eval_split(source, role, tmp / f"{key}.parquet", data.write_batch_rows,
-                                             normalize_eval, eval_counts)
+                                             normalize_eval, eval_counts, data.tree_leaves)
             splits[key] = {"role": role, "name": source.spec.name, **entry}
             eval_pairs += pairs
 
@@ -169,7 +168,7 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
             name = source.spec.name
             for line, src, tgt in _progress(source.pairs(), name):
                 read[name] += 1
-                s, t = normalize(src), normalize(source.model_target(tgt))
+                s, t = normalize(src), normalize(source.model_target(tgt, data.tree_leaves))
                 if keep.keep(s, t):
                     writer.add(name, line, s, t, None)
                     if source.spec.format == "ptb":

@@ -122,8 +122,9 @@ class Source(abc.ABC):
     def pairs(self) -> Iterator[Pair]:
         """Stream ``(line, src, tgt)``; sets ``info.rows_read`` when exhausted."""
 
-    def model_target(self, tgt: str) -> str:
-        """What the model learns to produce from ``tgt`` as read (kept as ``tgt_raw`` for scoring): ``tgt`` itself."""
+    def model_target(self, tgt: str, tree_leaves: str = PLACEHOLDER) -> str:
+        """What the model learns to produce from ``tgt`` as read (kept as ``tgt_raw`` for scoring): ``tgt`` itself
+        (a treebank source linearises the tree, writing preterminals as ``tree_leaves``: ``data.tree_leaves``)."""
         return tgt
 
 
@@ -491,10 +492,8 @@ class PtbSource(Source):
                 raise DataError(str(e)) from None
         self.info.rows_read = n
 
-    leaves = PLACEHOLDER  # or "words" (data.tree_leaves)
-
-    def model_target(self, tgt: str) -> str:
-        return linearize(clean(parse_tree(tgt)), self.leaves)
+    def model_target(self, tgt: str, tree_leaves: str = PLACEHOLDER) -> str:
+        return linearize(clean(parse_tree(tgt)), tree_leaves)
 
 
 _READERS: dict[str, type[Source]] = {
@@ -509,11 +508,6 @@ _READERS: dict[str, type[Source]] = {
 }
 
 
-def open_source(spec: SourceSpec, root: Path, src_lang: str, tgt_lang: str, where: str,
-                tree_leaves: str = PLACEHOLDER) -> Source:
-    """Resolve and check a source (paths, files, columns) before any pair is read; ``tree_leaves`` is how a
-    treebank source linearises preterminals (``data.tree_leaves``)."""
-    source = _READERS[spec.format](spec, root, src_lang, tgt_lang, where)
-    if isinstance(source, PtbSource):
-        source.leaves = tree_leaves
-    return source
+def open_source(spec: SourceSpec, root: Path, src_lang: str, tgt_lang: str, where: str) -> Source:
+    """Resolve and check a source (paths, files, columns) before any pair is read."""
+    return _READERS[spec.format](spec, root, src_lang, tgt_lang, where)

@@ -23,7 +23,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
-
 from model import Transformer
 from pipeline.config import DecodeConfig
 from pipeline.evaluate import SAMPLE_ROWS, eval_setup, samples_markdown, translate
@@ -110,7 +109,8 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
                  "right-branching F1 %.2f", key, r["f1"], r["precision"], r["recall"], r["exact_match"],
                  100 * r["well_formed_before_repair_rate"], r["right_branching_f1"])
     path = out_dir / "scores.json"
-    write_json(path, {"task": "parsing", "tree_leaves": leaves, "checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+    write_json(path, {"task": "parsing", "tree_leaves": leaves,
+                      "checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
                       "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
                       "decoding": decode.model_dump(), "splits": results})
     return path

@@ -3,8 +3,8 @@
 The Prefect flow drives it by run id (:func:`connect` first, fail fast), the trainer reaches it only through
 :class:`MlflowSink`, its ``MetricsSink`` (``python -m pipeline.train --mlflow-run-id``). Layout of a pipeline run:
 a parent run (resolved config as params and ``config.yaml``; git commit, config hash, preset, language pair and
-the Prefect flow run as tags) with one child run per stage (data, tokenize, train, average, evaluate, register), dataset
-inputs for the raw sources, the cleaned corpus and the token shards, and the registered model
+the Prefect flow run as tags) with one child run per stage (data, tokenize, train, average, evaluate, register),
+dataset inputs for the raw sources, the cleaned corpus and the token shards, and the registered model
 ``transformer-<src>-<tgt>`` whose ``champion`` alias serving follows.
 """
 
@@ -17,6 +17,6 @@ from .runs import (TrackingError, check_reachable, connect, finish_run, flatten,
 from .sink import MlflowSink
 
 __all__ = ["CHAMPION", "MlflowSink", "TrackingError", "Translator", "champion", "check_reachable", "connect",
-           "finish_run", "flat_scores", "flatten", "log_averaging", "log_corpus", "log_evaluation", "log_metrics", "log_params",
-           "log_tokenizer", "log_training", "promote", "register_model", "run_url", "set_tags",
+           "finish_run", "flat_scores", "flatten", "log_averaging", "log_corpus", "log_evaluation", "log_metrics",
+           "log_params", "log_tokenizer", "log_training", "promote", "register_model", "run_url", "set_tags",
            "start_pipeline_run", "start_stage_run"]
