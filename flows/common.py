@@ -9,17 +9,21 @@ gets a child run in MLflow under the pipeline's parent run, reused stages includ
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.exceptions import CancelledRun
+from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run
 
-from pipeline.config import RunConfig, load_config
+from pipeline import tracking
+from pipeline.config import DevDomainWarning, RunConfig, load_config
 from tasks.caching import run_cached
 from tasks.report import publish_report
 from tasks.stages import average, evaluate, prepare_data, train_tokenizer, write_shards
-from tasks.tracking import finish_tracking, log_stage, open_stage, register, start_tracking
+from tasks.tracking import fetch_champion, finish_tracking, log_stage, open_stage, register, start_tracking
 from tasks.training import train
 
 
@@ -28,7 +32,11 @@ def resolve_config(config: str, overrides: dict[str, Any], data_root: str | None
                    expect: dict[str, str]) -> RunConfig:
     """Load the named config with the run's overrides; refuse one this flow is not for (``expect``: field ->
     value, e.g. the language pair, or ``task: parsing``)."""
-    cfg = load_config(config, overrides, data_root=data_root)
+    with warnings.catch_warnings(record=True) as caught:  # into the flow run's logs, where users look
+        warnings.simplefilter("always", DevDomainWarning)
+        cfg = load_config(config, overrides, data_root=data_root)
+    for w in caught:
+        get_run_logger().warning(str(w.message))
     got = {"src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang, "task": cfg.task}
     wrong = {k: got[k] for k, v in expect.items() if got[k] != v}
     if wrong:
@@ -56,14 +64,19 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
         stages: dict[str, tuple[Path, bool]] = {}
         corpus, hit = stages["data"] = run_cached(prepare_data, data=cfg.data, work_dir=work)
         log_stage(parent, "data", hit, {"corpus": corpus})
-        tokenizer, hit = stages["tokenizer"] = run_cached(train_tokenizer, corpus=corpus, tokenizer=cfg.tokenizer,
-                                                          work_dir=work)
+        # train.init_from=champion continues from the champion's weights, so it reads its vocabulary too.
+        init = fetch_champion(cfg, work) if cfg.train.init_from == "champion" else None
+        if init is not None:
+            tokenizer, hit = stages["tokenizer"] = init[1], True
+        else:
+            tokenizer, hit = stages["tokenizer"] = run_cached(train_tokenizer, corpus=corpus,
+                                                              tokenizer=cfg.tokenizer, work_dir=work)
         shards, hit_shards = stages["shards"] = run_cached(write_shards, corpus=corpus, tokenizer_dir=tokenizer,
                                                            tokenizer=cfg.tokenizer, work_dir=work)
         log_stage(parent, "tokenize", hit and hit_shards, {"tokenizer": tokenizer, "shards": shards})
         train_run = open_stage(parent, "train")
         run, hit = stages["train"] = run_cached(train, cfg=cfg, shards=shards, launch=cfg.launch,
-                                                tracking_run_id=train_run)
+                                                tracking_run_id=train_run, init_checkpoint=init and init[0])
         log_stage(parent, "train", hit, {"run": run}, run_id=train_run)
         averaged, hit = stages["average"] = run_cached(average, cfg=cfg, checkpoints=run / "checkpoints",
                                                        tokenizer_dir=tokenizer, corpus=corpus, shards=shards)
@@ -74,8 +87,34 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
                   attention_sentences=cfg.tracking.attention_sentences)
         decision = register(cfg, parent, averaged, tokenizer, scores) if register_model else None
         publish_report(cfg, stages, decision, parent)
-    except BaseException:
-        finish_tracking(parent, "FAILED")
+    except BaseException as e:
+        # Interrupted (cancelled: SIGTERM, Ctrl-C) is not failed: MLflow's KILLED says so.
+        interrupted = not isinstance(e, Exception) or isinstance(e, CancelledRun)
+        finish_tracking(parent, "KILLED" if interrupted else "FAILED")
         raise
     finish_tracking(parent, "FINISHED")
     return {"stages": {k: str(v[0]) for k, v in stages.items()}, "scores": str(scores), "decision": decision}
+
+
+def close_tracking_runs(flow: Any, flow_run: Any, state: Any) -> None:
+    """``on_crashed`` / ``on_cancellation`` hook of the pipeline flows: end the flow run's RUNNING MLflow runs
+    (its parent run and open stage runs) as KILLED.
+
+    A flow-run process that is killed (kill -9, the OOM killer, a cancellation) never reaches run_pipeline's
+    ``except``, so its runs would stay RUNNING forever. The process worker runs this hook itself, in the worker,
+    once the flow-run process is gone; so the tracking server comes from the run's parameters or the worker's
+    environment. A hook must never raise (Prefect would only log it): failures are logged here instead.
+    """
+    logger = flow_run_logger(flow_run, flow)
+    uri = (flow_run.parameters or {}).get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        logger.warning("no tracking URI (parameter tracking_uri, env MLFLOW_TRACKING_URI): MLflow runs of flow run "
+                       "%s left as they are", flow_run.id)
+        return
+    try:
+        closed = tracking.close_flow_run(str(flow_run.id), "KILLED", tracking_uri=uri,
+                                         reason=f"Prefect flow run {flow_run.id} {state.name}")
+    except Exception:
+        logger.exception("could not end the MLflow runs of flow run %s at %s", flow_run.id, uri)
+        return
+    logger.info("flow run %s: ended %d MLflow run(s) as KILLED: %s", state.name, len(closed), ", ".join(closed))

@@ -7,10 +7,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import run_pipeline
+from flows.common import close_tracking_runs, run_pipeline
 
 
-@flow(name="parse-wsj", log_prints=True)
+@flow(name="parse-wsj", log_prints=True, on_crashed=[close_tracking_runs],
+      on_cancellation=[close_tracking_runs])
 def parse_wsj(config: str = "ptb-sample-cpu", data_root: str | None = None, overrides: dict[str, Any] | None = None,
               max_steps: int | None = None, max_minutes: float | None = None, tracking_uri: str | None = None,
               register_model: bool = True) -> dict:

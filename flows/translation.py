@@ -9,10 +9,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import run_pipeline
+from flows.common import close_tracking_runs, run_pipeline
 
 
-@flow(name="train-en-de", log_prints=True)
+@flow(name="train-en-de", log_prints=True, on_crashed=[close_tracking_runs],
+      on_cancellation=[close_tracking_runs])
 def train_en_de(config: str = "multi30k-cpu-hub", data_root: str | None = None,
                 overrides: dict[str, Any] | None = None, max_steps: int | None = None,
                 max_minutes: float | None = None, tracking_uri: str | None = None, register_model: bool = True) -> dict:
@@ -30,7 +31,8 @@ def train_en_de(config: str = "multi30k-cpu-hub", data_root: str | None = None,
                         data_root, overrides, max_steps, max_minutes, tracking_uri, register_model)
 
 
-@flow(name="train-en-fr", log_prints=True)
+@flow(name="train-en-fr", log_prints=True, on_crashed=[close_tracking_runs],
+      on_cancellation=[close_tracking_runs])
 def train_en_fr(config: str = "wmt14-en-fr-base", data_root: str | None = None,
                 overrides: dict[str, Any] | None = None, max_steps: int | None = None,
                 max_minutes: float | None = None, tracking_uri: str | None = None, register_model: bool = True) -> dict:

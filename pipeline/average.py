@@ -81,6 +81,8 @@ def average_checkpoints(folder: Path, last_n: int, out_path: Path) -> Path:
         "model_config": first["model_config"],
         "config": first["config"],
         "shards": first["shards"],
+        # Initialising a run from this average (train.init_from) checks its tokenizer; None for older checkpoints.
+        "tokenizer_sha256": first.get("tokenizer_sha256"),
         "step": entries[-1]["step"],
         "averaged_from": [{"file": e["file"], "step": e["step"], "sha256": e["sha256"]} for e in entries],
     }

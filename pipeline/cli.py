@@ -80,7 +80,7 @@ def cmd_tokenize(cfg: RunConfig, args: argparse.Namespace) -> None:
 def _train(cfg: RunConfig, shards: Path) -> Path:
     from pipeline.train import train
 
-    out = train(cfg, shards, run_dir(cfg))
+    out = train(cfg, shards, run_dir(cfg, shards))
     print(f"run: {out}")
     return out
 
@@ -99,9 +99,11 @@ def _average(cfg: RunConfig, run: Path, inputs: Inputs | None) -> Path:
 
 
 def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
-    """The last ``average.last_n`` checkpoints, or the best on dev of ``average.choose_from`` (only that decodes,
-    so only that resolves the corpus and tokenizer: resolving hashes every input file)."""
-    _average(cfg, run_dir(cfg), build_inputs(cfg) if cfg.average.choose_from else None)
+    """The last ``average.last_n`` checkpoints, or the best on dev of ``average.choose_from`` (the run folder is
+    found by the shards' content, so the inputs are resolved: a no-op when unchanged, but it hashes every input
+    file)."""
+    inputs = build_inputs(cfg)
+    _average(cfg, run_dir(cfg, inputs.shards), inputs if cfg.average.choose_from else None)
 
 
 def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
@@ -125,8 +127,9 @@ def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
 def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
     from pipeline.average import averaged_path
 
-    checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg))
-    _evaluate(cfg, build_inputs(cfg), checkpoint)
+    inputs = build_inputs(cfg)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg, inputs.shards))
+    _evaluate(cfg, inputs, checkpoint)
 
 
 def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:

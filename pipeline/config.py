@@ -15,6 +15,7 @@ import copy
 import hashlib
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
@@ -27,6 +28,11 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 class ConfigError(ValueError):
     """A configuration that cannot be loaded; the message names the file and the field."""
+
+
+class DevDomainWarning(UserWarning):
+    """The dev set comes from another source than every training source: what is chosen on it (dev loss, N for
+    averaging, promotion) is then chosen out of domain."""
 
 
 class _Strict(BaseModel):
@@ -44,7 +50,9 @@ class SourceSpec(_Strict):
     """One parallel corpus. Local paths are relative to ``data.root`` and must stay inside it.
 
     - ``text``: ``path`` is a prefix, files ``<path>.<lang>`` or ``<path>.<lang>.gz``; or ``files: {lang: file}``.
-    - ``tsv``: ``path`` to one file (optionally .gz), ``columns`` gives the language of each column.
+      A prefix with glob characters (``multi30k/train*``) reads every matching prefix in sorted order: a source
+      that grows with new files (each one's content is in the corpus fingerprint).
+    - ``tsv``: ``path`` to one file (optionally .gz) or a glob of files, ``columns`` gives each column's language.
     - ``sgm``: WMT SGML test sets, ``files: {lang: file.sgm}``; segments are matched by (docid, seg id).
     - ``parquet`` / ``arrow`` / ``hf_disk``: ``path`` to a file or directory; ``fields`` maps language to column
       (default: columns named by language, or a ``translation`` struct column as on the hub).
@@ -73,6 +81,16 @@ class SourceSpec(_Strict):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v):
             raise ValueError(f"name {v!r} must match [A-Za-z0-9][A-Za-z0-9._-]* (it is used in file names)")
         return v
+
+    @property
+    def origin(self) -> str:
+        """Where the data comes from: a hub dataset's name, or a local source's first folder under
+        ``data.root`` (``multi30k/val`` -> ``multi30k``). Sets from one origin share a domain."""
+        if self.format == "hub":
+            return str(self.dataset)
+        where = self.path or sorted((self.files or {}).values())[0]
+        parts = Path(where).parts
+        return parts[0] if len(parts) > 1 else Path(where).name.split(".")[0]
 
     @model_validator(mode="after")
     def _required_per_format(self) -> "SourceSpec":
@@ -132,6 +150,16 @@ class DataConfig(_Strict):
     # configs/presets/parsing-cpu.yaml). Scoring is the same: the tree's leaves are the input words either way.
     tree_leaves: Literal["XX", "words"] = "XX"
     write_batch_rows: int = Field(default=65_536, ge=1)  # rows held in memory per write; bounds peak RSS
+
+    def dev_domain_mismatch(self) -> str | None:
+        """Why the dev set looks out of the training data's domain (its origin differs from every training
+        source's: a hub dataset, or the first folder of a local path), or None."""
+        train = sorted({s.origin for s in self.train})
+        if self.dev.origin in train:
+            return None
+        return (f"dev set {self.dev.name!r} comes from {self.dev.origin!r}, but every training source comes from "
+                f"another source ({', '.join(repr(t) for t in train)}): dev loss, choosing N for averaging and "
+                "promotion would measure out of domain; point data.dev at held-out data of a training source")
 
     @model_validator(mode="after")
     def _distinct(self) -> "DataConfig":
@@ -236,6 +264,10 @@ class TrainConfig(_Strict):
     # auto: bf16 autocast on GPU, fp32 (paper) on CPU. bf16 on a CPU with AVX512-BF16 trained the tiny and base
     # models ~1.7-1.9x faster than fp32 at the same loss (bench/bench_vs_fairseq.py); weights and Adam stay fp32.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # champion: start from the weights of the registered model's current champion instead of a random
+    # initialisation (not the paper, which trains from scratch); the run then reuses the champion's tokenizer so
+    # the vocabularies match. The schedule (warm-up included) runs as configured, from step 0.
+    init_from: Literal["champion"] | None = None
     # torch.compile; on the 2-core CPU here compiled steps were no faster than eager ones (~1.3x slower) after
     # 80-100 s of compiling and a recompile for dynamic batch shapes, so off
     compile: bool = False
@@ -277,14 +309,26 @@ class DecodeConfig(_Strict):
 
 class TrackingConfig(_Strict):
     """MLflow experiment, registered model and promotion rule. The server address is not configuration but
-    environment (``MLFLOW_TRACKING_URI``): the same config runs against any tracking server."""
+    environment (``MLFLOW_TRACKING_URI``): the same config runs against any tracking server.
+
+    Promotion (the ``champion`` alias, which serving follows): a new version replaces the champion only when,
+    on the promotion set ``promote_on``, its ``promote_metric`` beats the champion's by more than
+    ``promote_margin`` AND the difference is significant (sacreBLEU's paired bootstrap resampling over the
+    set's segments, ``promote_resamples`` resamples, p < ``promote_p``), and no reported test set loses more
+    than ``guard_margin`` (chrF for translation, EVALB F1 for parsing). Not in the paper; a registry rule.
+    """
 
     experiment: str = Field(default="aiayn", min_length=1)
     registered_model: str = ""  # empty: transformer-<src_lang>-<tgt_lang> (RunConfig.registered_model_name)
-    # The alias ``champion`` moves to a new version only if its score on this metric (a name logged by the
-    # evaluation: ``<test set>.<score>``) beats the champion's by more than ``promote_margin``.
-    promote_metric: str = Field(default="newstest2014.sacrebleu", min_length=1)
-    promote_margin: float = Field(default=0.0, ge=0)
+    # "dev" (default: the in-domain dev set, data.dev) or the name of a test set (allowed; the decision then
+    # says that it selected on a test set, whose reported score is no longer an unbiased estimate).
+    promote_on: str = Field(default="dev", min_length=1)
+    # auto: sacrebleu for translation, f1 (EVALB, labelled) for parsing.
+    promote_metric: Literal["auto", "sacrebleu", "chrf", "f1"] = "auto"
+    promote_margin: float = Field(default=0.0, ge=0)  # in the metric's points
+    promote_p: float = Field(default=0.05, gt=0, le=1)
+    promote_resamples: int = Field(default=1000, ge=100)
+    guard_margin: float = Field(default=1.0, ge=0)  # largest allowed drop on any reported test set
     attention_sentences: int = Field(default=3, ge=0)  # dev sentences drawn as attention heat-maps
 
 
@@ -334,6 +378,23 @@ class RunConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
 
     @property
+    def promotion_split(self) -> str:
+        """The corpus split key promotion reads: ``dev`` or ``test.<name>`` (from ``tracking.promote_on``)."""
+        on = self.tracking.promote_on
+        return "dev" if on in ("dev", self.data.dev.name) else f"test.{on}"
+
+    @property
+    def promotion_metric(self) -> str:
+        """``tracking.promote_metric`` with ``auto`` resolved for the task."""
+        metric = self.tracking.promote_metric
+        return metric if metric != "auto" else ("f1" if self.task == "parsing" else "sacrebleu")
+
+    @property
+    def guard_metric(self) -> str:
+        """The score the test-set guard compares: chrF for translation, EVALB F1 for parsing."""
+        return "f1" if self.task == "parsing" else "chrf"
+
+    @property
     def registered_model_name(self) -> str:
         """The MLflow registered model: ``tracking.registered_model``, or ``transformer-<src>-<tgt>``."""
         return self.tracking.registered_model or f"transformer-{self.data.src_lang}-{self.data.tgt_lang}"
@@ -353,6 +414,14 @@ class RunConfig(_Strict):
             wrong = [where for where, s in sources if s.format == "ptb"]
             if wrong:
                 raise ValueError(f"format 'ptb' sources ({wrong}) are for task 'parsing'; set task: parsing")
+        sets = ["dev", self.data.dev.name, *(s.name for s in self.data.test)]
+        if self.tracking.promote_on not in sets:
+            raise ValueError(f"tracking.promote_on {self.tracking.promote_on!r} is not a set of this config; "
+                             f"use one of {sets}")
+        fits = ("f1",) if self.task == "parsing" else ("sacrebleu", "chrf")
+        if self.tracking.promote_metric not in ("auto", *fits):
+            raise ValueError(f"tracking.promote_metric {self.tracking.promote_metric!r} is not a {self.task} "
+                             f"score; use auto or one of {list(fits)}")
         return self
 
     def section_hash(self, *sections: str) -> str:
@@ -491,10 +560,16 @@ def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
         tree = apply_overrides(tree, [("data.root", str(data_root))])
     tree = apply_overrides(tree, overrides)
     try:
-        return RunConfig.model_validate(tree)
+        cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
-        lines = [f"  {_field_path(err['loc'])}: {err['msg']} (got {err.get('input')!r})" for err in e.errors()]
+        # a whole-config rule names its fields in its message; echoing the whole config would bury it
+        lines = [f"  {_field_path(err['loc'])}: {err['msg']}" + (f" (got {err.get('input')!r})" if err["loc"] else "")
+                 for err in e.errors()]
         raise ConfigError(f"{path}: invalid config:\n" + "\n".join(lines)) from None
+    mismatch = cfg.data.dev_domain_mismatch()
+    if mismatch:
+        warnings.warn(f"{path}: {mismatch}", DevDomainWarning, stacklevel=2)
+    return cfg
 
 
 def dump_config(cfg: RunConfig) -> str:

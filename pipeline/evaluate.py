@@ -9,6 +9,7 @@ Scores, per dev/test set, against the references exactly as distributed (``tgt_r
   about a point above ``sacrebleu`` on newstest2014; never compare it with another paper's sacreBLEU.
 
 Outputs in the evaluation folder: ``<split>.hyp`` (one detokenized hypothesis per line, in corpus order),
+``<split>.ref`` (the references as scored, line for line: with the hypotheses, what promotion's paired test reads),
 ``<split>.samples.md`` (source / reference / hypothesis rows for humans), the same rows as ``<split>.samples.json``
 (a list of {source, reference, hypothesis}: tracking's sample table and attention heat-maps) and ``scores.json``
 (all scores, their signatures, the decoding settings and the checkpoint's sha256).
@@ -174,6 +175,7 @@ def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: De
         src, refs = setup.split(corpus_dir, key)
         hyps = translate(model, tokenizer, src, decode)
         write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
+        write_text(out_dir / f"{key}.ref", "".join(r + "\n" for r in refs))
         samples = list(zip(src, refs, hyps))[:SAMPLE_ROWS]
         write_text(out_dir / f"{key}.samples.md", samples_markdown(f"{key}: sample translations",
                                                                    ("source", "reference", "hypothesis"), samples))

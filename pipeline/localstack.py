@@ -184,6 +184,38 @@ def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str,
     return start_service("prefect-worker", cmd, env, None, api_url, home / "worker.log")
 
 
+def deployed_models() -> list[str]:
+    """The registered model of every deployment's config in prefect.yaml (their promotion locks)."""
+    import warnings
+
+    import yaml
+
+    from pipeline.config import load_config
+
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
+    names = set()
+    with warnings.catch_warnings():  # a config's own warnings are for its runs, not for the stack
+        warnings.simplefilter("ignore")
+        for d in spec["deployments"]:
+            names.add(load_config(d["parameters"]["config"]).registered_model_name)
+    return sorted(names)
+
+
+def create_promotion_locks(env: dict[str, str]) -> list[str]:
+    """One Prefect global concurrency limit (one slot) per deployed registered model, ``promote-<model>``: the
+    flows hold it while they read the champion, compare and move the alias. Existing limits are kept."""
+    from pipeline.promotion import lock_name
+
+    names = [lock_name(m) for m in deployed_models()]
+    for name in names:
+        try:
+            prefect_cli(["global-concurrency-limit", "create", name, "--limit", "1"], env)
+        except StackError as e:
+            if "already exists" not in str(e):
+                raise
+    return names
+
+
 class Stack:
     """The recorded services of one stack home (``<home>/stack.json``)."""
 
@@ -214,6 +246,7 @@ class Stack:
         env = prefect_env(self.home / "prefect", api_url)
         prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"], env)
         prefect_cli(["deploy", "--all"], env)
+        create_promotion_locks(env)
         extra = {}
         if data_root is not None:
             extra["AIAYN_DATA_ROOT"] = str(data_root.resolve())

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from pipeline.config import RunConfig
 from pipeline.data import prepare_corpus
-from pipeline.shards import build_shards
+from pipeline.fsutil import sha256_file
+from pipeline.shards import build_shards, read_shard_manifest
 from pipeline.tokenize import train_tokenizer
 
 
@@ -32,10 +33,18 @@ def build_inputs(cfg: RunConfig) -> Inputs:
     return Inputs(corpus, tokenizer, build_shards(corpus, tokenizer, cfg.tokenizer, work))
 
 
-def run_dir(cfg: RunConfig) -> Path:
-    """The training run folder: one per (data, tokenizer, model, train) config, so a re-run resumes it.
+def run_dir(cfg: RunConfig, shards: Path, init_checkpoint: Path | None = None) -> Path:
+    """The training run folder: one per (data, tokenizer, model, train) config and shard content, so a re-run
+    resumes it, and per initial weights (``init_checkpoint``'s sha256).
 
-    Budgets (``max_steps``, ``max_minutes``) are left out of the hash: raising them continues the same run.
+    The shards' fingerprint is in the name because one data config can read changing content (a glob source
+    that grew, a file replaced in place): new data is a new run, never a resume of checkpoints trained on other
+    shards. A run from a newer champion is likewise a new run. Budgets (``max_steps``, ``max_minutes``) are left
+    out: raising them continues the same run.
     """
     budget_free = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 1, "max_minutes": None})})
-    return Path(cfg.work_dir).resolve() / "train" / budget_free.section_hash("data", "tokenizer", "model", "train")
+    name = budget_free.section_hash("data", "tokenizer", "model", "train")
+    name += f"-{read_shard_manifest(Path(shards))['fingerprint'][:12]}"
+    if init_checkpoint is not None:
+        name += f"-init-{sha256_file(Path(init_checkpoint))[:12]}"
+    return Path(cfg.work_dir).resolve() / "train" / name

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline import tracking
 from pipeline.average import CHOICE
@@ -67,9 +67,31 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
         out += [""]
     out += ["## Scores", "", "| split | score | value | what |", "|---|---|---|---|", *_scores_rows(scores), ""]
     if decision:
-        verdict = "promoted to **champion**" if decision["promoted"] else "not promoted"
+        verdict = {"promoted": "promoted to **champion**", "not promoted": "**not promoted**",
+                   "no decision": "no decision"}[decision["decision"]]
         out += ["## Registry", "", f"Version {decision['version']}: {verdict}. {decision['reason']}", ""]
+        rows = evidence_rows(decision)
+        if rows:
+            cell = lambda v: v.replace("|", "\\|")  # noqa: E731  (sacreBLEU signatures hold |)
+            out += ["| evidence | value |", "|---|---|", *(f"| {k} | {cell(v)} |" for k, v in rows), ""]
     return "\n".join(out)
+
+
+def evidence_rows(decision: dict) -> list[tuple[str, str]]:
+    """The promotion decision's evidence as (what, value) rows: the paired test and every test-set guard."""
+    c = decision.get("comparison")
+    if not c:
+        return []
+    rows = [("promotion set", f"{decision['set']} ({decision['set_role']} set, {c['segments']} segments)"),
+            (c["metric"], f"{c['challenger']:.2f} (champion version {decision['champion_version']}: "
+                          f"{c['champion']:.2f})"),
+            ("delta", f"{c['delta']:+.2f}"), ("95% CI of delta", f"[{c['ci_low']:+.2f}, {c['ci_high']:+.2f}]"),
+            ("p-value (paired bootstrap)", f"{c['p_value']:.4f}"), ("test", c["signature"])]
+    for g in decision["guards"]:
+        drop = "new set" if g["drop"] is None else f"{g['champion']:.2f} -> {g['challenger']:.2f}"
+        failed = " **failed**" if g["set"] in decision["failed_guards"] else ""
+        rows.append((f"guard {g['set']} {g['metric']}", drop + failed))
+    return rows
 
 
 @task(name="report")
@@ -77,6 +99,10 @@ def publish_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decisio
                    parent_run_id: str) -> str:
     """Publish the markdown report as a Prefect artifact (key ``<config name>-report``); returns its text."""
     text = render_report(cfg, stages, decision, tracking.run_url(parent_run_id))
-    create_markdown_artifact(text, key=f"{cfg.name}-report".lower().replace("_", "-"),
-                             description=f"{cfg.name} pipeline report")
+    key = cfg.name.lower().replace("_", "-")
+    create_markdown_artifact(text, key=f"{key}-report", description=f"{cfg.name} pipeline report")
+    if decision and evidence_rows(decision):
+        create_table_artifact([{"evidence": k, "value": v} for k, v in evidence_rows(decision)],
+                              key=f"{key}-promotion", description=f"version {decision['version']}: "
+                              f"{decision['decision']}. {decision['reason']}")
     return text

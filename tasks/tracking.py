@@ -5,17 +5,50 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from uuid import UUID
 
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from pipeline import tracking
 from pipeline.config import RunConfig
+from pipeline.promotion import Decision, Policy, lock_name, read_promotion_set
 
 
 @task(name="start-tracking")
 def start_tracking(cfg: RunConfig, uri: str, run_name: str, tags: dict[str, str]) -> str:
-    """Check the tracking server (fail now, not after hours of training) and open the parent run."""
+    """Check the tracking server (fail now, not after hours of training), end the stale runs of this config (see
+    below) and open the parent run.
+
+    Stale: a RUNNING parent run of the same config name whose Prefect flow run is final or no longer exists. A
+    flow run killed together with its worker (or its machine) never ran its on_crashed hook, so its runs would
+    stay RUNNING in MLflow forever; they are ended KILLED here, with their RUNNING children.
+    """
+    logger = get_run_logger()
     tracking.connect(uri, cfg.tracking.experiment)
+    final = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+    try:
+        with get_client(sync_client=True) as prefect:
+            def is_over(flow_run_id: str) -> str | None:
+                """The final state's name (or "deleted"), named in the closed run's tag; None: may still run."""
+                try:
+                    state = prefect.read_flow_run(UUID(flow_run_id)).state
+                except ValueError:  # not a flow run id this pipeline wrote: leave the run alone
+                    return None
+                except ObjectNotFound:  # deleted flow run (or another server's): nothing will ever end its runs
+                    return "deleted"
+                return state.type.value if state is not None and state.type.value in final else None
+
+            closed = tracking.close_stale_runs(cfg.tracking.experiment, cfg.name, is_over)
+    except Exception:  # the cleanup is a courtesy: never let it stop a new run from training
+        logger.warning("could not check for stale MLflow runs of %s", cfg.name, exc_info=True)
+    else:
+        if closed:
+            logger.info("ended %d stale MLflow run(s) of %s as KILLED (their Prefect flow run is over): %s",
+                        len(closed), cfg.name, ", ".join(closed))
     return tracking.start_pipeline_run(cfg, run_name=run_name, tags=tags)
 
 
@@ -46,18 +79,66 @@ def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, P
     return run_id
 
 
+@task(name="fetch-champion")
+def fetch_champion(cfg: RunConfig, work_dir: Path) -> tuple[Path, Path] | None:
+    """The current champion's checkpoint and tokenizer folder, downloaded under ``<work_dir>/champion/`` (for
+    ``train.init_from: champion``); None, with a warning, when the model has no champion yet."""
+    name = cfg.registered_model_name
+    found = tracking.champion_artifacts(name, Path(work_dir) / "champion" / name)
+    if found is None:
+        get_run_logger().warning("train.init_from=champion, but %s has no champion yet: training from scratch", name)
+    return found
+
+
+def ensure_promotion_lock(model: str) -> str:
+    """Create the model's promotion limit (one slot) if it does not exist yet; returns its name. The local
+    stack creates the limits of every deployed config; this covers models named only in overrides."""
+    name = lock_name(model)
+    with get_client(sync_client=True) as c:
+        try:
+            c.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+            except ObjectAlreadyExists:  # created meanwhile by a concurrent run
+                pass
+    return name
+
+
+def promote_locked(name: str, version: str, policy: Policy, run_id: str | None = None) -> Decision:
+    """:func:`pipeline.tracking.promote` holding the model's promotion lock: reading the champion, comparing
+    and moving the alias are one step. Without it, two flows finishing together both compare against the same
+    old champion and both move the alias, and the last to move wins whatever it scored."""
+    with concurrency(ensure_promotion_lock(name), occupy=1, strict=True):
+        return tracking.promote(name, version, policy, run_id=run_id)
+
+
 @task(name="register-model")
 def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir: Path, scores: Path) -> dict:
-    """Register the averaged model (in a ``register`` child run) with its scores as version tags, and move the
-    champion alias if it wins; returns the decision (both scores and the reason)."""
-    run_id = tracking.start_stage_run(parent_run_id, "register")
-    flat = tracking.flat_scores(json.loads(scores.read_text(encoding="utf-8")))
+    """Register the averaged model (in a ``register`` child run) with its scores, checkpoint sha256, corpus
+    fingerprint and promotion set, then decide on the champion alias under the model's lock; returns the
+    decision with its evidence. A model already registered (same checkpoint: no new data, no changed setting)
+    is not registered again and nothing is decided."""
+    logger = get_run_logger()
     name = cfg.registered_model_name
-    version = tracking.register_model(run_id, checkpoint, tokenizer_dir, cfg.decode, name, flat)
-    decision = tracking.promote(name, version, cfg.tracking.promote_metric, cfg.tracking.promote_margin,
-                                run_id=parent_run_id)
+    scores_data = json.loads(scores.read_text(encoding="utf-8"))
+    existing = tracking.version_with_checkpoint(name, scores_data["checkpoint"]["sha256"])
+    if existing is not None:
+        decision = Decision("no decision", existing, f"no new data: this run's model (checkpoint sha256 "
+                            f"{scores_data['checkpoint']['sha256'][:12]}) is version {existing} of {name} already; "
+                            "nothing registered, nothing to decide", tracking.champion(name))
+        tracking.set_tags(parent_run_id, decision.tags())
+        logger.info(decision.reason)
+        return decision.as_dict()
+    policy = Policy.of(cfg)
+    run_id = tracking.start_stage_run(parent_run_id, "register")
+    version = tracking.register_model(run_id, checkpoint, tokenizer_dir, cfg.decode, name,
+                                      tracking.flat_scores(scores_data), read_promotion_set(policy, scores.parent),
+                                      tags={"corpus_fingerprint": scores_data["corpus_fingerprint"]})
+    decision = promote_locked(name, version, policy, parent_run_id)
     tracking.finish_run(run_id)
-    return decision
+    logger.info("version %s of %s: %s. %s", version, name, decision.decision, decision.reason)
+    return decision.as_dict()
 
 
 @task(name="finish-tracking")

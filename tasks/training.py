@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +27,31 @@ from pipeline.train.launch import torchrun_command
 from tasks.caching import stage_cache_key
 
 _PROGRESS_EVERY_S = 10.0
+
+
+def _die_with_parent():
+    """A ``preexec_fn`` for torchrun on Linux, else None: the child gets SIGTERM when the flow-run process dies.
+
+    torchrun runs in its own session (so that a cancellation can signal its whole process group), which also
+    means nothing takes it down when the flow-run process is killed outright (kill -9, the OOM killer): it would
+    train on into the run folder, holding the GPUs, with no flow run left to own it. PR_SET_PDEATHSIG makes the
+    kernel send SIGTERM at the parent's death, and torchrun forwards SIGTERM to its ranks. The signal follows
+    the thread that started the child; the task's thread waits on torchrun, so it outlives it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here, in the parent: the child only makes the call
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def set_pdeathsig() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_pdeathsig
 
 
 class TrainingFailed(RuntimeError):
@@ -60,19 +86,21 @@ def _progress(cfg: RunConfig, step: int, started: float) -> float:
       cache_key_fn=stage_cache_key(["pipeline/train", "model", "pipeline/shards.py", "pipeline/config.py"],
                                    ignore=("launch", "tracking_run_id"),
                                    content={"cfg": lambda c: c.section_hash("data", "tokenizer", "model", "train")}))
-def train(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: str | None = None) -> Path:
+def train(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: str | None = None,
+          init_checkpoint: Path | None = None) -> Path:
     """Train under torchrun until ``max_steps``/``max_minutes``; returns the run folder (checkpoints inside).
+    ``init_checkpoint``: start from its weights (``train.init_from``) instead of a random initialisation.
 
-    Only data, tokenizer, model and train settings (budgets included) key the cache: the launch layout and the
-    tracking run do not change what is trained.
+    Only data, tokenizer, model and train settings (budgets included) and the initial weights' content key the
+    cache: the launch layout and the tracking run do not change what is trained.
     """
     logger = get_run_logger()
-    out = run_dir(cfg)
+    out = run_dir(cfg, shards, init_checkpoint)
     with exclusive(out, "run folder"):
         config_file = out / "config.yaml"
         write_text(config_file, dump_config(cfg))
         extra = ["--mlflow-run-id", tracking_run_id] if tracking_run_id else []
-        cmd = torchrun_command(launch, config_file, shards, out, extra)
+        cmd = torchrun_command(launch, config_file, shards, out, extra, init_checkpoint=init_checkpoint)
         # The config file is fully resolved: keep the worker's data/work-dir variables from re-applying.
         env = {k: v for k, v in os.environ.items() if k not in ("AIAYN_DATA_ROOT", "AIAYN_WORK_DIR")}
         logger.info("launching: %s", " ".join(cmd))
@@ -81,7 +109,7 @@ def train(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: s
         started = time.monotonic()
         tail: collections.deque[str] = collections.deque(maxlen=40)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True)
+                                bufsize=1, start_new_session=True, preexec_fn=_die_with_parent())
         stop_progress = threading.Event()
 
         def report_progress() -> None:  # on its own clock: output may be silent for minutes

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import sys
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
+
+from pipeline.config import parse_value
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real data lives beside the repo (never copied into it); AIAYN_SHARED_DATA points elsewhere.
@@ -38,6 +46,11 @@ TINY = ["model.encoder_layers=1", "model.decoder_layers=1", "model.d_model=32", 
         "tokenizer.vocab_size=1000", "train.max_tokens=512", "train.update_tokens=512", "train.warmup_steps=10",
         "train.log_every_steps=2", "train.dev_every_steps=1000", "train.dev_max_sentences=64",
         "train.checkpoint_every_steps=1000", "train.checkpoint_every_minutes=60.0"]
+
+# The tiny run of a deployment: TINY's model and batch, greedy decoding capped short (with max_steps=10).
+QUICK = {**{k: parse_value(v) for k, v in (o.split("=", 1) for o in TINY)}, "train.checkpoint_every_steps": 5,
+         "average.last_n": 2, "decode.beam_size": 1, "decode.max_len_a": 0.1, "decode.max_len_b": 2,
+         "decode.batch_sentences": 512}
 
 
 def tiny_config(shared_data: Path, *overrides: str):
@@ -80,3 +93,75 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
         yield service.url
     finally:
         service.stop()
+
+
+# ------------------------------------------------------------------------ the local stack (integration)
+
+
+def api(base: str, path: str, body: dict | None = None):
+    """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer."""
+    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+class Prefect:
+    """The bits of the Prefect REST API the assertions need."""
+
+    def __init__(self, api_url: str, env: dict[str, str]):
+        self.api, self.env = api_url, env
+
+    def run_deployment(self, name: str, params: dict, timeout: int = 900) -> tuple[int, str, str]:
+        """``prefect deployment run NAME --params JSON --watch``: (exit status, output, flow run id)."""
+        res = subprocess.run([str(Path(sys.executable).with_name("prefect")), "deployment", "run", name,
+                              "--params", json.dumps(params), "--watch"], cwd=REPO_ROOT, env=self.env,
+                             capture_output=True, text=True, timeout=timeout)
+        out = res.stdout + res.stderr
+        run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
+        return res.returncode, out, run_id
+
+    def flow_run(self, run_id: str) -> dict:
+        return api(self.api, f"/flow_runs/{run_id}")
+
+    def task_states(self, run_id: str) -> dict[str, str]:
+        runs = api(self.api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
+        return {r["name"].rsplit("-", 1)[0]: r["state"]["name"] for r in runs}  # "train-f14" -> "train"
+
+    def logs(self, run_id: str) -> str:
+        messages: list[str] = []
+        while True:  # the API serves at most 200 per request
+            page = api(self.api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
+                                                   "offset": len(messages), "sort": "TIMESTAMP_ASC"})
+            messages += [entry["message"] for entry in page]
+            if len(page) < 200:
+                return "\n".join(messages)
+
+    def artifacts(self, run_id: str) -> list[dict]:
+        return api(self.api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, shared_data: Path):
+    """`python -m pipeline.localstack up` on free ports in a temporary home; `down` afterwards."""
+    from pipeline.localstack import Stack, free_port
+
+    home = tmp_path_factory.mktemp("stack")
+    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
+    env.pop("PREFECT_API_URL", None)
+    ports = [str(free_port()), str(free_port())]
+    cmd = [sys.executable, "-m", "pipeline.localstack", "--home", str(home), "--prefect-port", ports[0],
+           "--mlflow-port", ports[1], "--data-root", str(shared_data), "--work-dir", str(home / "work")]
+    up = subprocess.run([*cmd[:3], "up", *cmd[3:]], env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    services = Stack(home).load()
+    try:
+        api_url = services["prefect-server"].url + "/api"
+        yield {"home": home, "cmd": cmd, "env": env, "services": services, "up": up.stdout,
+               "prefect": Prefect(api_url, {**env, "PREFECT_API_URL": api_url}), "mlflow": services["mlflow"].url}
+    finally:
+        down = subprocess.run([*cmd[:3], "down", "--home", str(home)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert down.returncode == 0, down.stderr
+        left = [s.name for s in services.values() if psutil.pid_exists(s.pid) and s.alive()]
+        assert not left, f"still running after down: {left}"

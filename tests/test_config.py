@@ -114,14 +114,23 @@ def test_section_hash_is_stable_and_local() -> None:
     assert a.section_hash("data", "tokenizer") == b.section_hash("data", "tokenizer")
 
 
-def test_run_folder_ignores_budgets_but_not_settings() -> None:
+def test_run_folder_ignores_budgets_but_not_settings_or_data(tmp_path) -> None:
+    from pipeline.shards import SHARDS_FORMAT
     from pipeline.stages import run_dir
 
+    shards, other = tmp_path / "a", tmp_path / "b"
+    for folder, fp in ((shards, "f" * 64), (other, "e" * 64)):
+        folder.mkdir()
+        (folder / "manifest.json").write_text(f'{{"format": "{SHARDS_FORMAT}", "fingerprint": "{fp}"}}')
     base = load_config("multi30k-cpu")
     longer = load_config("multi30k-cpu", ["train.max_steps=50000", "train.max_minutes=120"])
-    assert run_dir(base) == run_dir(longer)  # raising a budget continues the same run
+    assert run_dir(base, shards) == run_dir(longer, shards)  # raising a budget continues the same run
     for change in ("train.warmup_steps=2000", "model.dropout=0.2", "tokenizer.vocab_size=9000"):
-        assert run_dir(load_config("multi30k-cpu", [change])) != run_dir(base), change
+        assert run_dir(load_config("multi30k-cpu", [change]), shards) != run_dir(base, shards), change
+    assert run_dir(base, other) != run_dir(base, shards)  # same config, other data (a grown glob source)
+    init = tmp_path / "init.pt"
+    init.write_bytes(b"weights")
+    assert run_dir(base, shards, init) != run_dir(base, shards)  # a run from a champion's weights is its own
 
 
 def test_a_local_data_root_swaps_a_hub_config_to_its_local_twin(shared_data) -> None:

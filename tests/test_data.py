@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import DataConfig, load_config
-from pipeline.data import DataError, prepare_corpus, read_manifest
+from pipeline.data import DataError, corpus_fingerprint, prepare_corpus, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def test_multi30k_default_config_on_shared_data(shared_data: Path, tmp_path: Pat
     assert [r["rule"] for r in train["cleaning"]["rules"]] == ["empty", "too_short", "too_long", "ratio",
                                                                 "contaminated", "duplicate"]
     assert {k: s["rows"] for k, s in m["splits"].items() if k != "train"} == {
-        "dev": 3000, "test.test2016": 1000, "test.newstest2014": 3003}
+        "dev": 1014, "test.test2016": 1000, "test.newstest2014": 3003}
     # Eval sets keep the reference exactly as distributed, for scoring.
     raw = (shared_data / "wmt14-en-de" / "newstest2014.de").read_text(encoding="utf-8").splitlines()
     assert [r["tgt_raw"] for r in rows(corpus, "test.newstest2014")] == raw
@@ -309,6 +309,83 @@ def test_manifest_hashes_match_the_files(root: Path, tmp_path: Path) -> None:
     for split in m["splits"].values():
         assert hashlib.sha256((corpus / split["file"]).read_bytes()).hexdigest() == split["sha256"]
     assert m["inputs"]["train"][0]["files"]["train.en"] == hashlib.sha256((root / "train.en").read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------ globbed sources
+
+
+def copy_multi30k(shared_data: Path, root: Path, prefix: str, start: int, n: int = 200) -> None:
+    """Lines [start, start + n) of the real Multi30k training pair, written as ``root/<prefix>.en`` + ``.de``."""
+    en, de = ((shared_data / "multi30k" / f"train.{lang}").read_text(encoding="utf-8").splitlines()[start:start + n]
+              for lang in ("en", "de"))
+    write_pair(root, prefix, en, de)
+
+
+def test_text_glob_reads_every_prefix_in_sorted_order(shared_data: Path, root: Path, tmp_path: Path) -> None:
+    copy_multi30k(shared_data, root, "m30k/train-extra", 200)  # written first: order must come from the names
+    copy_multi30k(shared_data, root, "m30k/train", 0)
+    cfg = data_cfg(root, [{"name": "m", "format": "text", "path": "m30k/train*"}])
+    corpus = prepare_corpus(cfg, tmp_path / "glob")
+    two_sources = data_cfg(root, [{"name": "m", "format": "text", "path": "m30k/train"},
+                                  {"name": "m", "format": "text", "path": "m30k/train-extra"}])
+    assert pairs(corpus) == pairs(prepare_corpus(two_sources, tmp_path / "explicit"))
+    m = read_manifest(corpus)
+    assert m["splits"]["train"]["cleaning"]["read"] == 400
+    lines = [r["line"] for r in rows(corpus, "train")]
+    assert lines == sorted(set(lines)) and 200 < lines[-1] <= 400  # one source: lines count on across its files
+    entry = m["inputs"]["train"][0]
+    assert entry["location"]["pattern"] == "m30k/train*"
+    assert set(entry["files"]) == {"m30k/train.en", "m30k/train.de", "m30k/train-extra.en", "m30k/train-extra.de"}
+    fingerprint = corpus_fingerprint(cfg)
+    assert corpus_fingerprint(cfg) == fingerprint and prepare_corpus(cfg, tmp_path / "glob") == corpus
+
+    copy_multi30k(shared_data, root, "m30k/train-more", 400)
+    assert corpus_fingerprint(cfg) != fingerprint
+    grown = prepare_corpus(cfg, tmp_path / "glob")
+    assert grown != corpus and read_manifest(grown)["splits"]["train"]["cleaning"]["read"] == 600
+    assert pairs(grown)[:len(pairs(corpus))] == pairs(corpus) and len(pairs(grown)) > len(pairs(corpus))
+
+
+def test_tsv_glob_reads_every_matching_file_in_path_order(root: Path, tmp_path: Path) -> None:
+    (root / "weekly").mkdir()
+    (root / "weekly" / "2024-02.tsv").write_text("".join(f"{e}\t{d}\n" for e, d in zip(EN[2:], DE[2:])))
+    (root / "weekly" / "2024-01.tsv").write_text("".join(f"{e}\t{d}\n" for e, d in zip(EN[:2], DE[:2])))
+    (root / "weekly" / "notes.txt").write_text("not a match\n")
+    corpus = prepare_corpus(data_cfg(root, [{"name": "w", "format": "tsv", "path": "weekly/*.tsv",
+                                             "columns": ["en", "de"]}]), tmp_path)
+    assert pairs(corpus) == [(" ".join(e.split()), d) for e, d in zip(EN, DE)]
+    assert set(read_manifest(corpus)["inputs"]["train"][0]["files"]) == {"weekly/2024-01.tsv", "weekly/2024-02.tsv"}
+
+
+def test_glob_that_matches_nothing_or_an_unpaired_file(root: Path, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"data\.train\[0\]\.path = 'm30k/train\*' matches no file under data\.root "
+                                        r".*looked for m30k/train\*\.en and m30k/train\*\.de"):
+        prepare_corpus(data_cfg(root, [{"name": "m", "format": "text", "path": "m30k/train*"}]), tmp_path)
+    with pytest.raises(DataError, match=r"data\.train\[0\]\.path = 'weekly/\*\.tsv' matches no file"):
+        prepare_corpus(data_cfg(root, [{"name": "w", "format": "tsv", "path": "weekly/*.tsv",
+                                        "columns": ["en", "de"]}]), tmp_path)
+    write_pair(root, "m30k/train", EN, DE)
+    (root / "m30k" / "train-extra.de").write_text("Hallo\n")
+    with pytest.raises(DataError, match=r"'m30k/train\*' matches m30k/train-extra\.de but its partner "
+                                        r"m30k/train-extra\.en \(or \.gz\) is missing"):
+        prepare_corpus(data_cfg(root, [{"name": "m", "format": "text", "path": "m30k/train*"}]), tmp_path)
+    assert_nothing_written(tmp_path)
+
+
+def test_glob_match_that_links_outside_the_data_root_is_refused(root: Path, tmp_path: Path) -> None:
+    write_pair(tmp_path, "outside", EN, DE)
+    write_pair(root, "m30k/train", EN, DE)
+    for lang in ("en", "de"):
+        (root / "m30k" / f"train-link.{lang}").symlink_to(tmp_path / f"outside.{lang}")
+    with pytest.raises(DataError, match=r"data\.train\[0\]\.path \(pattern 'm30k/train\*'\) = 'm30k/train-link\.en' "
+                                        r"resolves to .*outside\.en, outside data\.root"):
+        prepare_corpus(data_cfg(root, [{"name": "m", "format": "text", "path": "m30k/train*"}]), tmp_path / "w")
+    (root / "weekly").mkdir()
+    (root / "weekly" / "a.tsv").symlink_to(tmp_path / "outside.en")
+    with pytest.raises(DataError, match=r"'weekly/\*\.tsv'\) = 'weekly/a\.tsv' resolves to .*outside data\.root"):
+        prepare_corpus(data_cfg(root, [{"name": "w", "format": "tsv", "path": "weekly/*.tsv",
+                                        "columns": ["en", "de"]}]), tmp_path / "w")
+    assert_nothing_written(tmp_path / "w")
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -6,94 +6,19 @@ command, the deployments from prefect.yaml, and flow runs started the way users 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
-from pipeline.config import parse_value
-from tests.conftest import REPO_ROOT as REPO, TINY
+from tests.conftest import QUICK, REPO_ROOT as REPO, api as _api
 
 STAGES = ["prepare-data", "train-tokenizer", "write-shards", "train", "average-checkpoints", "evaluate"]
-# The tiny run of the deployment: TINY's model and batch, 10 updates, greedy decoding capped short.
-QUICK = {**{k: parse_value(v) for k, v in (o.split("=", 1) for o in TINY)}, "train.checkpoint_every_steps": 5,
-         "average.last_n": 2, "decode.beam_size": 1, "decode.max_len_a": 0.1, "decode.max_len_b": 2,
-         "decode.batch_sentences": 512}
-
-
-def _api(base: str, path: str, body: dict | None = None):
-    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
-class Prefect:
-    """The bits of the Prefect REST API the assertions need."""
-
-    def __init__(self, api_url: str, env: dict[str, str]):
-        self.api, self.env = api_url, env
-
-    def run_deployment(self, name: str, params: dict, timeout: int = 900) -> tuple[int, str, str]:
-        """``prefect deployment run NAME --params JSON --watch``: (exit status, output, flow run id)."""
-        res = subprocess.run([str(Path(sys.executable).with_name("prefect")), "deployment", "run", name,
-                              "--params", json.dumps(params), "--watch"], cwd=REPO, env=self.env,
-                             capture_output=True, text=True, timeout=timeout)
-        out = res.stdout + res.stderr
-        run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-        return res.returncode, out, run_id
-
-    def flow_run(self, run_id: str) -> dict:
-        return _api(self.api, f"/flow_runs/{run_id}")
-
-    def task_states(self, run_id: str) -> dict[str, str]:
-        runs = _api(self.api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run_id]}}})
-        return {r["name"].rsplit("-", 1)[0]: r["state"]["name"] for r in runs}  # "train-f14" -> "train"
-
-    def logs(self, run_id: str) -> str:
-        messages: list[str] = []
-        while True:  # the API serves at most 200 per request
-            page = _api(self.api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200,
-                                                   "offset": len(messages), "sort": "TIMESTAMP_ASC"})
-            messages += [entry["message"] for entry in page]
-            if len(page) < 200:
-                return "\n".join(messages)
-
-    def artifacts(self, run_id: str) -> list[dict]:
-        return _api(self.api, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, shared_data: Path):
-    """`python -m pipeline.localstack up` on free ports in a temporary home; `down` afterwards."""
-    from pipeline.localstack import Stack, free_port
-
-    home = tmp_path_factory.mktemp("stack")
-    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
-    env.pop("PREFECT_API_URL", None)
-    ports = [str(free_port()), str(free_port())]
-    cmd = [sys.executable, "-m", "pipeline.localstack", "--home", str(home), "--prefect-port", ports[0],
-           "--mlflow-port", ports[1], "--data-root", str(shared_data), "--work-dir", str(home / "work")]
-    up = subprocess.run([*cmd[:3], "up", *cmd[3:]], env=env, capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    services = Stack(home).load()
-    try:
-        api = services["prefect-server"].url + "/api"
-        yield {"home": home, "cmd": cmd, "env": env, "services": services, "up": up.stdout,
-               "prefect": Prefect(api, {**env, "PREFECT_API_URL": api}), "mlflow": services["mlflow"].url}
-    finally:
-        down = subprocess.run([*cmd[:3], "down", "--home", str(home)], env=env, capture_output=True, text=True,
-                              timeout=120)
-        assert down.returncode == 0, down.stderr
-        left = [s.name for s in services.values() if psutil.pid_exists(s.pid) and s.alive()]
-        assert not left, f"still running after down: {left}"
 
 
 @pytest.mark.slow
@@ -124,7 +49,7 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     assert status == 0, out[-4000:]
     assert prefect.flow_run(first)["state"]["type"] == "COMPLETED"
     states = prefect.task_states(first)
-    assert all(states[s] == "Completed" for s in STAGES), states
+    assert all(states[s] == "Completed" for s in STAGES), str(states)
     logs = prefect.logs(first)
     assert "launching: " in logs and "torch.distributed.run" in logs
     assert "training stopped (max_steps) at step 10" in logs  # torchrun's own output, streamed into the run logs
@@ -180,7 +105,7 @@ def test_a_corrupt_corpus_fails_the_run_with_the_data_error_and_loses_nothing(st
     root = tmp_path / "data"
     (root / "multi30k").mkdir(parents=True)
     shutil.copytree(shared_data / "wmt14-en-de", root / "wmt14-en-de")
-    for name in ("test2016.en", "test2016.de", "train.en"):
+    for name in ("val.en", "val.de", "test2016.en", "test2016.de", "train.en"):
         shutil.copy(shared_data / "multi30k" / name, root / "multi30k" / name)
     lines = (shared_data / "multi30k" / "train.de").read_text(encoding="utf-8").splitlines(keepends=True)
     (root / "multi30k" / "train.de").write_text("".join(lines[:-7]), encoding="utf-8")  # 7 lines short
@@ -304,3 +229,135 @@ def test_the_data_task_retries_an_unreachable_hub_but_not_bad_input(stack, share
             task_run = _api(stack["prefect"].api, f"/task_runs/{attempt(cfg.data)}")
             assert task_run["state"]["type"] == "FAILED"
             assert task_run["run_count"] == runs, (cfg.name, task_run["run_count"])
+
+
+def _copy_head(src: Path, dst: Path, start: int, stop: int) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
+    dst.write_text("".join(lines[start:stop]), encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_weekly_retraining_decides_on_new_data_with_evidence_and_never_on_old(stack, shared_data: Path,
+                                                                              tmp_path: Path) -> None:
+    """The weekly deployment on data that grows: v1 becomes champion; a new training file retrains everything
+    and v2 faces v1 with a paired test (evidence in tags and the report); a deliberately weak setting is
+    refused with its p-value; unchanged data retrains nothing and decides nothing."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.localstack import free_port
+
+    root = tmp_path / "data"
+    for lang in ("en", "de"):
+        _copy_head(shared_data / "multi30k" / f"train.{lang}", root / "multi30k" / f"train.{lang}", 0, 3000)
+        _copy_head(shared_data / "multi30k" / f"val.{lang}", root / "multi30k" / f"val.{lang}", 0, 300)
+        _copy_head(shared_data / "multi30k" / f"test2016.{lang}", root / "multi30k" / f"test2016.{lang}", 0, 200)
+        _copy_head(shared_data / "wmt14-en-de" / f"newstest2014.{lang}",
+                   root / "wmt14-en-de" / f"newstest2014.{lang}", 0, 100)
+    model = f"transformer-en-de-weekly-{free_port()}"
+    base = {**QUICK, "tracking.registered_model": model, "tracking.experiment": "weekly-test",
+            "decode.max_len_a": 1.0, "decode.max_len_b": 5, "train.checkpoint_every_steps": 20}
+    prefect, mlflow = stack["prefect"], MlflowClient(stack["mlflow"])
+
+    def run(**overrides) -> tuple[dict, dict]:
+        """One weekly run; (its MLflow parent run's tags, the promotion table artifact's rows or {})."""
+        params = {"data_root": str(root), "overrides": {**base, **overrides}, "max_steps": 60}
+        status, out, run_id = prefect.run_deployment("train-en-de/retrain-weekly", params)
+        assert status == 0, prefect.logs(run_id)[-4000:]
+        exp = mlflow.get_experiment_by_name("weekly-test")
+        (parent,) = mlflow.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{run_id}'")
+        arts = {a["key"]: a for a in prefect.artifacts(run_id)}
+        table = arts.get("multi30k-cpu-weekly-promotion")
+        rows = {r["evidence"]: r["value"] for r in json.loads(table["data"])} if table else {}
+        return parent.data.tags, rows | {"report": arts["multi30k-cpu-weekly-report"]["data"]}
+
+    first, _ = run()
+    assert first["promotion.decision"] == "promoted" and "first model" in first["promotion.reason"]
+
+    for lang in ("en", "de"):  # a new week's data
+        _copy_head(shared_data / "multi30k" / f"train.{lang}", root / "multi30k" / f"train-extra.{lang}", 3000, 6000)
+    second, rows = run()
+    assert second["promotion.decision"] in ("promoted", "not promoted")
+    assert second["promotion.champion_version"] == "1" and second["promotion.set"] == "multi30k-val"
+    p, delta = float(second["promotion.p_value"]), float(second["promotion.delta"])
+    ok_guards = "FAILED" not in second.get("promotion.guards", "")
+    assert (second["promotion.decision"] == "promoted") == (delta > 0 and p < 0.05 and ok_guards), second
+    assert rows["p-value (paired bootstrap)"] == f"{p:.4f}" and "95% CI of delta" in rows
+    assert "## Registry" in rows["report"] and "p-value (paired bootstrap)" in rows["report"]
+    champion = "2" if second["promotion.decision"] == "promoted" else "1"
+
+    weak, _ = run(**{"train.lr_scale": 0.02})  # a deliberately weaker setting on the same data
+    assert weak["promotion.decision"] == "not promoted" and weak["promotion.champion_version"] == champion
+    assert float(weak["promotion.delta"]) < 0 and "paired bootstrap p = " in weak["promotion.reason"]
+
+    again, _ = run()  # nothing new since the second run: every stage reused, nothing registered or decided
+    assert again["promotion.decision"] == "no decision" and "no new data" in again["promotion.reason"]
+    versions = mlflow.search_model_versions(f"name = '{model}'")
+    assert sorted(int(v.version) for v in versions) == [1, 2, 3]
+    assert mlflow.get_model_version_by_alias(model, "champion").version == champion
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_promotions_at_once_end_with_the_best_champion(stack, shared_data: Path, tiny_stack,
+                                                         tmp_path: Path) -> None:
+    """Two challengers (better, much better) promoted by two processes at the same moment: the model's Prefect
+    concurrency limit makes read-compare-move one step, so the much better one ends as champion and each
+    decision's recorded champion is the one it really faced."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline import tracking
+    from pipeline.config import DecodeConfig
+    from pipeline.localstack import free_port
+    from pipeline.promotion import PromotionSet
+    from pipeline.train import train
+    from tests.conftest import tiny_config
+
+    ckpt = train(tiny_config(shared_data, "train.max_steps=1"), tiny_stack.shards, tmp_path / "run")
+    ckpt = ckpt / "checkpoints" / "ckpt-00000001.pt"
+    tracking.connect(stack["mlflow"], "race-test")
+    c = MlflowClient(stack["mlflow"])
+    exp = c.get_experiment_by_name("race-test").experiment_id
+    name = f"transformer-en-de-race-{free_port()}"
+    refs = (shared_data / "multi30k" / "val.de").read_text(encoding="utf-8").splitlines()[:300]
+
+    def register(wrong: float) -> str:
+        rng = __import__("random").Random(int(wrong * 100))
+        hyps = [" ".join(w if rng.random() > wrong else "falsch" for w in line.split()) for line in refs]
+        return tracking.register_model(c.create_run(exp).info.run_id, ckpt, tiny_stack.tokenizer, DecodeConfig(), name,
+                                       {}, PromotionSet("multi30k-val", "dev", "sacrebleu", hyps, refs))
+
+    first, better, best = register(0.6), register(0.4), register(0.1)
+    from pipeline.promotion import Policy
+
+    policy = Policy("multi30k-val", "dev", "sacrebleu", 0.0, 0.05, 1000, "chrf", 1.0, ())
+    assert tracking.promote(name, first, policy).promoted
+    go = tmp_path / "go"
+    script = ("import json, sys, time, pathlib\n"
+              "from pipeline import tracking\nfrom pipeline.promotion import Policy\n"
+              "from tasks.tracking import promote_locked\n"
+              f"tracking.connect({stack['mlflow']!r}, 'race-test')\n"
+              f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
+              f"d = promote_locked({name!r}, sys.argv[1], Policy(**json.loads(sys.argv[2])))\n"
+              "print(json.dumps({'decision': d.decision, 'champion_version': d.champion_version}))\n")
+    env = {**stack["prefect"].env, "MLFLOW_TRACKING_URI": stack["mlflow"]}
+    procs = {v: subprocess.Popen([sys.executable, "-c", script, v, json.dumps(policy.__dict__)], cwd=REPO, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in (better, best)}
+    time.sleep(8)  # both imported and waiting at the barrier
+    go.touch()
+    results = {}
+    for v, proc in procs.items():
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        results[v] = json.loads(out.strip().splitlines()[-1])
+    assert tracking.champion(name) == best
+    if results[better]["decision"] == "promoted":  # better went first: it faced v1, then best faced it
+        assert results[better]["champion_version"] == first
+        assert results[best] == {"decision": "promoted", "champion_version": better}
+    else:  # best went first: better then faced best and lost
+        assert results[best] == {"decision": "promoted", "champion_version": first}
+        assert results[better] == {"decision": "not promoted", "champion_version": best}
+    for v, r in results.items():  # the tags say what happened
+        tags = c.get_model_version(name, v).tags
+        assert (tags["promotion.decision"], tags["promotion.champion_version"]) == (r["decision"], r["champion_version"])

@@ -22,7 +22,7 @@ SMALL = TokenizerConfig(vocab_size=4000)
 
 
 def multi30k_corpus(shared_data: Path, work_dir: Path) -> Path:
-    """The ``multi30k-cpu`` corpus (train Multi30k; dev newstest2013; tests test2016, newstest2014).
+    """The ``multi30k-cpu`` corpus (train Multi30k; dev Multi30k val; tests test2016, newstest2014).
 
     The one place the tokenizer and shard tests get their input from (tests/test_shards.py imports it).
     """

@@ -3,8 +3,10 @@ loading and serving the champion, fail-fast and retried logging."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -20,7 +22,9 @@ from pipeline import tracking
 from pipeline.average import average_checkpoints
 from pipeline.config import DecodeConfig
 from pipeline.evaluate import evaluate, load_model, translate
+from pipeline.fsutil import sha256_file
 from pipeline.localstack import free_port, start_mlflow
+from pipeline.promotion import Policy, PromotionSet, read_promotion_set
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
 from tests.conftest import TINY, tiny_config
@@ -28,6 +32,9 @@ from tests.conftest import TINY, tiny_config
 REPO = Path(__file__).resolve().parents[1]
 FAST_DECODE = DecodeConfig(beam_size=2, max_len_a=0.5, max_len_b=4, batch_sentences=256)
 STAGES = ("data", "tokenizer", "train", "evaluate", "register")
+# The default rule (dev sacreBLEU, p < 0.05, 1,000 resamples, chrF guard 1.0 on both test sets), margin 0.
+POLICY = Policy(set_name="multi30k-val", split="dev", metric="sacrebleu", margin=0.0, p_threshold=0.05,
+                resamples=1000, guard_metric="chrf", guard_margin=1.0, guard_sets=("test2016", "newstest2014"))
 SENTENCES = ["A man in an orange hat starring at something.", "Two dogs play in the snow."]
 
 
@@ -85,10 +92,10 @@ def tracked(mlflow_server, shared_data, tiny_stack, tmp_path_factory) -> dict:
     scores_json = evaluate(ckpt, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, out / "averaged" / "eval",
                            splits=["dev", "test.newstest2014"])
     scores = tracking.log_evaluation(runs["evaluate"], ckpt, tiny_stack.tokenizer, scores_json, attention_sentences=2)
+    policy = Policy.of(cfg)
     version = tracking.register_model(runs["register"], ckpt, tiny_stack.tokenizer, FAST_DECODE,
-                                      cfg.registered_model_name, scores)
-    promotion = tracking.promote(cfg.registered_model_name, version, cfg.tracking.promote_metric,
-                                 cfg.tracking.promote_margin, run_id=run["parent"])
+                                      cfg.registered_model_name, scores, read_promotion_set(policy, scores_json.parent))
+    promotion = tracking.promote(cfg.registered_model_name, version, policy, run_id=run["parent"])
     for run_id in (*runs.values(), run["parent"]):
         tracking.finish_run(run_id)
     return {**run, "name": name, "version": version, "scores": scores, "ckpt": ckpt, "promotion": promotion}
@@ -107,7 +114,7 @@ def test_parent_run_has_config_params_and_tags(started) -> None:
     params, tags = run.data.params, run.data.tags
     assert params["model.d_model"] == "32" and params["train.max_steps"] == "20000"
     assert params["data.train.0.name"] == "multi30k" and params["data.test.1.name"] == "newstest2014"
-    assert params["tracking.promote_metric"] == "newstest2014.sacrebleu"
+    assert params["tracking.promote_on"] == "dev" and params["tracking.promote_metric"] == "auto"
     assert tags["config_hash"] == cfg.section_hash() and tags["preset"] == "tiny" and tags["language_pair"] == "en-de"
     assert tags["prefect.flow_run_id"] == "fr-123" and tags["prefect.flow_run_url"] == "http://x/runs/fr-123"
     assert len(tags["mlflow.source.git.commit"]) == 40
@@ -164,7 +171,7 @@ def test_evaluation_scores_samples_heatmaps_and_checkpoint(tracked) -> None:
     c = MlflowClient(tracked["uri"])
     run_id = tracked["runs"]["evaluate"]
     metrics = c.get_run(run_id).data.metrics
-    for name in ("newstest2014", "newstest2013"):
+    for name in ("newstest2014", "multi30k-val"):
         for score in ("sacrebleu", "chrf", "tok_bleu_compound_split"):
             assert f"{name}.{score}" in metrics and metrics[f"{name}.{score}"] == tracked["scores"][f"{name}.{score}"]
     files = _artifacts(c, run_id)
@@ -182,10 +189,18 @@ def test_registered_version_carries_scores_and_first_becomes_champion(tracked) -
     mv = c.get_model_version(tracked["name"], tracked["version"])
     assert mv.run_id == tracked["runs"]["register"]
     assert float(mv.tags["newstest2014.sacrebleu"]) == tracked["scores"]["newstest2014.sacrebleu"]
-    assert tracked["promotion"]["promoted"] and tracked["promotion"]["champion_version"] is None
+    assert tracked["promotion"].promoted and tracked["promotion"].champion_version is None
     assert c.get_model_version_by_alias(tracked["name"], "champion").version == tracked["version"]
     assert mv.tags["promotion.decision"] == "promoted" and "first model" in mv.tags["promotion.reason"]
     assert c.get_run(tracked["parent"]).data.tags["promotion.decision"] == "promoted"
+    assert mv.tags["checkpoint_sha256"] == sha256_file(tracked["ckpt"])
+    assert tracking.version_with_checkpoint(tracked["name"], sha256_file(tracked["ckpt"])) == tracked["version"]
+    # The version stores its hypotheses on the promotion set (dev): a later challenger is tested against them.
+    stored = tracking.promotion_set(tracked["name"], tracked["version"])
+    eval_dir = tracked["ckpt"].parent / "eval"
+    assert stored.name == "multi30k-val" and stored.metric == "sacrebleu"
+    assert stored.hypotheses == (eval_dir / "dev.hyp").read_text(encoding="utf-8").splitlines()
+    assert stored.references == (eval_dir / "dev.ref").read_text(encoding="utf-8").splitlines()
 
 
 def test_champion_loads_and_translates_like_the_checkpoint(mlflow_server, checkpoint, tiny_stack) -> None:
@@ -195,7 +210,7 @@ def test_champion_loads_and_translates_like_the_checkpoint(mlflow_server, checkp
     name = f"transformer-en-de-load-{free_port()}"
     version = tracking.register_model(run_id, checkpoint, tiny_stack.tokenizer, FAST_DECODE, name,
                                       {"newstest2014.sacrebleu": 0.1})
-    assert tracking.promote(name, version, "newstest2014.sacrebleu", 0.0)["promoted"]
+    assert tracking.promote(name, version, POLICY).promoted  # the first version
     model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
     got = model.predict(pd.DataFrame({"source": SENTENCES}))
     want = translate(load_model(checkpoint), Tokenizer(tiny_stack.tokenizer), SENTENCES, FAST_DECODE)
@@ -204,29 +219,65 @@ def test_champion_loads_and_translates_like_the_checkpoint(mlflow_server, checkp
     assert model.predict([" Two  dogs play\tin the snow. "]) == want[1:]
 
 
-def test_better_model_takes_the_alias_and_a_worse_one_does_not(mlflow_server, checkpoint, tiny_stack) -> None:
+def _corrupt(lines: list[str], rate: float, seed: int) -> list[str]:
+    """Each word replaced by a wrong one with probability ``rate``: a system of known, controllable quality."""
+    rng = random.Random(seed)
+    return [" ".join(w if rng.random() > rate else "falsch" for w in line.split()) for line in lines]
+
+
+def test_promotion_needs_margin_significance_and_guards(mlflow_server, checkpoint, tiny_stack, shared_data) -> None:
+    """Each version stores its hypotheses on the promotion set; a challenger is compared with the champion's
+    stored hypotheses by sacreBLEU's paired bootstrap. Noise-sized gains, margins not met, a guarded test set
+    that drops and a different promotion set are all refused, each with its evidence in the version's tags."""
     tracking.connect(mlflow_server, "test-tracking-registry")
     c = MlflowClient(mlflow_server)
-    run_id = c.create_run(c.get_experiment_by_name("test-tracking-registry").experiment_id).info.run_id
-    name, metric = f"transformer-en-de-promotion-{free_port()}", "newstest2014.sacrebleu"
+    run_of = lambda: c.create_run(c.get_experiment_by_name("test-tracking-registry").experiment_id).info.run_id  # noqa: E731
+    name = f"transformer-en-de-promotion-{free_port()}"
+    refs = (shared_data / "multi30k" / "val.de").read_text(encoding="utf-8").splitlines()[:400]
 
-    def register(bleu: float) -> str:
-        return tracking.register_model(run_id, checkpoint, tiny_stack.tokenizer, FAST_DECODE, name, {metric: bleu})
+    def register(hyps: list[str], chrf: dict[str, float], references: list[str] = refs) -> tuple[str, str]:
+        run_id = run_of()
+        pset = PromotionSet("multi30k-val", "dev", "sacrebleu", hyps, references)
+        scores = {f"{k}.chrf": v for k, v in chrf.items()}
+        return tracking.register_model(run_id, checkpoint, tiny_stack.tokenizer, FAST_DECODE, name, scores, pset), run_id
 
-    first = register(20.0)
-    decision = tracking.promote(name, first, metric, 0.5)
-    assert decision["promoted"] and decision["champion_version"] is None and "first model" in decision["reason"]
-    better, worse = register(21.0), register(20.4)  # +1.0 beats the 0.5 margin; +0.4 does not
-    decision = tracking.promote(name, better, metric, 0.5, run_id=run_id)
-    assert decision["promoted"] and decision["champion_version"] == first and decision["champion_score"] == 20.0
+    first, _ = register(_corrupt(refs, 0.5, 1), {"test2016": 40.0, "newstest2014": 10.0})
+    assert tracking.promote(name, first, POLICY).promoted and tracking.champion(name) == first
+
+    # Noise: another system of the same quality (other random errors) is not significantly better.
+    same, _ = register(_corrupt(refs, 0.5, 2), {"test2016": 40.0, "newstest2014": 10.0})
+    d = tracking.promote(name, same, POLICY)
+    assert not d.promoted and tracking.champion(name) == first
+    assert d.comparison.p_value >= 0.05 or d.comparison.delta <= 0, d.reason
+
+    # Clearly better: promoted, with the evidence on the version and on the given run.
+    better, parent = register(_corrupt(refs, 0.3, 3), {"test2016": 41.0, "newstest2014": 9.5})
+    d = tracking.promote(name, better, POLICY, run_id=parent)
+    assert d.promoted and d.champion_version == first and tracking.champion(name) == better
+    assert d.comparison.delta > 5 and d.comparison.p_value < 0.01 and d.comparison.ci_low > 0
+    tags = c.get_model_version(name, better).tags
+    assert tags["promotion.decision"] == "promoted" and tags["promotion.champion_version"] == first
+    assert float(tags["promotion.p_value"]) == round(d.comparison.p_value, 4) and tags["promotion.set"] == "multi30k-val"
+    assert tags["promotion.ci95"].startswith("[") and "bs:1000" in tags["promotion.signature"]
+    assert "newstest2014 chrf drop 0.50" in tags["promotion.guards"]  # -0.5 is within the 1.0 guard
+    assert c.get_run(parent).data.tags["promotion.decision"] == "promoted"
+
+    # Better on the promotion set, but a reported test set loses more than the guard margin: refused.
+    regressed, _ = register(_corrupt(refs, 0.1, 4), {"test2016": 40.5, "newstest2014": 7.0})
+    d = tracking.promote(name, regressed, POLICY)
+    assert not d.promoted and d.failed_guards == ["newstest2014"] and "guard failed: newstest2014" in d.reason
+    assert d.comparison.p_value < 0.01 and tracking.champion(name) == better
+
+    # A margin the gain does not reach: refused although significant.
+    strict = dataclasses.replace(POLICY, margin=50.0)
+    d = tracking.promote(name, regressed, strict)
+    assert not d.promoted and "does not exceed the margin 50.0" in d.reason
+
+    # Hypotheses on another set cannot be paired with the champion's: refused, saying why.
+    other, _ = register(refs[1:] + refs[:1], {}, references=refs[1:] + refs[:1])
+    d = tracking.promote(name, other, POLICY)
+    assert not d.promoted and d.comparison is None and "no paired test is possible" in d.reason
     assert tracking.champion(name) == better
-    assert c.get_run(run_id).data.tags["promotion.decision"] == "promoted"
-    decision = tracking.promote(name, worse, metric, 0.5)
-    assert not decision["promoted"] and decision["champion_version"] == better and tracking.champion(name) == better
-    tags = c.get_model_version(name, worse).tags
-    assert tags["promotion.decision"] == "not promoted" and tags["promotion.champion_score"] == "21.0"
-    assert tags["promotion.score"] == "20.4" and "does not beat champion version" in tags["promotion.reason"]
-    assert tags[metric] == "20.4"  # the scores given at registration are version tags
 
 
 def test_unreachable_server_fails_fast(shared_data, tiny_stack) -> None:

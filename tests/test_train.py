@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import os
@@ -41,6 +42,15 @@ def final_state(out: Path) -> dict:
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_rng(a: list[dict], b: list[dict]) -> None:
+    """Every rank's torch, CUDA and numpy streams equal. Python's global ``random`` is left out: this test process
+    also hosts the session's Prefect and MLflow clients, whose threads draw from it while a trainer runs here (a
+    torchrun worker hosts no such threads, and the trainer itself never draws from it)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert_same_tensors({k: v for k, v in x.items() if k != "python"}, {k: v for k, v in y.items() if k != "python"})
 
 
 def assert_same_tensors(a, b) -> None:
@@ -92,7 +102,7 @@ def test_exact_resume_bitwise(shared_data, shards, tmp_path):
     assert a["step"] == b["step"] == 8 and (a["epoch"], a["batch_pos"]) == (b["epoch"], b["batch_pos"])
     assert_same_tensors(a["model"], b["model"])
     assert_same_tensors(a["optimizer"], b["optimizer"])
-    assert_same_tensors(a["rng"], b["rng"])
+    assert_same_rng(a["rng"], b["rng"])
     assert a["totals"] == b["totals"]
 
 
@@ -109,7 +119,7 @@ def test_exact_resume_across_epoch_boundary(shared_data, shards, tmp_path):
     assert a["step"] == b["step"] == 8 and (a["epoch"], a["batch_pos"]) == (b["epoch"], b["batch_pos"]) == (1, 4)
     assert_same_tensors(a["model"], b["model"])
     assert_same_tensors(a["optimizer"], b["optimizer"])
-    assert_same_tensors(a["rng"], b["rng"])
+    assert_same_rng(a["rng"], b["rng"])
     assert a["totals"] == b["totals"]
 
 
@@ -160,6 +170,88 @@ def test_incompatible_checkpoint_refused(shared_data, shards, tmp_path):
     state = final_state(out)
     with pytest.raises(CheckpointError, match="shards"):
         check_compatible(state, state["model_config"], "0" * 64, out / "x.pt")
+
+
+# --------------------------------------------------------------------- initialising from another run's weights
+
+
+@pytest.fixture(scope="session")
+def trained(shared_data, shards, tmp_path_factory) -> Path:
+    """A 20-step run (checkpoints at 10 and 20) whose weights later runs start from."""
+    cfg = config(shared_data, "train.max_steps=20", "train.lr_scale=2.0", "train.checkpoint_every_steps=10")
+    return train(cfg, shards, tmp_path_factory.mktemp("trained") / "run")
+
+
+def test_init_checkpoint_starts_from_its_weights_with_fresh_counters(shared_data, shards, trained, tmp_path, caplog):
+    from pipeline.average import average_checkpoints
+
+    # The average of the last two checkpoints, as a champion is: it must carry the tokenizer to be usable.
+    init = average_checkpoints(trained / "checkpoints", 2, tmp_path / "average.pt")
+    assert load_checkpoint(init)["tokenizer_sha256"] == ShardDataset(shards).manifest["tokenizer"]["sha256"]
+    cfg = config(shared_data, "train.max_steps=2", "train.lr_scale=2.0")
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        out = train(cfg, shards, tmp_path / "run", init_checkpoint=init)
+    assert f"initialised from {init.resolve()} (step 20 of its run)" in caplog.text
+    scratch_loss = next(m["loss"] for m in metrics(trained) if "loss" in m)  # same config, steps 1-2, random init
+    init_loss = next(m["loss"] for m in metrics(out) if "loss" in m)
+    assert init_loss < scratch_loss - 0.5, (init_loss, scratch_loss)
+    state = final_state(out)
+    assert state["step"] == 2 and state["scheduler"]["last_epoch"] == 2  # counters and schedule started fresh
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 2
+    assert summary["init_checkpoint"] == {"path": str(init.resolve()), "step": 20,
+                                          "sha256": hashlib.sha256(init.read_bytes()).hexdigest()}
+
+
+def test_init_checkpoint_weights_are_the_first_step_weights(shared_data, shards, trained, tmp_path):
+    init = trained / "checkpoints" / "ckpt-00000020.pt"
+    # One update at a learning rate of ~1e-11 moves no weight measurably: what is saved is what training began with.
+    out = train(config(shared_data, "train.max_steps=1", "train.lr_scale=1e-9"), shards, tmp_path / "run",
+                init_checkpoint=init)
+    source, started = load_checkpoint(init)["model"], final_state(out)["model"]
+    assert source.keys() == started.keys()
+    for k in source:
+        torch.testing.assert_close(started[k], source[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_resumed_run_ignores_init_checkpoint(shared_data, shards, trained, tmp_path):
+    init = trained / "checkpoints" / "ckpt-00000020.pt"
+    out = train(config(shared_data, "train.max_steps=2"), shards, tmp_path / "run", init_checkpoint=init)
+    # Were the argument used on resume, this absent file would be refused.
+    train(config(shared_data, "train.max_steps=4"), shards, out, init_checkpoint=tmp_path / "absent.pt")
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 4 and summary["init_checkpoint"]["path"] == str(init)  # where its weights began
+
+
+def test_init_checkpoint_of_another_shape_or_vocabulary_is_refused(shared_data, shards, trained, tmp_path):
+    init = trained / "checkpoints" / "ckpt-00000020.pt"
+    with pytest.raises(CheckpointError, match=r"different model config.*'d_model': \(32, 16\).*train\.init_from"):
+        train(config(shared_data, "train.max_steps=2", "model.d_model=16"), shards, tmp_path / "a",
+              init_checkpoint=init)
+    state = load_checkpoint(init)
+    for sha, words in (("f" * 64, "trained with tokenizer sha256 ffffffffffffffff"),
+                       (None, "trained with an unrecorded tokenizer")):  # None: a checkpoint from before the record
+        forged = tmp_path / "other-vocabulary.pt"
+        torch.save({**state, "tokenizer_sha256": sha}, forged)
+        with pytest.raises(CheckpointError, match=f"vocabularies differ: it was {words}.*checkpoint's tokenizer"):
+            train(config(shared_data, "train.max_steps=2"), shards, tmp_path / "b", init_checkpoint=forged)
+    assert not (tmp_path / "a" / "checkpoints").exists() and not (tmp_path / "b" / "checkpoints").exists()
+    # The command line: a clear one-line error and exit status 2, as the orchestrator expects for refused input.
+    res = subprocess.run([sys.executable, *train_command(shared_data, shards, tmp_path / "c", "train.max_steps=2"),
+                          "--init-checkpoint", str(forged)], capture_output=True, text=True, cwd=REPO,
+                         env=torchrun_env(), timeout=300)
+    assert res.returncode == 2 and "vocabularies differ" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_torchrun_command_passes_init_checkpoint(tmp_path):
+    from pipeline.config import LaunchConfig
+    from pipeline.train.launch import torchrun_command
+
+    cmd = torchrun_command(LaunchConfig(), tmp_path / "c.yaml", tmp_path / "s", tmp_path / "o", ["--x", "y"],
+                           init_checkpoint=tmp_path / "champion.pt")
+    assert cmd[-4:] == ["--x", "y", "--init-checkpoint", str(tmp_path / "champion.pt")]
+    assert "--init-checkpoint" not in torchrun_command(LaunchConfig(), tmp_path / "c.yaml", tmp_path / "s",
+                                                       tmp_path / "o")
 
 
 def test_max_minutes_stops_and_checkpoints(shared_data, shards, tmp_path):

@@ -2,12 +2,14 @@
 
 Each reader yields ``(line, src, tgt)`` one pair at a time (``line`` is 1-based in its source), so memory does
 not grow with the corpus. Local paths are resolved inside ``data.root`` and checked before anything is read.
-Every error is a :class:`DataError` naming the file, the line and what to do.
+Every error is a :class:`DataError` naming the file, the line and what to do. A ``text`` or ``tsv`` source's
+``path`` may be a glob (``*``, ``?``, ``[...]``): every match, in sorted path order, is read as one source.
 """
 
 from __future__ import annotations
 
 import abc
+import glob
 import gzip
 import os
 import re
@@ -75,6 +77,28 @@ def resolve_inside(root: Path, rel: str, where: str) -> Path:
     return path
 
 
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def is_glob(path: str) -> bool:
+    """Whether a source's ``path`` is a glob pattern (``*``, ``?``, ``[...]``) rather than one path."""
+    return bool(_GLOB_CHARS.search(path))
+
+
+def _glob_matches(root: Path, pattern: str) -> list[str]:
+    """What ``pattern`` matches under ``root``, as matched (relative to ``root``, symlinks not yet resolved).
+
+    Sorted, because the file system lists folders in no fixed order and the corpus (and its fingerprint) must not
+    depend on it. The caller checks each match with :func:`resolve_inside`.
+    """
+    return sorted(glob.glob(pattern, root_dir=root))
+
+
+def _pattern_where(where: str, pattern: str) -> str:
+    """How an error about one match of a glob names it: the source's field and the pattern that matched."""
+    return f"{where}.path (pattern {pattern!r})"
+
+
 def _existing_file(path: Path, where: str) -> Path:
     if not path.is_file():
         raise DataError(f"{where}: file not found: {path}")
@@ -129,50 +153,114 @@ class Source(abc.ABC):
 
 
 class TextSource(Source):
-    """Line-aligned plain text: ``<prefix>.<src_lang>`` + ``<prefix>.<tgt_lang>`` (each optionally .gz)."""
+    """Line-aligned plain text: ``<prefix>.<src_lang>`` + ``<prefix>.<tgt_lang>`` (each optionally .gz).
+
+    ``path`` may be a glob over prefixes (``multi30k/train*``): every matched ``<prefix>.<lang>`` with its
+    other-language file, the pairs read in sorted prefix order as one source (``line`` counts across them).
+    """
 
     def __init__(self, *args: Any):
         super().__init__(*args)
-        self.paths = [self._lang_file(lang) for lang in (self.src_lang, self.tgt_lang)]
+        spec, langs = self.spec, (self.src_lang, self.tgt_lang)
+        if spec.files:
+            self.file_pairs = [tuple(self._mapped_file(lang) for lang in langs)]
+        elif is_glob(spec.path):
+            self.file_pairs = self._globbed_pairs()
+        else:
+            resolve_inside(self.root, spec.path, f"{self.where}.path")  # name the prefix itself if it escapes
+            self.file_pairs = [self._prefix_pair(spec.path, f"{self.where}.path (prefix {spec.path!r})")]
+        self.paths = [p for pair in self.file_pairs for p in pair]
         self.info.location = {"files": ",".join(self._rel(p) for p in self.paths)}
+        if spec.path and is_glob(spec.path):
+            self.info.location["pattern"] = spec.path
         self._record_files(self.paths)
 
-    def _lang_file(self, lang: str) -> Path:
-        spec = self.spec
-        if spec.files:
-            if lang not in spec.files:
-                raise DataError(f"{self.where}.files has no entry for language {lang!r} (has {sorted(spec.files)})")
-            return _existing_file(resolve_inside(self.root, spec.files[lang], f"{self.where}.files.{lang}"), self.where)
-        prefix = resolve_inside(self.root, spec.path, f"{self.where}.path")
-        for cand in (prefix.with_name(f"{prefix.name}.{lang}"), prefix.with_name(f"{prefix.name}.{lang}.gz")):
+    def _mapped_file(self, lang: str) -> Path:
+        files = self.spec.files
+        if lang not in files:
+            raise DataError(f"{self.where}.files has no entry for language {lang!r} (has {sorted(files)})")
+        return _existing_file(resolve_inside(self.root, files[lang], f"{self.where}.files.{lang}"), self.where)
+
+    def _prefix_file(self, prefix: str, lang: str, where: str) -> Path | None:
+        """``<prefix>.<lang>``, else ``<prefix>.<lang>.gz``, resolved inside data.root; None if neither exists."""
+        for name in (f"{prefix}.{lang}", f"{prefix}.{lang}.gz"):
+            cand = resolve_inside(self.root, name, where)  # a symlinked file must not lead outside data.root
             if cand.exists():
                 return _existing_file(cand, self.where)
-        raise DataError(
-            f"{self.where}: file not found: {prefix}.{lang} (nor {prefix.name}.{lang}.gz); "
-            f"'path' is a prefix: the files must be named <path>.{self.src_lang} and <path>.{self.tgt_lang}"
-        )
+        return None
+
+    def _prefix_pair(self, prefix: str, where: str) -> tuple[Path, Path]:
+        paths = []
+        for lang in (self.src_lang, self.tgt_lang):
+            path = self._prefix_file(prefix, lang, where)
+            if path is None:
+                raise DataError(
+                    f"{self.where}: file not found: {self.root / prefix}.{lang} (nor {Path(prefix).name}.{lang}.gz); "
+                    f"'path' is a prefix: the files must be named <path>.{self.src_lang} and <path>.{self.tgt_lang}"
+                )
+            paths.append(path)
+        return paths[0], paths[1]
+
+    def _globbed_pairs(self) -> list[tuple[Path, Path]]:
+        """Every prefix whose ``<prefix>.<lang>`` (plain or .gz, either language) matches the pattern, paired."""
+        pattern, langs = self.spec.path, (self.src_lang, self.tgt_lang)
+        where = _pattern_where(self.where, pattern)
+        prefixes: set[str] = set()
+        # Either language's file names a prefix, so a file whose partner is missing is reported, not skipped.
+        for suffix in (f".{lang}{gz}" for lang in langs for gz in ("", ".gz")):
+            prefixes.update(m[: -len(suffix)] for m in _glob_matches(self.root, pattern + suffix))
+        if not prefixes:
+            raise DataError(
+                f"{self.where}.path = {pattern!r} matches no file under data.root ({self.root}): looked for "
+                f"{pattern}.{langs[0]} and {pattern}.{langs[1]} (or .gz); 'path' is a prefix pattern, check it "
+                "and data.root"
+            )
+        pairs = []
+        for prefix in sorted(prefixes):
+            found = {lang: self._prefix_file(prefix, lang, where) for lang in langs}
+            missing = [lang for lang in langs if found[lang] is None]
+            if missing:
+                other = next(lang for lang in langs if lang not in missing)
+                raise DataError(
+                    f"{self.where}.path = {pattern!r} matches {self._rel(found[other])} but its partner "
+                    f"{prefix}.{missing[0]} (or .gz) is missing under data.root ({self.root}); add it, or move the "
+                    "unpaired file out of the pattern's reach"
+                )
+            pairs.append((found[self.src_lang], found[self.tgt_lang]))
+        return pairs
 
     def pairs(self) -> Iterator[Pair]:
-        sp, tp = self.paths
-        with _open_binary(sp) as fs, _open_binary(tp) as ft:
-            off_s = off_t = 0
-            line = 0
-            for line, (a, b) in enumerate(zip_longest(fs, ft), start=1):
-                if a is None or b is None:
-                    longer, shorter, rest = (sp, tp, fs) if b is None else (tp, sp, ft)
-                    total = line + sum(1 for _ in rest)
-                    raise DataError(
-                        f"{longer} has {total} lines but {shorter} has {line - 1}: parallel files must be "
-                        f"line-aligned (first unmatched line {line}); fix or re-export the pair"
-                    )
-                yield line, _decode(_strip_eol(a), sp, line, off_s), _decode(_strip_eol(b), tp, line, off_t)
-                off_s += len(a)
-                off_t += len(b)
-            self.info.rows_read = line
+        total = 0
+        for sp, tp in self.file_pairs:
+            for _, s, t in _aligned_lines(sp, tp):
+                total += 1
+                yield total, s, t
+        self.info.rows_read = total
+
+
+def _aligned_lines(sp: Path, tp: Path) -> Iterator[Pair]:
+    """Stream a line-aligned file pair; unequal line counts are an error naming both files."""
+    with _open_binary(sp) as fs, _open_binary(tp) as ft:
+        off_s = off_t = 0
+        for line, (a, b) in enumerate(zip_longest(fs, ft), start=1):
+            if a is None or b is None:
+                longer, shorter, rest = (sp, tp, fs) if b is None else (tp, sp, ft)
+                total = line + sum(1 for _ in rest)
+                raise DataError(
+                    f"{longer} has {total} lines but {shorter} has {line - 1}: parallel files must be "
+                    f"line-aligned (first unmatched line {line}); fix or re-export the pair"
+                )
+            yield line, _decode(_strip_eol(a), sp, line, off_s), _decode(_strip_eol(b), tp, line, off_t)
+            off_s += len(a)
+            off_t += len(b)
 
 
 class TsvSource(Source):
-    """One tab-separated file, one pair per line; ``columns`` names the language of each column."""
+    """Tab-separated text, one pair per line; ``columns`` names the language of each column.
+
+    ``path`` is one file, or a glob (``weekly/*.tsv``): every matching file, in sorted path order, read as one
+    source (``line`` counts across them).
+    """
 
     def __init__(self, *args: Any):
         super().__init__(*args)
@@ -181,26 +269,45 @@ class TsvSource(Source):
         if missing:
             raise DataError(f"{self.where}.columns = {cols} has no column for {missing}; name each column's language")
         self.idx = (cols.index(self.src_lang), cols.index(self.tgt_lang))
-        self.path = _existing_file(resolve_inside(self.root, self.spec.path, f"{self.where}.path"), self.where)
-        self.info.location = {"file": self._rel(self.path), "columns": ",".join(cols)}
-        self._record_files([self.path])
+        pattern = self.spec.path
+        if is_glob(pattern):
+            self.paths = self._globbed_files(pattern)
+            self.info.location = {"files": ",".join(self._rel(p) for p in self.paths), "pattern": pattern}
+        else:
+            self.paths = [_existing_file(resolve_inside(self.root, pattern, f"{self.where}.path"), self.where)]
+            self.info.location = {"file": self._rel(self.paths[0])}
+        self.info.location["columns"] = ",".join(cols)
+        self._record_files(self.paths)
+
+    def _globbed_files(self, pattern: str) -> list[Path]:
+        where = _pattern_where(self.where, pattern)
+        # Folders that happen to match (weekly/* with a subfolder) hold no rows of their own; skip them.
+        paths = [p for p in (resolve_inside(self.root, m, where) for m in _glob_matches(self.root, pattern))
+                 if not p.is_dir()]
+        if not paths:
+            raise DataError(f"{self.where}.path = {pattern!r} matches no file under data.root ({self.root}); "
+                            "check the pattern and data.root")
+        return [_existing_file(p, self.where) for p in paths]
 
     def pairs(self) -> Iterator[Pair]:
         n_cols = len(self.spec.columns)
         si, ti = self.idx
-        offset, line = 0, 0
-        with _open_binary(self.path) as f:
-            for line, raw in enumerate(f, start=1):
-                text = _decode(_strip_eol(raw), self.path, line, offset)
-                offset += len(raw)
-                cells = text.split("\t")
-                if len(cells) != n_cols:
-                    raise DataError(
-                        f"{self.path}: line {line}: expected {n_cols} tab-separated fields "
-                        f"({','.join(self.spec.columns)}), found {len(cells)}; remove stray tabs or fix 'columns'"
-                    )
-                yield line, cells[si], cells[ti]
-        self.info.rows_read = line
+        total = 0
+        for path in self.paths:
+            offset = 0
+            with _open_binary(path) as f:
+                for line, raw in enumerate(f, start=1):
+                    text = _decode(_strip_eol(raw), path, line, offset)
+                    offset += len(raw)
+                    cells = text.split("\t")
+                    if len(cells) != n_cols:
+                        raise DataError(
+                            f"{path}: line {line}: expected {n_cols} tab-separated fields "
+                            f"({','.join(self.spec.columns)}), found {len(cells)}; remove stray tabs or fix 'columns'"
+                        )
+                    total += 1
+                    yield total, cells[si], cells[ti]
+        self.info.rows_read = total
 
 
 _DOC = re.compile(r'<doc\b[^>]*\bdocid="([^"]*)"', re.I)

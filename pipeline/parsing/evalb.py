@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
-from pipeline.parsing.trees import Tree, base_label
+from sacrebleu.metrics.base import Metric, Score
+
+from pipeline.parsing.trees import Tree, base_label, parse_tree
 
 
 @dataclass(frozen=True)
@@ -153,3 +155,37 @@ def score_corpus(pairs: Iterable[tuple[Tree, Tree]], params: EvalbParams = COLLI
         if s.length <= params.cutoff_len:
             short.add(s)
     return {"all": everything.finish(), f"len<={params.cutoff_len}": short.finish()}
+
+
+class EvalbF1(Metric):
+    """Labelled EVALB F1 as a sacreBLEU metric, so that sacreBLEU's own significance tests (paired bootstrap
+    resampling over sentences) run on parses exactly as they run on translations.
+
+    Hypotheses and references are root-stripped bracketed trees, one per sentence (``<split>.hyp`` and
+    ``<split>.gold`` of a parsing evaluation). A sentence's statistics are EVALB's counts
+    ``[matched, gold, test]`` brackets; error and skipped sentences count zero, as they do in EVALB's totals.
+    """
+
+    def __init__(self, params: EvalbParams = COLLINS):
+        super().__init__()
+        self.params = params
+        self.num_refs = 1
+
+    def _preprocess_segment(self, sent: str) -> str:
+        return sent
+
+    def _extract_reference_info(self, refs: Sequence[str]) -> dict:
+        return {"gold": parse_tree(refs[0])}
+
+    def _compute_segment_statistics(self, hypothesis: str, ref_kwargs: dict) -> list[int]:
+        s = score_sentence(ref_kwargs["gold"], parse_tree(hypothesis), self.params)
+        return [s.matched, s.gold, s.test] if s.status == 0 else [0, 0, 0]
+
+    def _compute_score_from_stats(self, stats: Sequence[float]) -> Score:
+        matched, gold, test = (float(x) for x in stats)
+        recall = 100.0 * matched / gold if gold else 0.0
+        precision = 100.0 * matched / test if test else 0.0
+        return Score("EVALB-F1", 2 * precision * recall / (precision + recall) if precision + recall else 0.0)
+
+    def _aggregate_and_compute(self, stats: list[list[int]]) -> Score:
+        return self._compute_score_from_stats([sum(column) for column in zip(*stats)] if stats else [0, 0, 0])

@@ -1,13 +1,16 @@
-"""Registry: one pyfunc version per pipeline run, and the ``champion`` alias that serving follows.
+"""Registry: one pyfunc version per new model, and the ``champion`` alias that serving follows.
 
-Promotion rule: the first version of a registered model becomes champion; after that the alias moves only when
-a new version's score on the promotion metric beats the champion's by more than the margin. The decision, both
-scores and the reason are tags on the new version (and on the run, when given), and are returned for the
-Prefect report.
+Each version carries its evidence: its scores as version tags, the sha256 of its checkpoint and the corpus
+fingerprint it was trained on, and its *promotion set* (hypotheses and references on the set promotion reads,
+``promotion/`` in the version's run), so that a later challenger is tested against the champion's stored
+outputs without decoding the champion again. The decision rule itself is :mod:`pipeline.promotion`; callers
+serialise :func:`promote` per registered model (the flow holds a Prefect global concurrency limit around it).
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -15,33 +18,93 @@ from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 
 from pipeline.config import DecodeConfig
+from pipeline.fsutil import sha256_file
+from pipeline.promotion import Decision, Policy, PromotionSet, decide, guards, paired_bootstrap
 from pipeline.train.checkpoint import load_checkpoint
 
 from .pyfunc import SIGNATURE, Translator, code_paths, pip_requirements
-from .runs import TrackingError, client, set_tags
+from .runs import client, set_tags
 
 CHAMPION = "champion"
 MODEL_NAME = "translator"  # the logged model's name inside its run
+PROMOTION_DIR = "promotion"  # the promotion set's folder in a version's run
+_FILES = {"hypotheses": "hypotheses.txt", "references": "references.txt"}
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+
+
+def log_promotion_set(run_id: str, promotion: PromotionSet) -> None:
+    """Store a version's promotion set in its run: hypotheses, references and ``set.json`` (name, split,
+    metric, segment count, references' sha256)."""
+    with tempfile.TemporaryDirectory(prefix="aiayn-promotion-") as tmp:
+        _write_lines(Path(tmp) / _FILES["hypotheses"], promotion.hypotheses)
+        _write_lines(Path(tmp) / _FILES["references"], promotion.references)
+        (Path(tmp) / "set.json").write_text(json.dumps(promotion.meta(), indent=2), encoding="utf-8")
+        client().log_artifacts(run_id, tmp, PROMOTION_DIR)
+
+
+def promotion_set(name: str, version: str) -> PromotionSet | None:
+    """The promotion set stored with a version, or None when it has none (registered before promotion sets
+    were stored)."""
+    run_id = client().get_model_version(name, version).run_id
+    with tempfile.TemporaryDirectory(prefix="aiayn-promotion-") as tmp:
+        try:
+            folder = Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=PROMOTION_DIR, dst_path=tmp))
+        except (MlflowException, OSError):
+            return None
+        if not (folder / "set.json").is_file():
+            return None
+        meta = json.loads((folder / "set.json").read_text(encoding="utf-8"))
+        lines = {k: (folder / f).read_text(encoding="utf-8").split("\n")[:-1] for k, f in _FILES.items()}
+    return PromotionSet(meta["name"], meta["split"], meta["metric"], lines["hypotheses"], lines["references"])
 
 
 def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, name: str,
-                   scores: dict[str, float]) -> str:
-    """Log the translator pyfunc (checkpoint + tokenizer + decoding settings) in ``run_id``, register it as a new
-    version of ``name`` with ``scores`` as version tags, and return the version number."""
+                   scores: dict[str, float], promotion: PromotionSet | None = None,
+                   tags: dict[str, str] | None = None) -> str:
+    """Log the translator pyfunc (checkpoint + tokenizer + decoding settings) and the promotion set in
+    ``run_id``, register it as a new version of ``name`` tagged with ``scores``, the checkpoint's sha256 and
+    ``tags``, and return the version number. The promotion set is logged first: no version exists without it."""
     checkpoint, tokenizer_dir = Path(checkpoint), Path(tokenizer_dir)
+    if promotion is not None:
+        log_promotion_set(run_id, promotion)
     cleaning = load_checkpoint(checkpoint)["config"]["data"]["cleaning"]
     info = Model.log(artifact_path=None, name=MODEL_NAME, flavor=mlflow.pyfunc, run_id=run_id,
                      python_model=Translator(),
                      artifacts={"checkpoint": str(checkpoint), "tokenizer": str(tokenizer_dir)},
                      model_config={"decode": decode.model_dump(mode="json"), "cleaning": cleaning},
                      code_paths=code_paths(), pip_requirements=pip_requirements(), signature=SIGNATURE)
-    version = mlflow.register_model(info.model_uri, name, tags={k: str(v) for k, v in scores.items()})
-    return str(version.version)
+    all_tags = {**{k: str(v) for k, v in scores.items()}, "checkpoint_sha256": sha256_file(checkpoint),
+                **(tags or {})}
+    return str(mlflow.register_model(info.model_uri, name, tags=all_tags).version)
 
 
-def _version_score(name: str, version: str, metric: str) -> float | None:
-    value = client().get_model_version(name, version).tags.get(metric)
-    return float(value) if value is not None else None
+def version_with_checkpoint(name: str, checkpoint_sha256: str) -> str | None:
+    """The newest version of ``name`` whose checkpoint has this sha256 (the same model registered before)."""
+    try:
+        found = client().search_model_versions(f"name = '{name}' and tags.checkpoint_sha256 = '{checkpoint_sha256}'")
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
+            return None
+        raise
+    return str(max(int(v.version) for v in found)) if found else None
+
+
+def version_tags(name: str, version: str) -> dict[str, str]:
+    """A version's tags (its scores, checkpoint sha256, corpus fingerprint, promotion evidence)."""
+    return dict(client().get_model_version(name, version).tags)
+
+
+def _scores(tags: dict[str, str]) -> dict[str, float]:
+    out = {}
+    for k, v in tags.items():
+        try:
+            out[k] = float(v)
+        except ValueError:
+            continue
+    return out
 
 
 def champion(name: str) -> str | None:
@@ -54,38 +117,60 @@ def champion(name: str) -> str | None:
         raise
 
 
-def promote(name: str, version: str, metric: str, margin: float, *, run_id: str | None = None) -> dict:
-    """Move ``champion`` to ``version`` if it is the first, or if its ``metric`` beats the champion's by more than
-    ``margin``. Tags the version (and ``run_id``, if given) with the decision; returns {promoted, version,
-    score, champion_version, champion_score, metric, margin, reason}."""
-    score = _version_score(name, version, metric)
-    if score is None:
-        raise TrackingError(f"model {name} version {version} has no {metric!r} score tag; set "
-                            "tracking.promote_metric to a score the evaluation logs (e.g. newstest2014.sacrebleu)")
+def champion_artifacts(name: str, dst: Path) -> tuple[Path, Path] | None:
+    """Download the champion's checkpoint and tokenizer folder under ``dst`` (paths as its pyfunc records
+    them); None when there is no champion."""
+    version = champion(name)
+    if version is None:
+        return None
+    root = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(dst)))
+    artifacts = Model.load(str(root / "MLmodel")).flavors["python_function"].get("artifacts", {})
+    try:
+        return root / artifacts["checkpoint"]["path"], root / artifacts["tokenizer"]["path"]
+    except KeyError:
+        raise RuntimeError(f"champion version {version} of {name} ({root}) records no checkpoint and tokenizer "
+                           "artifacts; register a model with this pipeline first") from None
+
+
+def _judge(name: str, version: str, current: str, policy: Policy) -> Decision:
+    """The decision of a challenger against the current champion, from both versions' stored evidence."""
+    challenger_set, champion_set = promotion_set(name, version), promotion_set(name, current)
+    if challenger_set is None:
+        return Decision("not promoted", version, f"version {version} has no promotion set stored: register it "
+                        "through the pipeline's flow (register-model) to compare it", current)
+    if champion_set is None or champion_set.references_sha256 != challenger_set.references_sha256 \
+            or champion_set.metric != challenger_set.metric:
+        have = "none" if champion_set is None else f"{champion_set.name} ({champion_set.metric}, references " \
+                                                    f"{champion_set.references_sha256[:12]})"
+        return Decision("not promoted", version,
+                        f"champion version {current} has no hypotheses on this promotion set ({challenger_set.name}, "
+                        f"{challenger_set.metric}, references {challenger_set.references_sha256[:12]}; it has "
+                        f"{have}): no paired test is possible. Move the alias by hand after comparing, or promote "
+                        "on the set the champion was registered with (tracking.promote_on)", current,
+                        challenger_set.name, "test" if policy.on_test_set else "dev")
+    comparison = paired_bootstrap(policy.metric, champion_set.hypotheses, challenger_set.hypotheses,
+                                  challenger_set.references, policy.resamples)
+    set_guards = guards(policy, _scores(version_tags(name, version)), _scores(version_tags(name, current)))
+    return decide(policy, version, current, comparison, set_guards)
+
+
+def promote(name: str, version: str, policy: Policy, *, run_id: str | None = None) -> Decision:
+    """Decide whether ``version`` becomes champion and move the alias if so: the first version does; a later
+    one must win :func:`pipeline.promotion.decide` on the stored promotion sets. Reads the alias itself, so a
+    caller that holds the model's lock between read and move gets a race-free decision. The evidence goes to
+    the version's tags (and ``run_id``'s, when given)."""
     current = champion(name)
-    current_score = _version_score(name, current, metric) if current else None
     if current is None:
-        promoted, reason = True, f"first model of {name}: it becomes champion"
+        decision = Decision("promoted", version, f"first model of {name}: it becomes champion")
     elif current == str(version):
-        promoted, reason = False, f"version {version} already is the champion"
-    elif current_score is None:
-        promoted, reason = True, f"champion version {current} has no {metric} score"
-    elif score > current_score + margin:
-        promoted, reason = True, (f"{metric} {score:.2f} beats champion version {current} ({current_score:.2f}) "
-                                  f"by {score - current_score:.2f} > margin {margin}")
+        decision = Decision("no decision", version, f"version {version} already is the champion", current)
     else:
-        promoted, reason = False, (f"{metric} {score:.2f} does not beat champion version {current} "
-                                   f"({current_score:.2f}) by more than margin {margin}")
-    if promoted:
+        decision = _judge(name, str(version), current, policy)
+    if decision.promoted:
         client().set_registered_model_alias(name, CHAMPION, str(version))
-    result = {"promoted": promoted, "version": str(version), "score": score, "champion_version": current,
-              "champion_score": current_score, "metric": metric, "margin": margin, "reason": reason}
-    tags = {"promotion.decision": "promoted" if promoted else "not promoted", "promotion.metric": metric,
-            "promotion.score": score, "promotion.champion_version": current or "none",
-            "promotion.champion_score": "none" if current_score is None else current_score,
-            "promotion.margin": margin, "promotion.reason": reason}
+    tags = decision.tags()
     for k, v in tags.items():
-        client().set_model_version_tag(name, str(version), k, str(v))
+        client().set_model_version_tag(name, str(version), k, v)
     if run_id:
         set_tags(run_id, tags)
-    return result
+    return decision

@@ -14,7 +14,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 from urllib.parse import urlparse
 
 import mlflow
@@ -199,3 +199,97 @@ def chunked(items: list, size: int) -> Iterable[list]:
     """``items`` in consecutive lists of at most ``size``."""
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+# ------------------------------------------------------------------ closing runs whose flow run is over
+
+_RUNNING = "attributes.status = 'RUNNING'"
+
+
+def _search_all(c: MlflowClient, experiment_ids: list[str], filter_string: str) -> list:
+    """Every run matching ``filter_string`` in ``experiment_ids``, all pages."""
+    runs: list = []
+    for ids in chunked(experiment_ids, 100):  # keep each request small, however many experiments there are
+        token = None
+        while True:
+            page = c.search_runs(ids, filter_string=filter_string, max_results=1000, page_token=token)
+            runs += list(page)
+            token = page.token
+            if not token:
+                break
+    return runs
+
+
+def _close_with_children(c: MlflowClient, parent, status: str, reason: str) -> list[str]:
+    """End ``parent`` (if still RUNNING) and its RUNNING child runs with ``status``, tagging each ``closed_by``;
+    returns the ids it ended."""
+    children = _search_all(c, [parent.info.experiment_id],
+                           f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and {_RUNNING}")
+    todo = [r.info.run_id for r in children]
+    if parent.info.status == "RUNNING":
+        todo.append(parent.info.run_id)  # children first: a parent never looks done while a child still runs
+    for run_id in todo:
+        if reason:
+            c.set_tag(run_id, "closed_by", reason)
+        c.set_terminated(run_id, status)
+    return todo
+
+
+def close_flow_run(flow_run_id: str, status: str, *, tracking_uri: str | None = None,
+                   reason: str = "") -> list[str]:
+    """End the MLflow runs of one Prefect flow run with ``status`` (FAILED or KILLED); returns the ended run ids.
+
+    The parent runs are those tagged ``prefect.flow_run_id`` = ``flow_run_id``, in any experiment (a flow run's
+    overrides may have chosen the experiment). Only runs still RUNNING are touched: a parent the flow already
+    ended (FAILED by its own exception handler, or an earlier attempt of a retried flow run) keeps its outcome,
+    while its children still RUNNING are ended too. This is for flow runs that died without running their own
+    cleanup (a killed or crashed process, a cancellation): their runs would otherwise stay RUNNING forever.
+    ``tracking_uri`` defaults to the process's tracking URI; ``reason`` is set as the ``closed_by`` tag.
+    """
+    if status not in ("FAILED", "KILLED"):
+        raise ValueError(f"run status {status!r}: close with FAILED or KILLED")
+    if tracking_uri:
+        check_reachable(tracking_uri)  # fail in seconds: MLflow's client would retry a dead server for minutes
+    c = MlflowClient(tracking_uri) if tracking_uri else client()
+    experiment_ids: list[str] = []
+    token = None
+    while True:
+        page = c.search_experiments(max_results=1000, page_token=token)
+        experiment_ids += [e.experiment_id for e in page]
+        token = page.token
+        if not token:
+            break
+    closed: list[str] = []
+    for parent in _search_all(c, experiment_ids, f"tags.`prefect.flow_run_id` = '{flow_run_id}'"):
+        if "mlflow.parentRunId" not in parent.data.tags:
+            closed += _close_with_children(c, parent, status, reason)
+    return closed
+
+
+def close_stale_runs(experiment: str, config_name: str, is_over: Callable[[str], bool | str]) -> list[str]:
+    """End as KILLED the RUNNING parent runs of ``config_name`` in ``experiment`` whose Prefect flow run
+    ``is_over`` (final or gone), with their RUNNING children; returns the ended run ids.
+
+    A flow run killed before any hook could run (the worker died too, the machine rebooted) leaves its runs
+    RUNNING; the next run of the same config clears them up. Parents without a ``prefect.flow_run_id`` tag
+    (started outside Prefect) are never touched: nothing says whether they are over.
+
+    ``is_over(flow_run_id)``: falsy while the flow run may still be going; else True, or better the flow run's
+    state (``"CRASHED"``, ``"deleted"``), which the ``closed_by`` tag then names for whoever finds the run.
+    """
+    c = client()
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    closed: list[str] = []
+    for parent in _search_all(c, [exp.experiment_id], f"tags.config_name = '{config_name}' and {_RUNNING}"):
+        flow_run_id = parent.data.tags.get("prefect.flow_run_id")
+        if "mlflow.parentRunId" in parent.data.tags or not flow_run_id:
+            continue
+        over = is_over(flow_run_id)
+        if not over:
+            continue
+        state = over if isinstance(over, str) else "over"
+        closed += _close_with_children(c, parent, "KILLED",
+                                       f"stale: Prefect flow run {flow_run_id} is {state}, its runs were still RUNNING")
+    return closed

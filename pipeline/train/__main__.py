@@ -19,11 +19,14 @@ Two nodes (run on each node, same command but its own ``--node-rank``; HOST0 is 
 With ``--mlflow-run-id RUN_ID`` rank 0 also logs params, step metrics and system metrics into that MLflow run
 (``pipeline.tracking.MlflowSink``); the server is ``MLFLOW_TRACKING_URI``, checked before training starts.
 
+``--init-checkpoint PATH`` starts a new run from that checkpoint's weights (``train.init_from``; same model
+config and tokenizer, else exit status 2); a run that resumes ignores it.
+
 Running the same command again resumes from the newest intact checkpoint in ``--out``. Without ``--shards``
 the shards are built (or reused: every stage is a cached no-op when unchanged) from the config, on rank 0
 first while the other ranks wait. ``--out`` defaults to the config's run folder (``pipeline.stages.run_dir``:
-``<work_dir>/train/<hash of data, tokenizer, model, train less its budgets>``), the one ``python -m pipeline``
-uses too.
+``<work_dir>/train/<hash of data, tokenizer, model, train less its budgets>-<shards fingerprint>``), the one
+``python -m pipeline`` uses too.
 Prints the output folder (rank 0).
 """
 
@@ -50,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=Path, help="shard folder (default: build or reuse it from the config)")
     p.add_argument("--out", type=Path, help="run folder: checkpoints, metrics.jsonl, train_summary.json")
     p.add_argument("--mlflow-run-id", help="also log into this MLflow run (rank 0; server: MLFLOW_TRACKING_URI)")
+    p.add_argument("--init-checkpoint", type=Path, metavar="PATH",
+                   help="start from this checkpoint's weights (same model config and tokenizer) unless --out holds "
+                        "a checkpoint to resume from; optimizer and step count start fresh")
     return p
 
 
@@ -89,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve_config(args)
         sinks = mlflow_sinks(args.mlflow_run_id, info)  # fails here, before training, if the server is down
         shards = args.shards or ensure_shards(cfg, info)
-        out = args.out or run_dir(cfg)
-        out = train(cfg, shards, out, sinks=sinks, info=info)
+        out = args.out or run_dir(cfg, shards)
+        out = train(cfg, shards, out, sinks=sinks, info=info, init_checkpoint=args.init_checkpoint)
         for s in sinks:
             s.close()  # raises TrackingError if buffered metrics cannot be sent
     except errors as e:

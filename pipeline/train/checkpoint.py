@@ -109,15 +109,53 @@ def load_checkpoint(path: Path) -> dict:
     return _load(Path(path))
 
 
+def _config_diff(saved: dict, current: dict) -> dict:
+    """The model-config fields whose values differ: name -> (checkpoint's value, this run's value)."""
+    return {k: (saved.get(k), current.get(k)) for k in sorted(set(saved) | set(current))
+            if saved.get(k) != current.get(k)}
+
+
 def check_compatible(state: dict, model_config: dict, shards_fingerprint: str, path: Path) -> None:
     """Refuse a checkpoint made for another model architecture or other shards (clear message, no fallback)."""
-    saved_model = state["model_config"]
-    if saved_model != model_config:
-        diff = {k: (saved_model.get(k), model_config.get(k))
-                for k in sorted(set(saved_model) | set(model_config)) if saved_model.get(k) != model_config.get(k)}
+    if diff := _config_diff(state["model_config"], model_config):
         raise CheckpointError(f"{path}: checkpoint was written for a different model config; differing fields "
                               f"(checkpoint, this run): {diff}. Use a new --out folder or the original config.")
     if state["shards"]["fingerprint"] != shards_fingerprint:
         raise CheckpointError(f"{path}: checkpoint was trained on shards {state['shards']['fingerprint'][:16]}, "
                               f"this run reads shards {shards_fingerprint[:16]}. Use a new --out folder or the "
                               "original shards.")
+
+
+def load_init_checkpoint(path: Path, model_config: dict, tokenizer_sha256: str) -> dict:
+    """Load ``path`` (weights only) to initialise a new run from its model weights (``train.init_from``).
+
+    Refuses, before any training step, a file that is not a checkpoint, one trained with another tokenizer
+    (``tokenizer_sha256``: what the shards' manifest records; token ids would mean other pieces) and one made for
+    another architecture (``model_config``). Returns the checkpoint's state.
+    """
+    path = Path(path)
+    drop = "or drop train.init_from"
+    if not path.is_file():
+        raise CheckpointError(f"initial checkpoint {path} not found: pass an existing file ({drop})")
+    try:
+        state = load_checkpoint(path)
+    except Exception as e:  # torch raises many types for a file it cannot read; all mean "not a checkpoint"
+        raise CheckpointError(f"initial checkpoint {path} is unreadable ({type(e).__name__}: {e}); pass a checkpoint "
+                              f"file written by training or averaging ({drop})") from None
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"initial checkpoint {path} has format {state.get('format')!r}, expected "
+                              f"{CHECKPOINT_FORMAT!r}; pass a checkpoint written by training or averaging ({drop})")
+    # The tokenizer first: another vocabulary usually changes vocab_size too, and this names the real cause.
+    saved = state.get("tokenizer_sha256")
+    if saved != tokenizer_sha256:
+        recorded = f"tokenizer sha256 {saved[:16]}..." if saved else "an unrecorded tokenizer (an older checkpoint)"
+        raise CheckpointError(
+            f"cannot initialise from {path}: the vocabularies differ: it was trained with {recorded}, these shards "
+            f"were encoded with tokenizer sha256 {tokenizer_sha256[:16]}...; train with the checkpoint's tokenizer "
+            f"(for train.init_from: champion the orchestrator reuses the champion's tokenizer) {drop}"
+        )
+    if diff := _config_diff(state["model_config"], model_config):
+        raise CheckpointError(f"cannot initialise from {path}: it was written for a different model config; "
+                              f"differing fields (checkpoint, this run): {diff}. Set model.* to the checkpoint's "
+                              f"values {drop}")
+    return state

@@ -19,8 +19,9 @@ def processes_per_node(launch: LaunchConfig) -> int:
 
 
 def torchrun_command(launch: LaunchConfig, config_file: Path, shards: Path, out: Path,
-                     extra: Sequence[str] = ()) -> list[str]:
-    """``python -m torch.distributed.run ... -m pipeline.train --config FILE --shards DIR --out DIR [extra]``.
+                     extra: Sequence[str] = (), init_checkpoint: Path | None = None) -> list[str]:
+    """``python -m torch.distributed.run ... -m pipeline.train --config FILE --shards DIR --out DIR [extra]``,
+    plus ``--init-checkpoint PATH`` when ``init_checkpoint`` is given (start from its weights unless resuming).
 
     The module form of torchrun runs under this interpreter (the project's venv), with no console-script lookup.
     """
@@ -30,5 +31,7 @@ def torchrun_command(launch: LaunchConfig, config_file: Path, shards: Path, out:
     else:
         cmd += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", str(launch.rdzv_endpoint), "--rdzv-id", str(launch.rdzv_id)]
-    return cmd + ["-m", "pipeline.train", "--config", str(config_file), "--shards", str(shards), "--out", str(out),
-                  *extra]
+    cmd += ["-m", "pipeline.train", "--config", str(config_file), "--shards", str(shards), "--out", str(out), *extra]
+    if init_checkpoint is not None:
+        cmd += ["--init-checkpoint", str(init_checkpoint)]
+    return cmd

@@ -38,7 +38,8 @@ from pipeline.config import RunConfig, dump_config
 from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.shards import MANIFEST, ShardDataset, token_batches
 
-from .checkpoint import check_compatible, find_latest, load_checkpoint, read_index, save_checkpoint
+from .checkpoint import (check_compatible, find_latest, load_checkpoint, load_init_checkpoint, read_index,
+                         save_checkpoint)
 from .distributed import (DistInfo, all_gather_object, all_reduce_sum, broadcast_object, rng_state,
                           seed_everything, set_rng_state, setup)
 from .metrics import ConsoleSink, JsonlSink, MetricsSink, peak_flops, peak_memory_mb, perplexity
@@ -210,12 +211,16 @@ def preflight(cfg: RunConfig, train_ds: ShardDataset, world_size: int) -> None:
 
 
 def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[MetricsSink] = (),
-          info: DistInfo | None = None) -> Path:
+          info: DistInfo | None = None, init_checkpoint: Path | None = None) -> Path:
     """Train ``cfg.model`` on the shards in ``shard_dir``; outputs (checkpoints, metrics, summary) in ``out_dir``.
 
-    Resumes from the newest intact checkpoint in ``out_dir/checkpoints`` when there is one. Runs in one process,
-    or in every process of a torchrun job (the process group is joined here if the caller has not). ``sinks``
-    receive metrics in addition to the JSONL file and the console (rank 0 only). Returns ``out_dir``.
+    Resumes from the newest intact checkpoint in ``out_dir/checkpoints`` when there is one. Otherwise, with
+    ``init_checkpoint`` (``train.init_from``), the model starts from that checkpoint's weights (same model config
+    and tokenizer, else :class:`CheckpointError`); optimizer, schedule and step count start fresh.
+
+    Runs in one process, or in every process of a torchrun job (the process group is joined here if the caller
+    has not). ``sinks`` receive metrics in addition to the JSONL file and the console (rank 0 only). Returns
+    ``out_dir``.
     """
     info = info or setup()
     t = cfg.train
@@ -229,6 +234,7 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
     dev_ds = ShardDataset(shard_dir, "dev", verify=info.is_main)
     shards = {"fingerprint": train_ds.manifest["fingerprint"],
               "manifest_sha256": sha256_file(Path(shard_dir) / MANIFEST)}
+    tokenizer_sha256 = train_ds.manifest["tokenizer"]["sha256"]
     pad = train_ds.special.pad
 
     seed_everything(t.seed)  # identical initial weights on every rank
@@ -241,6 +247,7 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
     step, epoch, batch_pos = 0, 0, 0
     totals = torch.zeros(3, dtype=torch.float64, device=info.device)  # target tokens, source tokens, sentences
     last_dev: dict[str, float] = {}
+    init: dict | None = None  # the checkpoint the run's weights started from: path, sha256, its step
 
     # Resume: rank 0 picks the newest intact checkpoint; every rank loads that file (a shared folder).
     found = find_latest(ckpt_dir) if info.is_main else None
@@ -260,8 +267,19 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
             log.warning("checkpoint %s was written by %d ranks, this run has %d: RNG streams restart from the seed",
                         name, state["world_size"], info.world_size)
             seed_everything(t.seed + info.rank + 7919 * step)
+        # A resumed run keeps where its weights first came from; its own checkpoint now supersedes that file.
+        init = state.get("init_checkpoint")
         log.info("resuming from %s: step %d, epoch %d, batch %d", ckpt_dir / name, step, epoch, batch_pos)
+        if init_checkpoint is not None:
+            log.info("--init-checkpoint %s ignored: the run resumes from its own checkpoint", init_checkpoint)
         del state, found
+    elif init_checkpoint is not None:
+        path = Path(init_checkpoint).resolve()
+        state = load_init_checkpoint(path, model.config, tokenizer_sha256)
+        model.load_state_dict(state["model"])  # in place: the optimizer and DDP hold these same parameters
+        init = {"path": str(path), "sha256": sha256_file(path), "step": state["step"]}
+        log.info("initialised from %s (step %d of its run)", path, state["step"])
+        del state
 
     all_sinks: list[MetricsSink] = []
     if info.is_main:
@@ -285,7 +303,7 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
                      "scheduler": step_fn.scheduler.state_dict(), "step": step, "epoch": epoch,
                      "batch_pos": batch_pos, "totals": totals.tolist(), "rng": rngs, "world_size": info.world_size,
                      "config": cfg.model_dump(mode="json"), "model_config": model.config, "shards": shards,
-                     "dev": last_dev}
+                     "tokenizer_sha256": tokenizer_sha256, "init_checkpoint": init, "dev": last_dev}
             entry = save_checkpoint(ckpt_dir, state, step, t.keep_last_checkpoints)
             log.info("checkpoint %s (sha256 %s...)", ckpt_dir / entry["file"], entry["sha256"][:12])
 
@@ -366,7 +384,7 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
         tgt, src, sents = totals.tolist()
         summary = {"steps": step, "epoch": epoch, "stopped_by": stopped_by, "world_size": info.world_size,
                    "accumulation_steps": accum, "tokens": {"src": int(src), "tgt": int(tgt), "sentences": int(sents)},
-                   "final_dev": last_dev, "ranks": ranks, "checkpoints": read_index(ckpt_dir),
+                   "final_dev": last_dev, "ranks": ranks, "checkpoints": read_index(ckpt_dir), "init_checkpoint": init,
                    "wall_seconds": round(time.monotonic() - started, 3), "out_dir": str(out_dir)}
         write_json(out_dir / "train_summary.json", summary)
         log.info("training stopped (%s) at step %d; outputs in %s", stopped_by, step, out_dir)

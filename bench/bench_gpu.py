@@ -1,0 +1,389 @@
+"""GPU benchmark: our training step and beam search on one CUDA device, against the paper's 8 x P100 speed.
+
+Training. For each preset (``--presets``, the configs ``wmt14-en-de-<preset>``, loaded with
+:func:`pipeline.config.load_config`), one update is exactly what the trainer runs on one GPU:
+:class:`pipeline.train.TrainStep` (our Transformer, label-smoothed loss, Adam + the paper's schedule, bf16
+autocast) accumulating ``round(train.update_tokens / train.max_tokens)`` micro-batches, then ``apply``. The
+micro-batches come from :func:`pipeline.shards.token_batches` (our length-bucketed batcher: padded batches of at
+most ``max_tokens`` = sentences x longest pair) over synthetic sentence pairs of the paper's shape: shared vocab
+``tokenizer.vocab_size`` (37,000), source lengths uniform in ``--min-len``..``--max-len`` BPE tokens, target
+length the source's times U(0.8, 1.25), each side framed with bos/eos as :func:`pipeline.train.make_batch` does.
+An update holds ~25,000 target tokens (``train.update_tokens``), the paper's batch. Each preset runs with every
+``--max-tokens`` (default: the config's ``train.max_tokens``, i.e. several micro-batches per update, and
+``train.update_tokens``, i.e. one micro-batch per update, which a GPU's memory allows), eager and, with
+``--compile``, under ``train.compile=true`` (``torch.compile`` as the trainer applies it; compiled variants run
+last, their compile time is the reported warm-up). ``--warmup`` updates are untimed; then ``--steps`` updates
+run twice. The first pass meets every batch shape for the first time, and eager CUDA pays a one-off host cost
+per new shape, so it is reported only as "1st pass s/update". The second pass over the same updates is the
+measurement: it is the steady state of a long run, whose batch shapes recur. Its updates run back to back
+between two ``torch.cuda.synchronize`` calls, with per-update times from CUDA events.
+
+Reported per variant: target (and source) tokens/s, updates/s, s/update, model TFLOP/s from
+:meth:`model.Transformer.flops_per_token` applied to the batch-average sentence lengths (the trainer's MFU
+formula), MFU against :func:`pipeline.train.metrics.peak_flops` (dense bf16 peak by GPU name), peak
+``torch.cuda.max_memory_allocated``; and, per preset, the paper's speed: base 100k steps in 12 h, big 300k steps
+in 3.5 days, on 8 P100 with ~25,000 source + ~25,000 target tokens per step.
+
+Decoding. :func:`model.decoding.beam_search` with the config's beam (4) and length penalty (0.6) on the
+``--decode-preset`` model (random weights), ``--decode-batch`` synthetic source sentences of ``--decode-src-len``
++-5 tokens per call, output forced to ``--decode-out-len`` tokens + eos (``min_len`` = max length, as
+bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.evaluate.decoding_model`, the bf16 copy that
+``decode.precision=bf16`` uses). Sentences/s over ``--decode-calls`` timed calls after one warm-up call.
+
+Needs a CUDA device (it exits with a message otherwise); not part of the tests or CI.
+
+    python bench/bench_gpu.py                                  # base and big, eager
+    python bench/bench_gpu.py --presets base big --steps 30 --compile --out bench/results/gpu_h100.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import Transformer  # noqa: E402
+from model.decoding import beam_search  # noqa: E402
+from pipeline.config import RunConfig, load_config  # noqa: E402
+from pipeline.shards import token_batches  # noqa: E402
+from pipeline.train import Batch, TrainStep, accumulation_steps, setup  # noqa: E402
+from pipeline.train.metrics import peak_flops, peak_memory_mb  # noqa: E402
+
+# The paper (section 5.2): base 100k steps in 12 hours, big 300k steps in 3.5 days, on one machine with 8 P100s;
+# each step ~25,000 source + ~25,000 target tokens.
+PAPER = {"base": {"steps": 100_000, "hours": 12.0}, "big": {"steps": 300_000, "hours": 3.5 * 24}}
+PAPER_TOKENS_PER_STEP = 25_000
+
+
+def paper_step_s(preset: str) -> float | None:
+    p = PAPER.get(preset)
+    return p["hours"] * 3600 / p["steps"] if p else None
+
+
+# ---------------------------------------------------------------------------------------------- batches
+
+
+def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argparse.Namespace,
+                      seed: int = 0) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]]:
+    """``updates`` groups of ``accumulation_steps`` CPU micro-batches (src, tgt_in, tgt_out, n_src, n_tgt),
+    cut by :func:`token_batches` from synthetic pairs, collated as :func:`pipeline.train.make_batch` does."""
+    accum = accumulation_steps(cfg.train.update_tokens, max_tokens, 1)
+    sp, vocab = cfg.tokenizer.special, cfg.tokenizer.vocab_size
+    rng = np.random.default_rng(seed)
+    mean_size = (args.min_len + args.max_len) / 2 * 1.1 + 1
+    n_pairs = int(updates * accum * max_tokens / mean_size * 1.5) + 1000  # enough pairs for the batches needed
+    src_len = rng.integers(args.min_len, args.max_len + 1, n_pairs)  # [N]
+    tgt_len = np.maximum(1, np.rint(src_len * rng.uniform(0.8, 1.25, n_pairs))).astype(np.int64)  # [N]
+    sizes = np.maximum(src_len, tgt_len) + 1  # what a pair costs in a padded batch (ShardDataset.sizes)
+    batches = token_batches(sizes, max_tokens, seed=1, epoch=0)
+    if len(batches) < updates * accum:
+        raise RuntimeError(f"only {len(batches)} batches of max_tokens={max_tokens} for {updates} x {accum}")
+
+    def side(lengths: np.ndarray, bos: bool, eos: bool, ids: list[np.ndarray]) -> torch.Tensor:
+        out = np.full((len(lengths), int(lengths.max()) + bos + eos), sp.pad, dtype=np.int64)  # [B, W]
+        for row, (n, tok) in enumerate(zip(lengths, ids)):
+            out[row, bos : bos + n] = tok
+            if eos:
+                out[row, bos + n] = sp.eos
+        if bos:
+            out[:, 0] = sp.bos
+        return torch.from_numpy(out)
+
+    groups = []
+    for u in range(updates):
+        group = []
+        for idx in batches[u * accum : (u + 1) * accum]:
+            s_len, t_len = src_len[idx], tgt_len[idx]
+            s_ids = [rng.integers(4, vocab, n) for n in s_len]
+            t_ids = [rng.integers(4, vocab, n) for n in t_len]
+            group.append((side(s_len, False, True, s_ids), side(t_len, True, False, t_ids),
+                          side(t_len, False, True, t_ids), int(s_len.sum()) + len(idx), int(t_len.sum()) + len(idx)))
+        groups.append(group)
+    return groups
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def bench_train(preset: str, max_tokens: int, compiled: bool, args: argparse.Namespace) -> dict:
+    """``warmup`` untimed updates of our TrainStep, then ``args.steps`` updates twice (first pass: new shapes;
+    second pass, timed: the same shapes again); one result row."""
+    overrides = [f"train.max_tokens={max_tokens}", f"train.compile={str(compiled).lower()}", "train.precision=bf16"]
+    cfg = load_config(f"wmt14-en-de-{preset}", overrides)
+    info = setup()
+    if compiled:
+        torch._dynamo.reset()  # a fresh cache per model: earlier variants' graphs must not use up the recompile limit
+    warmup = max(args.warmup, args.compile_warmup) if compiled else args.warmup
+    groups = synthetic_updates(cfg, max_tokens, warmup + args.steps, args)
+    torch.manual_seed(0)
+    model = Transformer(cfg.tokenizer.vocab_size, cfg.tokenizer.special.pad, **cfg.model.model_dump()).to(info.device)
+    step_fn = TrainStep(model, cfg, info, cfg.tokenizer.special.pad)
+    dev = info.device
+
+    def update(group) -> torch.Tensor:
+        micro = [Batch(s.to(dev, non_blocking=True), ti.to(dev, non_blocking=True), to.to(dev, non_blocking=True),
+                       n_src, n_tgt) for s, ti, to, n_src, n_tgt in group]
+        sums, _ = step_fn.accumulate(micro)
+        step_fn.apply(want_norm=False)
+        return sums
+
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    for group in groups[:warmup]:
+        update(group)
+    torch.cuda.synchronize(dev)
+    warmup_s = time.perf_counter() - t0
+
+    # First pass: every update brings batch shapes not seen before (one-off per-shape costs included).
+    timed = groups[warmup:]
+    t0 = time.perf_counter()
+    for group in timed:
+        update(group)
+    torch.cuda.synchronize(dev)
+    first_pass_s = time.perf_counter() - t0
+
+    # Second pass over the same updates, timed: the steady state of a long run, where shapes recur.
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in timed]
+    loss = torch.zeros(2, dtype=torch.float64, device=dev)
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for group, (start, end) in zip(timed, events):
+        start.record()
+        loss += update(group)
+        end.record()
+    torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - t0
+
+    per_update = [s.elapsed_time(e) / 1000 for s, e in events]
+    n_src = sum(b[3] for g in timed for b in g)
+    n_tgt = sum(b[4] for g in timed for b in g)
+    n_sent = sum(len(b[0]) for g in timed for b in g)
+    padded = sum(b[0].numel() + b[1].numel() for g in timed for b in g)
+    tgt_tok_s = n_tgt / seconds
+    fpt = model.flops_per_token(n_src / n_sent, n_tgt / n_sent)  # the trainer's MFU formula
+    peak = peak_flops(dev)
+    row = {
+        "preset": preset, "variant": "compile" if compiled else "eager", "max_tokens": max_tokens,
+        "accumulation": len(timed[0]), "updates": len(timed), "params": model.num_parameters(),
+        "tgt_tokens_per_update": n_tgt / len(timed), "src_tokens_per_update": n_src / len(timed),
+        "padding_share": 1 - (n_src + n_tgt) / padded, "mean_src_len": n_src / n_sent, "mean_tgt_len": n_tgt / n_sent,
+        "updates_per_s": len(timed) / seconds, "s_per_update": seconds / len(timed),
+        "update_s_median": statistics.median(per_update), "update_s_min": min(per_update),
+        "update_s_max": max(per_update), "tgt_tokens_per_s": tgt_tok_s, "src_tokens_per_s": n_src / seconds,
+        "flops_per_tgt_token": fpt, "tflops": fpt * tgt_tok_s / 1e12, "mfu": fpt * tgt_tok_s / peak if peak else None,
+        "peak_memory_gib": peak_memory_mb(dev) / 1024, "warmup_updates": warmup, "warmup_s": warmup_s,
+        "first_pass_s_per_update": first_pass_s / len(timed),
+        "loss_per_token": float(loss[0]) / n_tgt,
+    }
+    if compiled:
+        row["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    del step_fn, model, groups
+    torch.cuda.empty_cache()
+    return row
+
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+def bench_decode(preset: str, precision: str, args: argparse.Namespace) -> dict:
+    """Sentences/s of beam search (the config's beam and length penalty) with the output length forced."""
+    from pipeline.evaluate import decoding_model  # lazily: sacremoses etc., only the decoding part needs them
+
+    cfg = load_config(f"wmt14-en-de-{preset}")
+    info = setup()
+    dev, sp, d = info.device, cfg.tokenizer.special, cfg.decode
+    torch.manual_seed(0)
+    base = Transformer(cfg.tokenizer.vocab_size, sp.pad, **cfg.model.model_dump()).to(dev).eval()
+    model = decoding_model(base, precision)
+    gen = torch.Generator().manual_seed(1)
+
+    def sources() -> torch.Tensor:  # (batch, longest + 1): ids + eos, right-padded
+        lens = torch.randint(args.decode_src_len - 5, args.decode_src_len + 6, (args.decode_batch,), generator=gen)
+        src = torch.full((args.decode_batch, int(lens.max()) + 1), sp.pad, dtype=torch.long)
+        for i, n in enumerate(lens.tolist()):
+            src[i, :n] = torch.randint(4, cfg.tokenizer.vocab_size, (n,), generator=gen)
+            src[i, n] = sp.eos
+        return src.to(dev)
+
+    out_len = args.decode_out_len + 1  # eos included
+
+    def call(src: torch.Tensor) -> list:
+        return beam_search(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
+                           max_len_a=0.0, max_len_b=out_len, min_len=out_len)
+
+    batches = [sources() for _ in range(args.decode_calls + 1)]
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    call(batches[0])  # warm-up
+    torch.cuda.synchronize(dev)
+    times, lengths = [], []
+    for src in batches[1:]:
+        t0 = time.perf_counter()
+        hyps = call(src)
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+        lengths += [len(h[0].tokens) + 1 for h in hyps]
+    n = args.decode_batch * args.decode_calls
+    row = {"preset": preset, "precision": precision, "beam": d.beam_size, "alpha": d.length_penalty,
+           "batch": args.decode_batch, "calls": args.decode_calls, "out_len": out_len,
+           "forced_len_ok": all(x == out_len for x in lengths), "sentences_per_s": n / sum(times),
+           "tokens_per_s": sum(lengths) / sum(times), "s_per_call_median": statistics.median(times),
+           "peak_memory_gib": peak_memory_mb(dev) / 1024}
+    del model, base
+    torch.cuda.empty_cache()
+    return row
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(res: dict) -> str:
+    env = res["env"]
+    lines = [f"# GPU benchmark: {env['gpu']}", "",
+             f"- command: `{env['command']}`",
+             f"- date: {env['date']}; torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}",
+             f"- GPU: {env['gpu']}, {env['gpu_memory_gib']:.0f} GiB; dense bf16 peak used for MFU: "
+             f"{_f(env['peak_tflops'], '.0f')} TFLOP/s", ""]
+    if res["train"]:
+        lines += ["## Training (bf16 autocast, forward + backward + Adam step, synthetic WMT-shaped batches)", "",
+                  "| preset | variant | max_tokens x accum | tgt tok/update | padding | updates/s | s/update (median) "
+                  "| tgt tok/s | src tok/s | model TFLOP/s | MFU | peak mem GiB | 1st pass s/update | warm-up s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res["train"]:
+            lines.append(
+                f"| {r['preset']} | {r['variant']} | {r['max_tokens']} x {r['accumulation']} "
+                f"| {r['tgt_tokens_per_update']:.0f} | {r['padding_share']:.1%} | {r['updates_per_s']:.2f} "
+                f"| {r['s_per_update']:.3f} ({r['update_s_median']:.3f}) | {r['tgt_tokens_per_s']:,.0f} "
+                f"| {r['src_tokens_per_s']:,.0f} | {r['tflops']:.1f} | {_f(r['mfu'], '.1%')} "
+                f"| {r['peak_memory_gib']:.1f} | {r['first_pass_s_per_update']:.3f} "
+                f"| {r['warmup_s']:.1f} ({r['warmup_updates']}) |")
+        lines += ["", "## Against the paper (8 x P100, ~25,000 target tokens per step)", "",
+                  "| preset | paper s/step | paper tgt tok/s (8 GPUs) | ours: best variant | ours tgt tok/s (1 GPU) "
+                  "| ours s per 25k-token update | ours / paper (tok/s) | paper's training run at our speed |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for preset in dict.fromkeys(r["preset"] for r in res["train"]):
+            best = max((r for r in res["train"] if r["preset"] == preset), key=lambda r: r["tgt_tokens_per_s"])
+            step = paper_step_s(preset)
+            paper_tok = PAPER_TOKENS_PER_STEP / step if step else None
+            ours_step = PAPER_TOKENS_PER_STEP / best["tgt_tokens_per_s"]
+            run_h = ours_step * PAPER[preset]["steps"] / 3600 if preset in PAPER else None
+            lines.append(
+                f"| {preset} | {_f(step, '.3f')} | {_f(paper_tok, ',.0f')} | {best['variant']}, max_tokens "
+                f"{best['max_tokens']} | {best['tgt_tokens_per_s']:,.0f} | {ours_step:.3f} "
+                f"| {_f(best['tgt_tokens_per_s'] / paper_tok if paper_tok else None, '.2f')} "
+                f"| {_f(run_h, '.1f')} h ({_f(PAPER.get(preset, {}).get('steps'), ',')} steps) |")
+    if res["decode"]:
+        lines += ["", "## Decoding (beam search, random weights, output forced to a fixed length)", "",
+                  "| preset | precision | beam | alpha | batch | output tokens (eos incl.) | sentences/s | tokens/s "
+                  "| s/call (median) | peak mem GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in res["decode"]:
+            lines.append(f"| {r['preset']} | {r['precision']} | {r['beam']} | {r['alpha']} | {r['batch']} "
+                         f"| {r['out_len']}{'' if r['forced_len_ok'] else ' (NOT all)'} | {r['sentences_per_s']:,.0f} "
+                         f"| {r['tokens_per_s']:,.0f} | {r['s_per_call_median']:.3f} | {r['peak_memory_gib']:.2f} |")
+    if res["errors"]:
+        lines += ["", "## Errors", ""] + [f"- {e}" for e in res["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(res: dict, out: Path | None) -> None:
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown(res))
+    out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["base", "big"], choices=sorted(PAPER))
+    p.add_argument("--steps", type=int, default=20, help="timed updates per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed updates first (eager)")
+    p.add_argument("--max-tokens", type=int, nargs="+",
+                   help="train.max_tokens values to run (default: the config's, and train.update_tokens)")
+    p.add_argument("--compile", action="store_true", help="also run each variant with train.compile=true (last)")
+    p.add_argument("--compile-warmup", type=int, default=8, help="untimed updates for compiled variants")
+    p.add_argument("--time-budget", type=float, help="seconds after which compiled variants not yet started are "
+                   "skipped (so that a run under a wall-clock limit still reports)")
+    p.add_argument("--min-len", type=int, default=10, help="shortest synthetic source sentence (tokens)")
+    p.add_argument("--max-len", type=int, default=60, help="longest synthetic source sentence (tokens)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decoding benchmark")
+    p.add_argument("--decode-preset", default="base", choices=sorted(PAPER))
+    p.add_argument("--decode-batch", type=int, default=128)
+    p.add_argument("--decode-src-len", type=int, default=25, help="mean source length (+-5)")
+    p.add_argument("--decode-out-len", type=int, default=25, help="forced output length, eos not counted")
+    p.add_argument("--decode-calls", type=int, default=4, help="timed beam-search calls per precision")
+    p.add_argument("--out", type=Path, help="write the markdown table here (and the JSON next to it, .json)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gpu.py: no CUDA device visible (torch.cuda.is_available() is False; torch "
+                 f"{torch.__version__}). This benchmark needs a GPU; it is not part of the tests or CI.")
+
+    started = time.perf_counter()
+    dev = setup().device
+    props = torch.cuda.get_device_properties(dev)
+    peak = peak_flops(dev)
+    res: dict = {"env": {"gpu": torch.cuda.get_device_name(dev), "gpu_memory_gib": props.total_memory / 2**30,
+                         "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
+                         "cuda": torch.version.cuda, "python": platform.python_version(),
+                         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                         "command": "python bench/bench_gpu.py " + shlex.join(sys.argv[1:])},
+                 "args": {k: str(v) for k, v in vars(args).items()}, "train": [], "decode": [], "errors": []}
+    if peak is None:
+        print(f"warning: no bf16 peak known for {res['env']['gpu']} (pipeline/train/metrics.py PEAK_BF16_FLOPS): "
+              "MFU not reported", file=sys.stderr)
+    print(f"{res['env']['gpu']}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+
+    def attempt(kind: str, label: str, fn, *fn_args) -> None:
+        t0 = time.perf_counter()
+        try:
+            row = fn(*fn_args)
+        except Exception as e:  # one failing variant (e.g. out of memory) must not lose the others
+            res["errors"].append(f"{label}: {type(e).__name__}: {e}")
+            print(f"{label}: FAILED {type(e).__name__}: {e}", flush=True)
+            torch.cuda.empty_cache()
+        else:
+            res[kind].append(row)
+            print(f"{label}: {json.dumps(row)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        write(res, args.out)
+
+    variants = []
+    for preset in args.presets:
+        t = load_config(f"wmt14-en-de-{preset}").train
+        for mt in args.max_tokens or sorted({t.max_tokens, t.update_tokens}):
+            variants.append((preset, mt))
+    for preset, mt in variants:
+        attempt("train", f"train {preset} eager max_tokens={mt}", bench_train, preset, mt, False, args)
+    if not args.no_decode:
+        for precision in ("fp32", "bf16"):
+            attempt("decode", f"decode {args.decode_preset} {precision}", bench_decode, args.decode_preset,
+                    precision, args)
+    if args.compile:  # largest batches first: the GPU's setting matters most if the time budget runs out
+        for preset, mt in sorted(variants, key=lambda v: (-v[1], args.presets.index(v[0]))):
+            if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
+                res["errors"].append(f"train {preset} compile max_tokens={mt}: skipped (--time-budget)")
+                continue
+            attempt("train", f"train {preset} compile max_tokens={mt}", bench_train, preset, mt, True, args)
+    res["train"].sort(key=lambda r: (args.presets.index(r["preset"]), r["max_tokens"], r["variant"]))
+    write(res, args.out)
+    print()
+    print(markdown(res))
+
+
+if __name__ == "__main__":
+    main()
