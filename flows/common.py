@@ -19,7 +19,7 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run
 
 from pipeline import tracking
-from pipeline.config import DevDomainWarning, RunConfig, load_config
+from pipeline.config import DevDomainWarning, RunConfig, ensure_work_dir, load_config
 from tasks.caching import run_cached
 from tasks.report import publish_report
 from tasks.stages import average, evaluate, prepare_data, train_tokenizer, write_shards
@@ -55,7 +55,7 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
     overrides = {**({"work_dir": os.environ["AIAYN_WORK_DIR"]} if os.environ.get("AIAYN_WORK_DIR") else {}),
                  **(overrides or {}), **shortcuts}
     cfg = resolve_config(config, overrides, data_root, flow_name, expect)
-    work = Path(cfg.work_dir).resolve()
+    work = ensure_work_dir(cfg.work_dir)  # a clear error before tracking and the stages start
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
     parent = start_tracking(cfg, uri, run_name=flow_run.get_name() or cfg.name,
                             tags={"prefect.flow": flow_name, "prefect.flow_run_id": str(flow_run.get_id() or ""),

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.config import ConfigError, RunConfig, dump_config, load_config
+from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir, load_config
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.shards import ShardError
 from pipeline.stages import Inputs, build_inputs, run_dir
@@ -132,23 +132,52 @@ def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
     _evaluate(cfg, inputs, checkpoint)
 
 
+def read_lines(data: bytes, name: str) -> list[str]:
+    """``data`` (a file's or stdin's bytes) as text lines without their ends; a :class:`DataError` naming ``name``,
+    the line and the byte offset for a line that is not UTF-8 text or holds a NUL byte (binary or compressed input)."""
+    hint = " (it looks gzip-compressed: gunzip it first)" if data[:2] == b"\x1f\x8b" else ""
+    lines, offset = [], 0
+    for number, raw in enumerate(data.splitlines(keepends=True), start=1):
+        text = raw.rstrip(b"\r\n")
+        try:
+            line = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{name}: line {number} (byte offset {offset + e.start}) is not UTF-8 text: {e.reason} "
+                            f"{text[e.start:e.start + 1]!r}{hint}; give one UTF-8 sentence per line (convert other "
+                            "encodings with iconv -f <encoding> -t UTF-8)") from None
+        if "\0" in line:
+            raise DataError(f"{name}: line {number} (byte offset {offset + text.index(0)}) holds a NUL byte: binary "
+                            f"data, not text{hint}; give one UTF-8 sentence per line")
+        lines.append(line)
+        offset += len(raw)
+    return lines
+
+
 def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
     """Raw text (stdin or --input) to translations on stdout, normalised as the data stage normalises.
 
     For ``task: parsing`` the input is tokenized sentences (PTB tokens separated by spaces) and each output line
-    is a repaired tree over exactly those words (POS tags ``XX``)."""
+    is a repaired tree over exactly those words (POS tags ``XX``). Lines longer than the model's positions are cut
+    to fit, each with a warning, and counted at the end."""
     from collections import Counter
 
     from pipeline.data.clean import Normalizer
-    from pipeline.evaluate import load_model, translate
+    from pipeline.evaluate import load_model, translate, truncation_summary
     from pipeline.tokenize import Tokenizer
 
     if not args.checkpoint or not args.tokenizer:
         raise ConfigError("translate needs --checkpoint (a .pt file) and --tokenizer (a tokenizer folder)")
     normalize = Normalizer(cfg.data.cleaning, Counter())
-    source = open(args.input, encoding="utf-8") if args.input else sys.stdin
-    with source:
-        lines = [normalize(line) for line in source]
+    name = args.input or "stdin"
+    if args.input:
+        try:
+            data = Path(args.input).read_bytes()
+        except OSError as e:
+            raise DataError(f"--input {args.input}: cannot read it: {e.strerror}") from None
+    else:
+        data = sys.stdin.buffer.read()
+    # decoded before the model loads: bad input fails in a moment, not after loading a large checkpoint
+    lines = [normalize(line) for line in read_lines(data, name)]
     model, tokenizer = load_model(Path(args.checkpoint)), Tokenizer(Path(args.tokenizer))
     progress = None
     if args.input and sys.stderr.isatty():
@@ -156,18 +185,23 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
 
         bar = tqdm(total=len(lines), unit="sent", file=sys.stderr)
         progress = bar.update
+    truncated: list[int] = []
     if cfg.task == "parsing":
         from pipeline.parsing.evaluate import parse
 
         empty = [i for i, line in enumerate(lines, start=1) if not line]
         if empty:
-            raise DataError(f"{args.input or 'stdin'}: line {empty[0]} is empty; a parse needs at least one word")
-        _, parsed = parse(model, tokenizer, lines, cfg.decode, progress=progress, leaves=cfg.data.tree_leaves)
+            raise DataError(f"{name}: line {empty[0]} is empty; a parse needs at least one word")
+        _, parsed = parse(model, tokenizer, lines, cfg.decode, progress=progress, leaves=cfg.data.tree_leaves,
+                          source=name, truncated=truncated)
         for tree, _ in parsed:
             print(tree)
-        return
-    for line in translate(model, tokenizer, lines, cfg.decode, progress=progress):
-        print(line)
+    else:
+        for line in translate(model, tokenizer, lines, cfg.decode, progress=progress, source=name,
+                              truncated=truncated):
+            print(line)
+    if truncated:
+        log.warning("%s: %s", name, truncation_summary(len(truncated), len(lines), model.config["max_positions"]))
 
 
 def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
@@ -192,6 +226,8 @@ COMMANDS = {
     "run": (cmd_run, "every stage in order on this machine"),
 }
 
+READ_ONLY_COMMANDS = ("config", "translate")  # every other command writes below the work dir
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aiayn", description=__doc__.splitlines()[0])
@@ -213,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = resolve_config(args)
+        if args.command not in READ_ONLY_COMMANDS:
+            ensure_work_dir(cfg.work_dir)
         COMMANDS[args.command][0](cfg, args)
     except user_errors() as e:
         print(f"error: {e}", file=sys.stderr)

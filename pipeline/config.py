@@ -12,12 +12,14 @@ and is named there.
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import json
+import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -338,8 +340,9 @@ class TrackingConfig(_Strict):
 class LaunchConfig(_Strict):
     """How the orchestrator starts training: torchrun's processes and rendezvous (not part of any hash).
 
-    One node: ``nnodes: 1`` (``--standalone``). Several: the same flow run on each node with its
-    ``node_rank`` and a shared ``rdzv_endpoint`` (host:port of node 0) and ``rdzv_id``.
+    One node: ``nnodes: 1``. Several: the same flow run on each node with its ``node_rank`` and a shared
+    ``rdzv_endpoint`` (host:port of node 0), ``rdzv_id`` and ``interface``. Every socket the job listens on is
+    bound to ``interface`` (pipeline.train.rendezvous): loopback for one node, so nothing is reachable from outside.
     """
 
     nproc_per_node: int | Literal["auto"] = "auto"  # auto: one per visible GPU, else 1
@@ -347,6 +350,8 @@ class LaunchConfig(_Strict):
     node_rank: int = Field(default=0, ge=0)
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    # The network interface (e.g. eth0) the nodes reach each other on; None: loopback (one node only).
+    interface: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "LaunchConfig":
@@ -355,6 +360,9 @@ class LaunchConfig(_Strict):
         if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
             raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port of node 0) and rdzv_id "
                              "(the same string on every node)")
+        if self.nnodes > 1 and not self.interface:
+            raise ValueError(f"nnodes={self.nnodes} needs interface: the network interface (e.g. eth0) the nodes "
+                             "reach each other on; training listens on that interface only")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank ({self.node_rank}) must be < nnodes ({self.nnodes})")
         return self
@@ -434,8 +442,46 @@ class RunConfig(_Strict):
 # ----------------------------------------------------------------------------------------------- loading
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping that repeats a key; ``key`` is its dotted path, ``first``/``second`` the two marks."""
+
+    def __init__(self, key: str, first: yaml.Mark, second: yaml.Mark):
+        super().__init__(f"duplicate key {key!r} (line {first.line + 1} and line {second.line + 1})")
+        self.key, self.first, self.second = key, first, second
+
+
+def _refuse_duplicate_keys(node: yaml.Node, path: str = "", seen: set[int] | None = None) -> None:
+    """Raise :class:`_DuplicateKey` for the first key repeated in a mapping of the node tree (PyYAML keeps the
+    last value silently, so a doubled ``max_steps:`` would drop the first without a word)."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias: its anchor was checked where it was defined
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        marks: dict[tuple[str, str], yaml.Mark] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<: *base`` is meant to be overridden
+                _refuse_duplicate_keys(value_node, path, seen)
+                continue
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "<complex key>"
+            where = f"{path}.{key}" if path else key
+            if isinstance(key_node, yaml.ScalarNode):
+                if (key_node.tag, key_node.value) in marks:
+                    raise _DuplicateKey(where, marks[key_node.tag, key_node.value], key_node.start_mark)
+                marks[key_node.tag, key_node.value] = key_node.start_mark
+            _refuse_duplicate_keys(value_node, where, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{path}[{i}]", seen)
+
+
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-9`` as a float (YAML 1.1 wants ``1.0e-9``, a trap for learning rates)."""
+    """SafeLoader that reads ``1e-9`` as a float (YAML 1.1 wants ``1.0e-9``, a trap for learning rates) and
+    refuses a key repeated in one mapping (:class:`_DuplicateKey`) instead of keeping the last value."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_duplicate_keys(node)
+        return super().construct_document(node)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -489,6 +535,9 @@ def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: 'extends' cycle: {chain}")
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader) or {}
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: duplicate key {e.key!r} on line {e.first.line + 1} and line {e.second.line + 1}; "
+                          "keep one of them (YAML would silently use the last)") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
@@ -504,34 +553,42 @@ def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
 Overrides = Mapping[str, Any] | Sequence[str | tuple[str, Any]]
 
 
-def apply_overrides(tree: dict, overrides: Overrides | None) -> dict:
-    """Apply dotted overrides: ``["train.max_steps=200"]`` (CLI) or ``{"train.max_steps": 200}`` (deployment).
-
-    A sequence may also hold ``(key, value)`` tuples, taken as they are (no YAML parsing: paths stay strings).
-    Nested dicts are merged as well, so ``{"train": {"max_steps": 200}}`` works too.
-    """
+def _override_items(overrides: Overrides | None) -> list[tuple[str, Any, str]]:
+    """``(dotted key, value, label)`` per override; the label names it in errors: ``--set k=v`` for a CLI
+    string, ``override k=<value>`` for a tuple or a mapping entry (deployment parameters)."""
     if not overrides:
-        return tree
+        return []
     if isinstance(overrides, Mapping):
-        items = list(overrides.items())
-    else:
-        items = []
-        for item in overrides:
-            if isinstance(item, tuple):
-                items.append(item)
-                continue
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"override {item!r} must look like section.field=value")
-            items.append((key.strip(), parse_value(value)))
+        return [(key, value, f"override {key}={value!r}") for key, value in overrides.items()]
+    items = []
+    for item in overrides:
+        if isinstance(item, tuple):
+            items.append((item[0], item[1], f"override {item[0]}={item[1]!r}"))
+            continue
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item}: an override must look like section.field=value")
+        try:
+            value = parse_value(text)
+        except _DuplicateKey as e:
+            raise ConfigError(f"--set {item}: duplicate key {e.key!r} in the value (columns {e.first.column + 1} and "
+                              f"{e.second.column + 1} of {text!r}); keep one of them") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--set {item}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                              "write it as YAML (a list: [a, b], a mapping: {k: v}), quoted for the shell") from None
+        items.append((key.strip(), value, f"--set {item}"))
+    return items
+
+
+def _apply(tree: dict, items: list[tuple[str, Any, str]]) -> dict:
     out = copy.deepcopy(tree)
-    for key, value in items:
+    for key, value, label in items:
         node = out
         *parents, leaf = key.split(".")
         for i, part in enumerate(parents):
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, dict):
-                raise ConfigError(f"override {key!r}: {'.'.join(parents[: i + 1])} is a value, not a section")
+                raise ConfigError(f"{label}: {'.'.join(parents[: i + 1])} is a value, not a section")
             node = nxt
         if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
             node[leaf] = _deep_merge(node[leaf], value)
@@ -540,8 +597,57 @@ def apply_overrides(tree: dict, overrides: Overrides | None) -> dict:
     return out
 
 
+def apply_overrides(tree: dict, overrides: Overrides | None) -> dict:
+    """Apply dotted overrides: ``["train.max_steps=200"]`` (CLI) or ``{"train.max_steps": 200}`` (deployment).
+
+    A sequence may also hold ``(key, value)`` tuples, taken as they are (no YAML parsing: paths stay strings).
+    Nested dicts are merged as well, so ``{"train": {"max_steps": 200}}`` works too.
+    """
+    return _apply(tree, _override_items(overrides))
+
+
 def _field_path(loc: tuple) -> str:
     return ".".join(str(p) for p in loc) or "<top level>"
+
+
+def _sets(key: str, value: Any, loc: tuple[str, ...]) -> bool:
+    """Whether an override of ``key`` with ``value`` gave the field at ``loc`` (or a field inside it) its value."""
+    parts = tuple(key.split("."))
+    if loc[: len(parts)] != parts:
+        return False
+    for part in loc[len(parts):]:  # a merged mapping sets only the fields it holds
+        if not isinstance(value, Mapping):
+            return True
+        if part not in value:
+            return False
+        value = value[part]
+    return True
+
+
+def _error_source(loc: tuple, items: list[tuple[str, Any, str]], path: Path) -> str:
+    """Where a bad value came from: the last override that set the field, else the config file (with the
+    overrides inside the section when a whole-section rule failed)."""
+    loc = tuple(str(p) for p in loc)
+    setters = [label for key, value, label in items if _sets(key, value, loc)]
+    if setters:
+        return setters[-1]  # the last one applied is the value that was validated
+    inside = [label for key, _, label in items if loc and tuple(key.split("."))[: len(loc)] == loc]
+    return f"{path} with {', '.join(inside)}" if inside else str(path)
+
+
+def _did_you_mean(loc: tuple) -> str:
+    """For an unknown field: the closest field name of its section, as a hint (or nothing)."""
+    section: Any = RunConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an item of a list of sections
+            continue
+        annotation = section.model_fields[part].annotation
+        section = next((t for t in (annotation, *get_args(annotation)) if isinstance(t, type)
+                        and issubclass(t, BaseModel)), None)
+        if section is None:
+            return ""
+    close = difflib.get_close_matches(str(loc[-1]), section.model_fields, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
@@ -558,18 +664,46 @@ def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
         if local:
             tree["data"] = _load_yaml_tree(resolve_config_path(local, path.parent))["data"]
         tree = apply_overrides(tree, [("data.root", str(data_root))])
-    tree = apply_overrides(tree, overrides)
+    items = _override_items(overrides)
+    tree = _apply(tree, items)
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
         # a whole-config rule names its fields in its message; echoing the whole config would bury it
-        lines = [f"  {_field_path(err['loc'])}: {err['msg']}" + (f" (got {err.get('input')!r})" if err["loc"] else "")
+        lines = [f"{_error_source(err['loc'], items, path)}: {_field_path(err['loc'])}: {err['msg']}"
+                 + (f" (got {err.get('input')!r})" if err["loc"] else "")
+                 + (_did_you_mean(err["loc"]) if err["type"] == "extra_forbidden" else "")
                  for err in e.errors()]
-        raise ConfigError(f"{path}: invalid config:\n" + "\n".join(lines)) from None
+        raise ConfigError(lines[0] if len(lines) == 1 else "invalid config:\n" + "\n".join(f"  {line}" for line in lines)
+                          ) from None
     mismatch = cfg.data.dev_domain_mismatch()
     if mismatch:
         warnings.warn(f"{path}: {mismatch}", DevDomainWarning, stacklevel=2)
     return cfg
+
+
+_WORK_DIR_FIX = "set work_dir (in the config or --set work_dir=...), --work-dir or AIAYN_WORK_DIR to a writable folder"
+
+
+def ensure_work_dir(work_dir: str | Path, what: str = "work dir", fix: str = _WORK_DIR_FIX) -> Path:
+    """Create the work dir (``work_dir``) if needed and return it resolved; a :class:`ConfigError` saying why and
+    what to do when it cannot be created or written, so that no stage starts on a folder it cannot write. ``what``
+    and ``fix`` name another output folder (e.g. training's ``--out``) and how to change it."""
+    path = Path(work_dir).expanduser().resolve()
+    # mkdir under a regular file says only "Not a directory": name the file that is in the way
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        reason = f"{blocker} is a file"
+    else:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            reason = f"{e.filename or path}: {(e.strerror or str(e)).lower()}"
+        else:
+            if os.access(path, os.W_OK | os.X_OK):  # also False on a read-only file system, even for root
+                return path
+            reason = "read-only file system" if os.statvfs(path).f_flag & os.ST_RDONLY else "not writable"
+    raise ConfigError(f"{what} {path} cannot be used: {reason}; {fix}")
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -62,22 +62,44 @@ def decoding_model(model: Transformer, precision: str) -> Transformer:
     return copy.deepcopy(model).to(torch.bfloat16)
 
 
+def encode_sources(tokenizer: Tokenizer, sentences: Sequence[str], max_positions: int, source: str = "input",
+                   truncated: list[int] | None = None) -> list[list[int]]:
+    """Each sentence's token ids with eos, cut to the model's ``max_positions`` (eos included).
+
+    A cut sentence is logged as a warning naming ``source`` and its line (from 1), and its line is appended to
+    ``truncated`` when given: the model cannot read past its positions, but the user must know it did not.
+    """
+    limit = max_positions - 1  # leave room for eos
+    rows = []
+    for line, ids in enumerate(tokenizer.encode_batch(sentences), start=1):
+        if len(ids) > limit:
+            log.warning("%s: line %d has %d tokens, more than the model's %d positions hold (%d tokens and "
+                        "end-of-sentence); only its first %d tokens are translated", source, line, len(ids),
+                        max_positions, limit, limit)
+            if truncated is not None:
+                truncated.append(line)
+        rows.append(ids[:limit] + [tokenizer.eos_id])
+    return rows
+
+
 def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
-              progress: Callable[[int], None] | None = None) -> list[str]:
+              progress: Callable[[int], None] | None = None, *, source: str = "input",
+              truncated: list[int] | None = None) -> list[str]:
     """Detokenized translations of normalised ``sentences``, in their order.
 
     Sentences are decoded in batches of ``decode.batch_sentences`` sorted by length (less padding, and a batch's
     sentences finish at similar steps); ``progress`` is called with the number of sentences done per batch.
+    A sentence longer than the model's ``max_positions`` is cut to fit (see :func:`encode_sources`: a warning
+    naming ``source`` and the line, and the line appended to ``truncated``).
     """
     model = decoding_model(model, decode.precision)
     device = next(model.parameters()).device
-    ids = tokenizer.encode_batch(sentences)
-    limit = model.config["max_positions"] - 1  # leave room for eos
+    ids = encode_sources(tokenizer, sentences, model.config["max_positions"], source, truncated)
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
     out: list[str] = [""] * len(ids)
     for start in range(0, len(order), decode.batch_sentences):
         chunk = order[start : start + decode.batch_sentences]
-        rows = [ids[i][:limit] + [tokenizer.eos_id] for i in chunk]
+        rows = [ids[i] for i in chunk]
         src = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_id, dtype=torch.long)  # (batch, src_len)
         for r, row in enumerate(rows):
             src[r, : len(row)] = torch.tensor(row)
@@ -89,6 +111,12 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str]
         if progress:
             progress(len(chunk))
     return out
+
+
+def truncation_summary(truncated: int, lines: int, max_positions: int) -> str:
+    """One line for the end of a run that cut ``truncated`` of ``lines`` sources to the model's positions."""
+    return (f"{truncated} of {lines} lines were longer than the model's {max_positions} positions; only their first "
+            f"{max_positions - 1} tokens were translated")
 
 
 def compound_split_tokenize(lines: Iterable[str], lang: str) -> list[str]:
@@ -173,14 +201,18 @@ def evaluate(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: De
     results = {}
     for key in setup.keys:
         src, refs = setup.split(corpus_dir, key)
-        hyps = translate(model, tokenizer, src, decode)
+        truncated: list[int] = []
+        hyps = translate(model, tokenizer, src, decode, source=key, truncated=truncated)
+        if truncated:
+            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config["max_positions"]))
         write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
         write_text(out_dir / f"{key}.ref", "".join(r + "\n" for r in refs))
         samples = list(zip(src, refs, hyps))[:SAMPLE_ROWS]
         write_text(out_dir / f"{key}.samples.md", samples_markdown(f"{key}: sample translations",
                                                                    ("source", "reference", "hypothesis"), samples))
         write_json(out_dir / f"{key}.samples.json", [{"source": s, "reference": r, "hypothesis": h} for s, r, h in samples])
-        results[key] = {"name": corpus["splits"][key].get("name", key), **score(hyps, refs, corpus["tgt_lang"])}
+        results[key] = {"name": corpus["splits"][key].get("name", key), **score(hyps, refs, corpus["tgt_lang"]),
+                        "truncated_sources": len(truncated)}
         log.info("%s: sacreBLEU %.2f, chrF %.2f, tokenized compound-split BLEU %.2f", key,
                  results[key]["sacrebleu"]["score"], results[key]["chrf"]["score"],
                  results[key]["tok_bleu_compound_split"]["score"])

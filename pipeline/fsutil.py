@@ -8,7 +8,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,12 +29,56 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _temp_tag() -> str:
+    """What a temporary name carries: the host and process that write it, so that a later run can tell a dead
+    writer's leftover (removable) from a live one's work in progress (even on a folder shared between nodes)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+_TEMP = re.compile(r"^\..+\.tmp-(?P<host>.+)-(?P<pid>\d+)(\.[^.]*)?$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_temps(folder: Path) -> list[Path]:
+    """Remove the temporary files and folders in ``folder`` that :func:`atomic_file` and :func:`atomic_dir` left
+    when their writer was killed (kill -9, power loss): those written on this host by a process no longer alive.
+    Returns what was removed (logged). Stages call it when they start, so a killed run's leftovers go on the next.
+    """
+    removed = []
+    host = socket.gethostname()
+    try:
+        entries = list(Path(folder).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if not m or m["host"] != host or _alive(int(m["pid"])):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+        log.info("removed %s, left by an interrupted run (process %s)", entry, m["pid"])
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; write it in the block. On success it is flushed to disk and renamed
-    to ``path`` (readers see the old file or the new one, never half of one); on error it is removed."""
+    to ``path`` (readers see the old file or the new one, never half of one); on error it is removed (after a
+    kill, :func:`remove_stale_temps` removes it)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{_temp_tag()}")
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -62,7 +108,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     process finished the same ``final`` first (same content-addressed name), its result is kept and ours dropped.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{_temp_tag()}.", dir=final.parent))
     try:
         yield tmp
         try:
@@ -119,6 +165,7 @@ def stage_folder(work_dir: Path, stage: str, identity: dict) -> tuple[Path, str,
     """
     fingerprint = identity_fingerprint(identity)
     out = Path(work_dir).resolve() / stage / fingerprint[:16]
+    remove_stale_temps(out.parent)
     if (out / MANIFEST).is_file():
         log.info("%s unchanged, reusing %s", stage, out)
         return out, fingerprint, True

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -34,6 +35,7 @@ from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
 from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder,
                              write_json)
+from pipeline.proc import exit_with_parent
 from pipeline.tokenize import Tokenizer, verify_file
 
 log = logging.getLogger("aiayn.shards")
@@ -104,8 +106,9 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])  # bool [vocab]
     entries = {}
     ctx = multiprocessing.get_context("spawn")  # no fork: callers (Prefect, torch) may hold threads and locks
+    init = (str(tok.model_path), tok.dtype.str, os.getpid())
     with atomic_dir(out) as tmp, ProcessPoolExecutor(cfg.num_workers, mp_context=ctx, initializer=_init_worker,
-                                                     initargs=(str(tok.model_path), tok.dtype.str)) as pool:
+                                                     initargs=init) as pool:
         for key, s in splits.items():
             writer = _SplitWriter(tmp, key, schema, tok.unk_id, is_byte)
             plan = _plan(s["rows"], cfg.shard_rows)
@@ -186,9 +189,11 @@ _worker_sp: spm.SentencePieceProcessor | None = None
 _worker_dtype: np.dtype | None = None
 
 
-def _init_worker(model_path: str, dtype: str) -> None:
-    """Worker start: load the model once per process, not once per task."""
+def _init_worker(model_path: str, dtype: str, parent: int) -> None:
+    """Worker start: die with the parent (pid ``parent``) even if it is killed outright, which a pool worker
+    otherwise outlives; load the model once per process, not once per task."""
     global _worker_sp, _worker_dtype
+    exit_with_parent(parent)
     _worker_sp = spm.SentencePieceProcessor(model_file=model_path)
     _worker_dtype = np.dtype(dtype)
 

@@ -1,5 +1,5 @@
 """The training task: torchrun in a subprocess, its output streamed into the Prefect logs, a progress artifact
-kept up to date, and the run folder locked so that two runs of one config never train side by side.
+kept up to date; the trainer locks the run folder, so that two runs of one config never train side by side.
 
 A rerun after a crash (of the worker, the machine or torchrun) uses the same run folder (named by the config
 hash) and so resumes from its newest intact checkpoint instead of starting over.
@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,37 +20,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from pipeline.config import LaunchConfig, RunConfig, dump_config
-from pipeline.fsutil import exclusive, write_text
+from pipeline.fsutil import write_text
+from pipeline.proc import preexec_exit_with_parent
 from pipeline.stages import run_dir
 from pipeline.train.launch import torchrun_command
 from tasks.caching import stage_cache_key
 
 _PROGRESS_EVERY_S = 10.0
-
-
-def _die_with_parent():
-    """A ``preexec_fn`` for torchrun on Linux, else None: the child gets SIGTERM when the flow-run process dies.
-
-    torchrun runs in its own session (so that a cancellation can signal its whole process group), which also
-    means nothing takes it down when the flow-run process is killed outright (kill -9, the OOM killer): it would
-    train on into the run folder, holding the GPUs, with no flow run left to own it. PR_SET_PDEATHSIG makes the
-    kernel send SIGTERM at the parent's death, and torchrun forwards SIGTERM to its ranks. The signal follows
-    the thread that started the child; the task's thread waits on torchrun, so it outlives it.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded here, in the parent: the child only makes the call
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def set_pdeathsig() -> None:
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return set_pdeathsig
 
 
 class TrainingFailed(RuntimeError):
@@ -96,42 +71,46 @@ def train(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: s
     """
     logger = get_run_logger()
     out = run_dir(cfg, shards, init_checkpoint)
-    with exclusive(out, "run folder"):
-        config_file = out / "config.yaml"
-        write_text(config_file, dump_config(cfg))
-        extra = ["--mlflow-run-id", tracking_run_id] if tracking_run_id else []
-        cmd = torchrun_command(launch, config_file, shards, out, extra, init_checkpoint=init_checkpoint)
-        # The config file is fully resolved: keep the worker's data/work-dir variables from re-applying.
-        env = {k: v for k, v in os.environ.items() if k not in ("AIAYN_DATA_ROOT", "AIAYN_WORK_DIR")}
-        logger.info("launching: %s", " ".join(cmd))
-        progress_id = create_progress_artifact(progress=0.0, key="training-progress",
-                                               description=f"training {cfg.name} in {out}")
-        started = time.monotonic()
-        tail: collections.deque[str] = collections.deque(maxlen=40)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, start_new_session=True, preexec_fn=_die_with_parent())
-        stop_progress = threading.Event()
+    # No lock here: the trainer's rank 0 holds the run folder's lock (every way in is covered, and its waiting
+    # message reaches this log through torchrun's output); this process holding it too would deadlock them.
+    out.mkdir(parents=True, exist_ok=True)
+    config_file = out / "config.yaml"
+    write_text(config_file, dump_config(cfg))
+    extra = ["--mlflow-run-id", tracking_run_id] if tracking_run_id else []
+    cmd = torchrun_command(launch, config_file, shards, out, extra, init_checkpoint=init_checkpoint)
+    # The config file is fully resolved: keep the worker's data/work-dir variables from re-applying.
+    env = {k: v for k, v in os.environ.items() if k not in ("AIAYN_DATA_ROOT", "AIAYN_WORK_DIR")}
+    logger.info("launching: %s", " ".join(cmd))
+    progress_id = create_progress_artifact(progress=0.0, key="training-progress",
+                                           description=f"training {cfg.name} in {out}")
+    started = time.monotonic()
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    # Its own session, so that a cancellation can signal torchrun's whole process group; and SIGTERM when this
+    # process dies outright, which nothing else would deliver to a separate session.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1, start_new_session=True, preexec_fn=preexec_exit_with_parent())
+    stop_progress = threading.Event()
 
-        def report_progress() -> None:  # on its own clock: output may be silent for minutes
-            while not stop_progress.wait(_PROGRESS_EVERY_S):
-                update_progress_artifact(progress_id, _progress(cfg, _last_step(out / "metrics.jsonl"), started))
+    def report_progress() -> None:  # on its own clock: output may be silent for minutes
+        while not stop_progress.wait(_PROGRESS_EVERY_S):
+            update_progress_artifact(progress_id, _progress(cfg, _last_step(out / "metrics.jsonl"), started))
 
-        reporter = threading.Thread(target=report_progress, daemon=True)
-        reporter.start()
-        try:
-            for line in proc.stdout:
-                line = line.rstrip()
-                if line:
-                    tail.append(line)
-                    logger.info(line)
-            status = proc.wait()
-        finally:
-            stop_progress.set()
-            if proc.poll() is None:  # the task was cancelled or crashed: take torchrun and its ranks down too
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
-        reporter.join()
-        if status != 0:
-            raise TrainingFailed(f"torchrun exited with status {status}; last output:\n" + "\n".join(tail))
-        update_progress_artifact(progress_id, 100.0)
+    reporter = threading.Thread(target=report_progress, daemon=True)
+    reporter.start()
+    try:
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line:
+                tail.append(line)
+                logger.info(line)
+        status = proc.wait()
+    finally:
+        stop_progress.set()
+        if proc.poll() is None:  # the task was cancelled or crashed: take torchrun and its ranks down too
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+    reporter.join()
+    if status != 0:
+        raise TrainingFailed(f"torchrun exited with status {status}; last output:\n" + "\n".join(tail))
+    update_progress_artifact(progress_id, 100.0)
     return out

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import CONFIG_DIR, ConfigError, ModelConfig, TrainConfig, load_config
+from pipeline.config import CONFIG_DIR, ConfigError, ModelConfig, TrainConfig, ensure_work_dir, load_config
 
 RUN_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -78,7 +78,77 @@ def test_bad_values_fail_at_load_naming_the_field(override: str, field: str, wor
     with pytest.raises(ConfigError) as err:
         load_config("multi30k-cpu", [override])
     msg = str(err.value)
-    assert f"  {field}" in msg and words in msg and "multi30k-cpu.yaml" in msg
+    # a field's own value names the override; a whole-section rule, the file with the override inside it
+    assert msg.startswith((f"--set {override}: {field}", f"{CONFIG_DIR / 'multi30k-cpu.yaml'} with --set {override}: "
+                                                           f"{field}: ")), msg
+    assert words in msg and "\n" not in msg
+
+
+def test_override_errors_name_the_override_not_the_file(tmp_path: Path) -> None:
+    def error(*args, **kwargs) -> str:
+        with pytest.raises(ConfigError) as err:
+            load_config(*args, **kwargs)
+        return str(err.value)
+
+    assert error("multi30k-cpu", ["train.max_steps=abc"]) == (
+        "--set train.max_steps=abc: train.max_steps: Input should be a valid integer (got 'abc')")
+    assert error("multi30k-cpu", ["train.max_stepz=5"]) == (
+        "--set train.max_stepz=5: train.max_stepz: Extra inputs are not permitted (got 5); did you mean 'max_steps'?")
+    # deployment parameters: (key, value) tuples and mappings, flat or nested
+    assert error("multi30k-cpu", [("train.max_steps", "abc")]).startswith(
+        "override train.max_steps='abc': train.max_steps: Input should be a valid integer")
+    assert error("multi30k-cpu", {"train": {"max_steps": "abc"}}).startswith(
+        "override train={'max_steps': 'abc'}: train.max_steps: ")
+    # the last override of a field is the one named; one error per line when there are several
+    msg = error("multi30k-cpu", ["train.max_steps=1", "train.max_steps=abc", "model.d_modl=3"])
+    assert msg.splitlines() == [
+        "invalid config:",
+        "  --set model.d_modl=3: model.d_modl: Extra inputs are not permitted (got 3); did you mean 'd_model'?",
+        "  --set train.max_steps=abc: train.max_steps: Input should be a valid integer (got 'abc')"]
+    # a bad value from the file still names the file, also when a merged override touched the same section
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"extends: {CONFIG_DIR / 'multi30k-cpu.yaml'}\ntrain:\n  max_steps: many\n")
+    assert error(bad, {"train": {"warmup_steps": 10}}).startswith(f"{bad}: train.max_steps: Input should be")
+    # a --set value that is not YAML names the override instead of raising yaml's traceback
+    assert error("multi30k-cpu", ["data.train=[{name: x"]).startswith("--set data.train=[{name: x: the value is not "
+                                                                       "valid YAML")
+
+
+def test_duplicate_keys_are_refused_naming_both_lines(tmp_path: Path) -> None:
+    path = tmp_path / "dup.yaml"
+    path.write_text(f"extends: {CONFIG_DIR / 'multi30k-cpu.yaml'}\ntrain:\n  max_steps: 10\n  warmup_steps: 2\n"
+                    "  max_steps: 20\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}: duplicate key 'train.max_steps' on line 3 and line 5; keep one of them "
+                              "(YAML would silently use the last)")
+    # inside a list of sections the item is named; a preset reached by extends is named itself
+    preset = tmp_path / "preset.yaml"
+    preset.write_text("data:\n  train:\n    - {name: a, format: text, path: a, path: b}\n")
+    path.write_text("extends: preset\nname: x\n")
+    with pytest.raises(ConfigError, match=rf"^{preset}: duplicate key 'data.train\[0\].path' on line 3 and line 3"):
+        load_config(path)
+    # a merge key (<<) is meant to be overridden: not a duplicate
+    path.write_text(f"extends: {CONFIG_DIR / 'multi30k-cpu.yaml'}\ntrain:\n  <<: {{max_steps: 5, seed: 2}}\n"
+                    "  max_steps: 7\n")
+    assert (load_config(path).train.max_steps, load_config(path).train.seed) == (7, 2)
+    with pytest.raises(ConfigError) as err:
+        load_config("multi30k-cpu", ["data={a: 1, a: 2}"])
+    assert str(err.value) == ("--set data={a: 1, a: 2}: duplicate key 'a' in the value (columns 2 and 8 of "
+                              "'{a: 1, a: 2}'); keep one of them")
+
+
+def test_work_dir_is_created_or_refused_with_the_reason(tmp_path: Path) -> None:
+    assert ensure_work_dir(tmp_path / "a" / "b") == (tmp_path / "a" / "b").resolve()
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "file.txt").write_text("kept")
+    for work in (tmp_path / "file.txt" / "work", tmp_path / "file.txt"):
+        with pytest.raises(ConfigError) as err:
+            ensure_work_dir(work)
+        assert str(err.value) == (f"work dir {work} cannot be used: {tmp_path / 'file.txt'} is a file; set work_dir "
+                                  "(in the config or --set work_dir=...), --work-dir or AIAYN_WORK_DIR to a writable "
+                                  "folder")
+    assert (tmp_path / "file.txt").read_text() == "kept"
 
 
 def test_source_needs_its_formats_fields() -> None:

@@ -436,6 +436,14 @@ def test_file_that_is_not_the_declared_format(root: Path, tmp_path: Path) -> Non
     assert_nothing_written(tmp_path)
 
 
+def test_gzipped_treebank_is_refused_saying_to_decompress_it(root: Path, tmp_path: Path) -> None:
+    (root / "t.mrg.gz").write_bytes(gzip.compress(b"(S (NP (DT A) (NN dog)) (VP (VBZ runs)))\n"))
+    with pytest.raises(DataError, match=r"t\.mrg\.gz: format ptb reads plain-text tree files, not gzip; decompress "
+                                        r"it \(gunzip -k t\.mrg\.gz\)"):
+        prepare_corpus(data_cfg(root, [{"name": "p", "format": "ptb", "path": "t.mrg.gz"}]), tmp_path)
+    assert_nothing_written(tmp_path)
+
+
 def test_paths_outside_the_data_root_are_refused(root: Path, tmp_path: Path) -> None:
     write_pair(tmp_path, "outside", EN, DE)
     with pytest.raises(DataError, match=r"data\.train\[0\]\.path = '\.\./outside'.*outside data\.root"):
@@ -446,6 +454,78 @@ def test_paths_outside_the_data_root_are_refused(root: Path, tmp_path: Path) -> 
                                         "files": {"en": "link.en", "de": "dev.de"}}]), tmp_path / "w")
     with pytest.raises(DataError, match=r"data\.root .* not a folder"):
         prepare_corpus(data_cfg(tmp_path / "absent", [{"name": "t", "format": "text", "path": "x"}]), tmp_path / "w")
+    assert_nothing_written(tmp_path / "w")
+
+
+SGM = ('<srcset setid="t" srclang="any">\n<doc sysid="ref" docid="d1" genre="news" origlang="en">\n'
+       '<seg id="1">A dog runs.</seg>\n</doc>\n</srcset>\n')
+
+
+def _outside_source(fmt: str, root: Path, out: Path) -> tuple[dict, str, str, Path]:
+    """A ``fmt`` source under ``root`` one of whose files is a symlink to a valid file in ``out`` (outside
+    data.root), or for ``hf_disk-state``, whose state.json names one there: (spec, field, name, outside file)."""
+    import datasets
+
+    def link(name: str, target: Path) -> tuple[str, Path]:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(target)
+        return name, target
+
+    table = pa.table({"en": EN, "de": DE})
+    pq.write_table(table, out / "o.parquet")
+    with pa.ipc.new_file(out / "o.arrow", table.schema) as w:
+        w.write_table(table)
+    write_pair(out, "o", EN, DE)
+    (out / "o.tsv").write_text("".join(f"{e}\t{d}\n" for e, d in zip(EN, DE)))
+    (out / "o.sgm").write_text(SGM)
+    (out / "o.mrg").write_text("(S (NP (DT A) (NN dog)) (VP (VBZ runs)))\n")
+    (root / "in").mkdir()
+    pq.write_table(table, root / "in" / "a.parquet")
+    with pa.ipc.new_file(root / "in" / "a.arrow", table.schema) as w:
+        w.write_table(table)
+    (root / "in" / "a.mrg").write_text("(S (NP (DT A) (NN cat)) (VP (VBZ sleeps)))\n")
+    if fmt == "text":
+        link("lnk/t.de", out / "o.de")
+        return {"path": "lnk/t"}, "path (prefix 'lnk/t')", *link("lnk/t.en", out / "o.en")
+    if fmt == "tsv":
+        return {"path": "t.tsv", "columns": ["en", "de"]}, "path", *link("t.tsv", out / "o.tsv")
+    if fmt == "sgm":
+        (root / "ref.sgm").write_text(SGM)
+        return {"files": {"en": "src.sgm", "de": "ref.sgm"}}, "files.en", *link("src.sgm", out / "o.sgm")
+    if fmt in ("parquet", "arrow"):
+        return {"path": f"x.{fmt}"}, "path", *link(f"x.{fmt}", out / f"o.{fmt}")
+    if fmt in ("parquet-folder", "arrow-folder"):
+        ext = fmt.split("-")[0]
+        return {"path": "in"}, "path (folder 'in')", *link(f"in/b.{ext}", out / f"o.{ext}")
+    if fmt == "ptb":
+        return {"path": "t.mrg"}, "path", *link("t.mrg", out / "o.mrg")
+    if fmt == "ptb-include":
+        return {"path": "in", "include": ["*.mrg"]}, "include (pattern '*.mrg')", *link("in/b.mrg", out / "o.mrg")
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"en": EN, "de": DE})})
+    dd.save_to_disk(str(root / "dd"))
+    data = "dd/train/data-00000-of-00001.arrow"
+    (root / data).rename(out / "data.arrow")
+    spec = {"path": "dd", "split": "train"}
+    if fmt == "hf_disk":
+        return spec, "path (folder 'dd')", *link(data, out / "data.arrow")
+    state = json.loads((root / "dd/train/state.json").read_text())  # names its data files relative to its folder
+    escape = os.path.relpath(out / "data.arrow", root / "dd/train")
+    state["_data_files"] = [{"filename": escape}]
+    (root / "dd/train/state.json").write_text(json.dumps(state))
+    return spec, "path (data file named in dd/train/state.json)", f"dd/train/{escape}", out / "data.arrow"
+
+
+@pytest.mark.parametrize("fmt", ["text", "tsv", "sgm", "parquet", "parquet-folder", "arrow", "arrow-folder",
+                                 "hf_disk", "hf_disk-state", "ptb", "ptb-include"])
+def test_every_format_refuses_a_file_that_links_outside_the_data_root(root: Path, tmp_path: Path, fmt: str) -> None:
+    out = tmp_path / "outside"
+    out.mkdir()
+    spec, field, name, target = _outside_source(fmt, root, out)
+    source = {"name": "s", "format": fmt.split("-")[0], **spec}
+    with pytest.raises(DataError) as err:
+        prepare_corpus(data_cfg(root, [source]), tmp_path / "w")
+    assert str(err.value).startswith(f"data.train[0].{field} = {name!r} resolves to {target.resolve()}, outside "
+                                     f"data.root ({root.resolve()}); move the files under data.root"), str(err.value)
     assert_nothing_written(tmp_path / "w")
 
 

@@ -179,14 +179,18 @@ def test_torchrun_command_from_launch_settings(tmp_path: Path) -> None:
     from pipeline.train.launch import torchrun_command
 
     one = torchrun_command(load_config("multi30k-cpu").launch, tmp_path / "c.yaml", tmp_path / "s", tmp_path / "o")
-    assert one[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone", "-m",
-                       "pipeline.train", "--config", str(tmp_path / "c.yaml"), "--shards", str(tmp_path / "s"),
-                       "--out", str(tmp_path / "o")]
+    rdzv_id = one[one.index("--rdzv-id") + 1]
+    assert one[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "1", "--nnodes", "1", "--rdzv-backend",
+                       "aiayn", "--rdzv-id", rdzv_id, "--rdzv-conf", "interface=lo", "-m", "pipeline.train",
+                       "--config", str(tmp_path / "c.yaml"), "--shards", str(tmp_path / "s"), "--out",
+                       str(tmp_path / "o")]
+    assert len(rdzv_id) == 32  # a private rendezvous per run, as --standalone makes
     multi = load_config("multi30k-cpu", {"launch.nnodes": 2, "launch.node_rank": 1, "launch.nproc_per_node": 8,
-                                         "launch.rdzv_endpoint": "node0:29500", "launch.rdzv_id": "job"}).launch
+                                         "launch.rdzv_endpoint": "node0:29500", "launch.rdzv_id": "job",
+                                         "launch.interface": "eth0"}).launch
     cmd = " ".join(torchrun_command(multi, tmp_path / "c.yaml", tmp_path / "s", tmp_path / "o"))
-    assert ("--nproc-per-node 8 --nnodes 2 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint node0:29500 "
-            "--rdzv-id job") in cmd and "--standalone" not in cmd
+    assert ("--nproc-per-node 8 --nnodes 2 --rdzv-backend aiayn --node-rank 1 --rdzv-endpoint node0:29500 "
+            "--rdzv-id job --rdzv-conf interface=eth0,is_host=false") in cmd
 
 
 def test_down_never_signals_a_process_it_did_not_start(tmp_path: Path) -> None:

@@ -322,6 +322,21 @@ def test_sink_keeps_metrics_through_a_server_restart(tmp_path) -> None:
         server.stop()
 
 
+def test_resumed_training_logs_each_step_once(mlflow_server) -> None:
+    c = MlflowClient(mlflow_server)
+    run_id = c.create_run(c.create_experiment("resumed")).info.run_id
+    first = tracking.MlflowSink(run_id, mlflow_server, flush_every_s=0.1, system_metrics_every_s=None)
+    for step in (2, 4, 6):  # the interrupted run got to step 6; its last checkpoint was at step 4
+        first.log_metrics({"loss": 1.0 / step}, step)
+    first.close()
+    resumed = tracking.MlflowSink(run_id, mlflow_server, flush_every_s=0.1, system_metrics_every_s=None)
+    for step in (6, 8):  # trained again from step 4
+        resumed.log_metrics({"loss": 1.0 / step, "dev_loss": 0.5}, step)
+    resumed.close()
+    assert [m.step for m in c.get_metric_history(run_id, "loss")] == [2, 4, 6, 8]
+    assert [m.step for m in c.get_metric_history(run_id, "dev_loss")] == [6, 8]  # a key new to the run: all kept
+
+
 @pytest.mark.slow
 def test_models_serve_answers_invocations_with_translations(tracked, tiny_stack, tmp_path) -> None:
     port = free_port()

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,159 @@ def test_incompatible_checkpoint_refused(shared_data, shards, tmp_path):
         check_compatible(state, state["model_config"], "0" * 64, out / "x.pt")
 
 
+# ------------------------------------------------------------------ damaged checkpoint folders, bad checkpoint files
+
+
+def _tiny_checkpoints(folder: Path, steps=(1, 2)) -> None:
+    for step in steps:
+        save_checkpoint(folder, {"step": step, "w": torch.full((4,), float(step))}, step, keep_last=5)
+
+
+def test_half_written_index_is_rebuilt_from_the_files(tmp_path, caplog):
+    folder = tmp_path / "ckpts"
+    _tiny_checkpoints(folder, (1, 2, 3))
+    (folder / "ckpt-00000003.pt").write_bytes(b"truncated")  # the newest file is damaged too
+    index = folder / "index.json"
+    index.write_text(index.read_text()[:40])  # cut mid-write
+    with caplog.at_level(logging.WARNING, logger="aiayn.train"):
+        name, state = find_latest(folder)
+    assert name == "ckpt-00000002.pt" and state["step"] == 2
+    assert "index.json is unreadable" in caplog.text and "rebuilt the index from 2 intact" in caplog.text
+    assert "ckpt-00000003.pt is unusable" in caplog.text
+    assert [e["step"] for e in json.loads(index.read_text())["checkpoints"]] == [1, 2]  # rewritten, valid
+
+
+def test_deleted_index_resumes_from_the_newest_checkpoint_not_step_0(shared_data, shards, tmp_path, caplog):
+    cfg = config(shared_data, "train.max_steps=4", "train.checkpoint_every_steps=2")
+    out = train(cfg, shards, tmp_path / "run")
+    (out / "checkpoints" / "index.json").unlink()
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        train(config(shared_data, "train.max_steps=6", "train.checkpoint_every_steps=2"), shards, out)
+    assert "index.json is missing: rebuilt the index from 2 intact checkpoint file(s), newest ckpt-00000004.pt" \
+        in caplog.text
+    assert "resuming from" in caplog.text and "step 4" in caplog.text
+    assert final_state(out)["step"] == 6
+
+
+def test_every_checkpoint_corrupt_says_training_restarts(tmp_path, caplog):
+    folder = tmp_path / "ckpts"
+    _tiny_checkpoints(folder)
+    for f in folder.glob("ckpt-*.pt"):
+        f.write_bytes(f.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="aiayn.train"):
+        assert find_latest(folder) is None
+    assert "none of the 2 checkpoints" in caplog.text and "training restarts from step 0" in caplog.text
+
+
+def _bad_checkpoint(kind: str, tmp_path: Path) -> Path:
+    import argparse
+
+    path = tmp_path / f"{kind}.pt"
+    if kind == "text":
+        path.write_text("not a checkpoint\n")
+    elif kind == "tensor":
+        torch.save(torch.zeros(3), path)
+    elif kind == "code":  # a pickle whose loading would construct an arbitrary Python object
+        torch.save({"model": {}, "args": argparse.Namespace(lr=1.0)}, path)
+    elif kind == "folder":
+        path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("missing", "not found"),
+    ("folder", "is a folder, not a checkpoint file"),
+    ("text", "refused"),
+    ("tensor", "holds a Tensor, not a checkpoint"),
+    ("code", "loading them could run code"),
+])
+def test_checkpoint_argument_that_is_no_checkpoint_is_one_clear_line(kind, words, tmp_path, capsys):
+    from pipeline.cli import main
+
+    bad = _bad_checkpoint(kind, tmp_path)
+    (tmp_path / "in.txt").write_text("a man rides a bike .\n")
+    status = main(["translate", "--checkpoint", str(bad), "--tokenizer", str(tmp_path), "--input",
+                   str(tmp_path / "in.txt")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and err.startswith("error: ") and str(bad) in err, err
+    assert words in err and "pass a checkpoint file written by training or averaging" in err, err
+    assert "weights_only" not in err  # the user is never told to turn the safe load off
+
+
+def test_disk_full_during_a_checkpoint_keeps_the_last_one_and_says_so(shared_data, shards, tmp_path):
+    import resource
+    import signal
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, *train_command(shared_data, shards, out, "train.max_steps=2")]
+    assert subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, timeout=300).returncode == 0
+    size = (out / "checkpoints" / "ckpt-00000002.pt").stat().st_size
+
+    def small_disk() -> None:  # writes past half a checkpoint fail as on a full disk (EFBIG instead of ENOSPC)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, size // 2))
+
+    cmd = [sys.executable, *train_command(shared_data, shards, out, "train.max_steps=4")]
+    res = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300,
+                         preexec_fn=small_disk)
+    assert res.returncode == 2, res.stderr[-3000:]
+    error = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"could not write checkpoint {out.resolve()}/checkpoints/ckpt-00000004.pt: the write failed, usually a " \
+           "full disk" in error[0]
+    assert f"the last intact checkpoint, {out.resolve()}/checkpoints/ckpt-00000002.pt (step 2), is still there" \
+        in error[0] and "MB free there" in error[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt-00000002.pt", "index.json"]
+    assert find_latest(out / "checkpoints")[0] == "ckpt-00000002.pt"
+
+
+def test_leftover_temporary_files_of_a_killed_run_are_removed(shared_data, shards, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    left = [out / "checkpoints" / f".ckpt-00000002.pt.tmp-{host}-{dead.pid}", out / f".config.yaml.tmp-{host}-{dead.pid}"]
+    live = out / "checkpoints" / f".ckpt-00000009.pt.tmp-{host}-{os.getpid()}"  # a live writer's: kept
+    for f in (*left, live):
+        f.write_bytes(b"x" * 1000)
+    train(config(shared_data, "train.max_steps=2"), shards, out)
+    assert not any(f.exists() for f in left) and live.exists()
+
+
+def test_a_second_training_of_one_folder_waits_for_the_first(shared_data, shards, tmp_path):
+    from pipeline.fsutil import exclusive
+
+    out = tmp_path / "run"
+    log_file = tmp_path / "second.log"
+    cmd = [sys.executable, *train_command(shared_data, shards, out, "train.max_steps=4")]
+    with exclusive(out.resolve(), "run folder"):  # the first training, as far as the lock goes
+        with open(log_file, "w") as log:
+            second = subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.DEVNULL, stderr=log)
+        deadline = time.monotonic() + 120
+        while "is in use by another run; waiting for it" not in log_file.read_text():
+            assert second.poll() is None and time.monotonic() < deadline, log_file.read_text()[-3000:]
+            time.sleep(0.2)
+        assert not (out / "metrics.jsonl").exists()  # it waits before writing anything
+    assert second.wait(timeout=300) == 0, log_file.read_text()[-3000:]
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [2, 4]
+
+
+def test_metrics_rows_past_the_resumed_step_are_dropped(tmp_path):
+    from pipeline.train.metrics import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    sink.log_params({"a": 1})
+    for step in (2, 4, 6):
+        sink.log_metrics({"loss": 1.0}, step)
+    sink.close()
+    with open(path, "a") as f:
+        f.write('{"step": 8, "lo')  # killed mid-line
+    JsonlSink(path, resume_step=4).close()
+    assert [json.loads(line).get("step") for line in path.read_text().splitlines()] == [None, 2, 4]
+
+
 # --------------------------------------------------------------------- initialising from another run's weights
 
 
@@ -331,16 +485,47 @@ def check_ranks_agree(out: Path, world: int, steps: int) -> None:
     assert final_state(out)["step"] == steps and len(final_state(out)["rng"]) == world
 
 
-def test_torchrun_standalone_two_processes(shared_data, shards, tmp_path):
+def launched(launch, shared_data: Path, shards: Path, out: Path, *overrides: str) -> subprocess.Popen:
+    """torchrun as the flow starts it (``torchrun_command``), with the tiny test config's overrides."""
+    from pipeline.train.launch import torchrun_command
+
+    cmd = torchrun_command(launch, REPO / "configs" / "multi30k-cpu.yaml", shards, out,
+                           ["--data-root", str(shared_data), *[a for o in (*TINY, *overrides) for a in ("--set", o)]])
+    return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def listening_addresses(proc: subprocess.Popen, until_done: bool = True) -> set[str]:
+    """Every local address that ``proc`` or a descendant listened on (TCP), sampled until it exits."""
+    import psutil
+
+    seen: set[str] = set()
+    while proc.poll() is None:
+        try:
+            tree = {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            break
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.pid in tree:
+                seen.add(c.laddr.ip)
+        time.sleep(0.2)
+    return seen
+
+
+def test_torchrun_two_processes_listen_on_loopback_only(shared_data, shards, tmp_path):
+    from pipeline.config import LaunchConfig
+
     # Dropout off, so that 2 ranks x 2 micro-batches must equal 1 process x 4 micro-batches (same batches).
     extra = ("train.max_steps=4", "train.update_tokens=2048", "model.dropout=0.0")
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           *train_command(shared_data, shards, out, *extra)]
-    proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.strip().splitlines()[-1] == str(out.resolve())
-    assert "accumulation_steps=2" in proc.stderr  # 2048 tokens / (512 x 2 ranks)
+    proc = launched(LaunchConfig(nproc_per_node=2), shared_data, shards, out, *extra)
+    addresses = listening_addresses(proc)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    # The rendezvous store, the store shared with the workers and gloo: torchrun's own c10d backend binds "*".
+    assert addresses == {"127.0.0.1"}, addresses
+    assert stdout.strip().splitlines()[-1] == str(out.resolve())
+    assert "accumulation_steps=2" in stderr  # 2048 tokens / (512 x 2 ranks)
     check_ranks_agree(out, world=2, steps=4)
     single = train(config(shared_data, *extra), shards, tmp_path / "single")
     assert json.loads((single / "train_summary.json").read_text())["accumulation_steps"] == 4
@@ -356,19 +541,19 @@ def test_torchrun_standalone_two_processes(shared_data, shards, tmp_path):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_torchrun_two_nodes_loopback(shared_data, shards, tmp_path):
+def test_torchrun_two_nodes_bind_the_configured_interface(shared_data, shards, tmp_path):
+    from pipeline.config import LaunchConfig
+
     out, port = tmp_path / "run", free_port()
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-               "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", f"test-{port}",
-               *train_command(shared_data, shards, out, "train.max_steps=4", "train.update_tokens=1024")]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+    procs = [launched(LaunchConfig(nproc_per_node=1, nnodes=2, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}",
+                                   rdzv_id=f"test-{port}", interface="lo"),
+                      shared_data, shards, out, "train.max_steps=4", "train.update_tokens=1024")
+             for node in (0, 1)]
+    addresses = listening_addresses(procs[0])
     results = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-4000:]
+    assert addresses == {"127.0.0.1"}, addresses
     check_ranks_agree(out, world=2, steps=4)
 
 
@@ -420,6 +605,8 @@ def test_kill_9_then_rerun_equals_uninterrupted(shared_data, shards, tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resuming from" in rerun.stderr
     assert_same_tensors(final_state(out)["model"], final_state(straight)["model"])
+    # Steps logged after the last checkpoint and trained again appear once.
+    assert [m["step"] for m in metrics(out) if "loss" in m] == [m["step"] for m in metrics(straight) if "loss" in m]
 
 
 @pytest.mark.slow
@@ -459,3 +646,13 @@ def test_cpu_threads_split_the_cores_unless_set_explicitly() -> None:
         out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, cwd=repo, capture_output=True,
                              text=True, check=True).stdout
         assert int(out.strip().splitlines()[-1]) == expected, extra
+
+
+def test_training_out_under_a_file_is_one_clear_line(shared_data, shards, tmp_path):
+    (tmp_path / "file.txt").write_text("x")
+    out = tmp_path / "file.txt" / "run"
+    res = subprocess.run([sys.executable, *train_command(shared_data, shards, out, "train.max_steps=2")], cwd=REPO,
+                         env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"error: --out {out} cannot be used: {tmp_path / 'file.txt'} is a file; pass --out a writable folder" \
+        in res.stderr

@@ -1,7 +1,8 @@
 """Streaming readers for every supported corpus source.
 
 Each reader yields ``(line, src, tgt)`` one pair at a time (``line`` is 1-based in its source), so memory does
-not grow with the corpus. Local paths are resolved inside ``data.root`` and checked before anything is read.
+not grow with the corpus. Every local file a source reads passes :meth:`Source._inside` first: resolved (symlinks
+followed) and refused outside ``data.root``.
 Every error is a :class:`DataError` naming the file, the line and what to do. A ``text`` or ``tsv`` source's
 ``path`` may be a glob (``*``, ``?``, ``[...]``): every match, in sorted path order, is read as one source.
 """
@@ -11,9 +12,11 @@ from __future__ import annotations
 import abc
 import glob
 import gzip
+import json
 import os
 import re
 import socket
+import zlib
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
@@ -89,14 +92,14 @@ def _glob_matches(root: Path, pattern: str) -> list[str]:
     """What ``pattern`` matches under ``root``, as matched (relative to ``root``, symlinks not yet resolved).
 
     Sorted, because the file system lists folders in no fixed order and the corpus (and its fingerprint) must not
-    depend on it. The caller checks each match with :func:`resolve_inside`.
+    depend on it. The caller checks each match with :meth:`Source._inside`.
     """
     return sorted(glob.glob(pattern, root_dir=root))
 
 
-def _pattern_where(where: str, pattern: str) -> str:
+def _pattern_field(pattern: str) -> str:
     """How an error about one match of a glob names it: the source's field and the pattern that matched."""
-    return f"{where}.path (pattern {pattern!r})"
+    return f"path (pattern {pattern!r})"
 
 
 def _existing_file(path: Path, where: str) -> Path:
@@ -109,6 +112,62 @@ def _existing_file(path: Path, where: str) -> Path:
 
 def _open_binary(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+# What gzip raises for damaged data: a cut-off stream, a bad header or CRC, an invalid deflate block.
+_GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
+
+
+class _DamagedGzip(DataError):
+    """A .gz input whose compressed data is cut off or corrupt."""
+
+
+def _damaged_gzip(path: Path, last_line: int, error: Exception) -> _DamagedGzip:
+    after = f"after line {last_line}, the last one that read intact" if last_line else "before its first line"
+    return _DamagedGzip(
+        f"{path}: the compressed file is truncated or corrupt ({type(error).__name__}: {error}); reading stopped "
+        f"{after}. Re-download the file, or re-compress it from the original (gzip -t {path.name} checks it)"
+    )
+
+
+class _Lines:
+    """``with _Lines(path) as lines``: the file's lines as bytes, line ends kept (``.gz`` decompressed as read).
+
+    Damaged gzip data is a :class:`DataError` naming the file and the last line read intact, also when it shows
+    first as a bad line: a flipped byte often decompresses to garbage (bad UTF-8, a stray tab) well before the CRC
+    check at the end of the file catches it, so a DataError raised in the block is checked against the file.
+    """
+
+    def __init__(self, path: Path):
+        self.path, self.line = path, 0
+
+    def __enter__(self) -> Iterator[bytes]:
+        return self._read()
+
+    def _read(self) -> Iterator[bytes]:
+        with _open_binary(self.path) as f:
+            try:
+                for raw in f:
+                    self.line += 1
+                    yield raw
+            except _GZIP_ERRORS as e:
+                raise _damaged_gzip(self.path, self.line, e) from None
+
+    def __exit__(self, kind, error, tb) -> None:
+        if (isinstance(error, DataError) and not isinstance(error, _DamagedGzip) and self.path.suffix == ".gz"
+                and (damage := _gzip_error(self.path))):
+            raise _damaged_gzip(self.path, max(self.line - 1, 0), damage) from None
+
+
+def _gzip_error(path: Path) -> Exception | None:
+    """What reading ``path`` (a .gz file) to its end raises, or None when its data is intact."""
+    try:
+        with gzip.open(path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    except _GZIP_ERRORS as e:
+        return e
+    return None
 
 
 def _decode(raw: bytes, path: Path, line: int, offset: int) -> str:
@@ -139,6 +198,23 @@ class Source(abc.ABC):
     def _rel(self, path: Path) -> str:
         return str(path.relative_to(self.root))
 
+    def _inside(self, path: str | Path, field: str) -> Path:
+        """The one gate for every file and folder this source reads: ``path`` (as configured, relative to
+        data.root, or found under a checked folder) with its symlinks resolved; a :class:`DataError` naming
+        ``<where>.<field>`` and the file if that leads outside data.root. Readers open only what it returns, the
+        resolved path, not the link."""
+        if isinstance(path, Path) and path.is_relative_to(self.root):  # name it as the user sees it in data.root
+            path = path.relative_to(self.root)
+        return resolve_inside(self.root, str(path), f"{self.where}.{field}")
+
+    def _folder_files(self, folder: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
+        """The entries under ``folder`` (walked without following links; with ``suffixes``, only names ending in
+        one of them), in sorted name order, each passed through :meth:`_inside`: a checked folder may still hold a
+        link that leads outside data.root."""
+        field = f"path (folder {self._rel(folder)!r})"
+        found = sorted(p for p in folder.rglob("*") if suffixes is None or p.suffix in suffixes)
+        return [self._inside(p, field) for p in found]
+
     def _record_files(self, paths: list[Path]) -> None:
         self.info.files = {self._rel(p): sha256_file(p) for p in paths}
 
@@ -167,8 +243,8 @@ class TextSource(Source):
         elif is_glob(spec.path):
             self.file_pairs = self._globbed_pairs()
         else:
-            resolve_inside(self.root, spec.path, f"{self.where}.path")  # name the prefix itself if it escapes
-            self.file_pairs = [self._prefix_pair(spec.path, f"{self.where}.path (prefix {spec.path!r})")]
+            self._inside(spec.path, "path")  # name the prefix itself if it escapes
+            self.file_pairs = [self._prefix_pair(spec.path, f"path (prefix {spec.path!r})")]
         self.paths = [p for pair in self.file_pairs for p in pair]
         self.info.location = {"files": ",".join(self._rel(p) for p in self.paths)}
         if spec.path and is_glob(spec.path):
@@ -179,20 +255,20 @@ class TextSource(Source):
         files = self.spec.files
         if lang not in files:
             raise DataError(f"{self.where}.files has no entry for language {lang!r} (has {sorted(files)})")
-        return _existing_file(resolve_inside(self.root, files[lang], f"{self.where}.files.{lang}"), self.where)
+        return _existing_file(self._inside(files[lang], f"files.{lang}"), self.where)
 
-    def _prefix_file(self, prefix: str, lang: str, where: str) -> Path | None:
+    def _prefix_file(self, prefix: str, lang: str, field: str) -> Path | None:
         """``<prefix>.<lang>``, else ``<prefix>.<lang>.gz``, resolved inside data.root; None if neither exists."""
         for name in (f"{prefix}.{lang}", f"{prefix}.{lang}.gz"):
-            cand = resolve_inside(self.root, name, where)  # a symlinked file must not lead outside data.root
+            cand = self._inside(name, field)
             if cand.exists():
                 return _existing_file(cand, self.where)
         return None
 
-    def _prefix_pair(self, prefix: str, where: str) -> tuple[Path, Path]:
+    def _prefix_pair(self, prefix: str, field: str) -> tuple[Path, Path]:
         paths = []
         for lang in (self.src_lang, self.tgt_lang):
-            path = self._prefix_file(prefix, lang, where)
+            path = self._prefix_file(prefix, lang, field)
             if path is None:
                 raise DataError(
                     f"{self.where}: file not found: {self.root / prefix}.{lang} (nor {Path(prefix).name}.{lang}.gz); "
@@ -204,7 +280,7 @@ class TextSource(Source):
     def _globbed_pairs(self) -> list[tuple[Path, Path]]:
         """Every prefix whose ``<prefix>.<lang>`` (plain or .gz, either language) matches the pattern, paired."""
         pattern, langs = self.spec.path, (self.src_lang, self.tgt_lang)
-        where = _pattern_where(self.where, pattern)
+        field = _pattern_field(pattern)
         prefixes: set[str] = set()
         # Either language's file names a prefix, so a file whose partner is missing is reported, not skipped.
         for suffix in (f".{lang}{gz}" for lang in langs for gz in ("", ".gz")):
@@ -217,7 +293,7 @@ class TextSource(Source):
             )
         pairs = []
         for prefix in sorted(prefixes):
-            found = {lang: self._prefix_file(prefix, lang, where) for lang in langs}
+            found = {lang: self._prefix_file(prefix, lang, field) for lang in langs}
             missing = [lang for lang in langs if found[lang] is None]
             if missing:
                 other = next(lang for lang in langs if lang not in missing)
@@ -240,7 +316,7 @@ class TextSource(Source):
 
 def _aligned_lines(sp: Path, tp: Path) -> Iterator[Pair]:
     """Stream a line-aligned file pair; unequal line counts are an error naming both files."""
-    with _open_binary(sp) as fs, _open_binary(tp) as ft:
+    with _Lines(sp) as fs, _Lines(tp) as ft:
         off_s = off_t = 0
         for line, (a, b) in enumerate(zip_longest(fs, ft), start=1):
             if a is None or b is None:
@@ -274,16 +350,15 @@ class TsvSource(Source):
             self.paths = self._globbed_files(pattern)
             self.info.location = {"files": ",".join(self._rel(p) for p in self.paths), "pattern": pattern}
         else:
-            self.paths = [_existing_file(resolve_inside(self.root, pattern, f"{self.where}.path"), self.where)]
+            self.paths = [_existing_file(self._inside(pattern, "path"), self.where)]
             self.info.location = {"file": self._rel(self.paths[0])}
         self.info.location["columns"] = ",".join(cols)
         self._record_files(self.paths)
 
     def _globbed_files(self, pattern: str) -> list[Path]:
-        where = _pattern_where(self.where, pattern)
+        field = _pattern_field(pattern)
         # Folders that happen to match (weekly/* with a subfolder) hold no rows of their own; skip them.
-        paths = [p for p in (resolve_inside(self.root, m, where) for m in _glob_matches(self.root, pattern))
-                 if not p.is_dir()]
+        paths = [p for p in (self._inside(m, field) for m in _glob_matches(self.root, pattern)) if not p.is_dir()]
         if not paths:
             raise DataError(f"{self.where}.path = {pattern!r} matches no file under data.root ({self.root}); "
                             "check the pattern and data.root")
@@ -295,8 +370,8 @@ class TsvSource(Source):
         total = 0
         for path in self.paths:
             offset = 0
-            with _open_binary(path) as f:
-                for line, raw in enumerate(f, start=1):
+            with _Lines(path) as lines:
+                for line, raw in enumerate(lines, start=1):
                     text = _decode(_strip_eol(raw), path, line, offset)
                     offset += len(raw)
                     cells = text.split("\t")
@@ -323,8 +398,8 @@ def _read_sgm(path: Path) -> dict[tuple[str, str], str]:
     segs: dict[tuple[str, str], str] = {}
     doc = None
     offset = 0
-    with _open_binary(path) as f:
-        for line, raw in enumerate(f, start=1):
+    with _Lines(path) as lines:
+        for line, raw in enumerate(lines, start=1):
             text = _decode(_strip_eol(raw), path, line, offset)
             offset += len(raw)
             if m := _DOC.search(text):
@@ -350,10 +425,8 @@ class SgmSource(Source):
         missing = [lang for lang in (self.src_lang, self.tgt_lang) if lang not in files]
         if missing:
             raise DataError(f"{self.where}.files has no SGML file for {missing}; give one per language")
-        self.paths = [
-            _existing_file(resolve_inside(self.root, files[lang], f"{self.where}.files.{lang}"), self.where)
-            for lang in (self.src_lang, self.tgt_lang)
-        ]
+        self.paths = [_existing_file(self._inside(files[lang], f"files.{lang}"), self.where)
+                      for lang in (self.src_lang, self.tgt_lang)]
         self.info.location = {"files": ",".join(self._rel(p) for p in self.paths)}
         self._record_files(self.paths)
 
@@ -417,9 +490,9 @@ class ParquetSource(Source):
 
     def __init__(self, *args: Any):
         super().__init__(*args)
-        path = resolve_inside(self.root, self.spec.path, f"{self.where}.path")
+        path = self._inside(self.spec.path, "path")
         if path.is_dir():
-            self.paths = sorted(p for p in path.rglob("*") if p.suffix in self.suffixes)
+            self.paths = self._folder_files(path, self.suffixes)
             if not self.paths:
                 raise DataError(f"{self.where}: folder {path} has no {'/'.join(self.suffixes)} files")
         else:
@@ -467,6 +540,13 @@ class ArrowSource(ParquetSource):
         return reader.schema.names, batches
 
 
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); re-save the dataset with save_to_disk") from None
+
+
 class DatasetSource(Source):
     """A ``datasets.Dataset``: from ``save_to_disk`` (``hf_disk``) or from the Hugging Face hub (``hub``)."""
 
@@ -479,9 +559,11 @@ class DatasetSource(Source):
         import datasets
 
         spec = self.spec
-        path = resolve_inside(self.root, spec.path, f"{self.where}.path")
+        path = self._inside(spec.path, "path")
         if not path.is_dir():
             raise DataError(f"{self.where}: folder not found: {path} (format hf_disk reads a save_to_disk folder)")
+        self._folder_files(path)
+        self._check_referenced(path)
         try:
             ds = datasets.load_from_disk(str(path))
         except FileNotFoundError as e:
@@ -493,6 +575,17 @@ class DatasetSource(Source):
             ds = ds[spec.split]
             self.info.location["split"] = spec.split
         return ds
+
+    def _check_referenced(self, folder: Path) -> None:
+        """Pass what ``load_from_disk`` will open by name through :meth:`_inside` too: the split folders that
+        dataset_dict.json lists and the data files each state.json lists (names such as ``../x`` may escape)."""
+        listing = folder / "dataset_dict.json"
+        splits = [folder / s for s in _json(listing).get("splits", [])] if listing.is_file() else [folder]
+        for split in splits:
+            state = self._inside(split, f"path (split named in {self._rel(listing)})") / "state.json"
+            if state.is_file():
+                for entry in _json(state).get("_data_files", []):
+                    self._inside(split / entry["filename"], f"path (data file named in {self._rel(state)})")
 
     def pairs(self) -> Iterator[Pair]:
         ds = self.dataset
@@ -567,11 +660,13 @@ class PtbSource(Source):
 
     def __init__(self, *args: Any):
         super().__init__(*args)
-        path = resolve_inside(self.root, self.spec.path, f"{self.where}.path")
+        path = self._inside(self.spec.path, "path")
         if self.spec.include:
             if not path.is_dir():
                 raise DataError(f"{self.where}: 'include' needs 'path' to be a folder, but {path} is not one")
-            self.paths = sorted({p for pattern in self.spec.include for p in path.glob(pattern) if p.is_file()})
+            matched = {self._inside(m, f"include (pattern {pattern!r})")
+                       for pattern in self.spec.include for m in path.glob(pattern)}
+            self.paths = sorted(p for p in matched if p.is_file())
             if not self.paths:
                 raise DataError(f"{self.where}: no file under {path} matches include {self.spec.include}; check "
                                 "data.root and the patterns (e.g. WSJ sections: '0[2-9]/*.mrg')")
@@ -581,6 +676,10 @@ class PtbSource(Source):
             if path.is_dir():
                 raise DataError(f"{self.where}: {path} is a folder; give 'include' patterns selecting its tree files")
             self.paths = [_existing_file(path, self.where)]
+        # Tree files are read as plain text: a .gz would only fail later as "not UTF-8".
+        if gz := next((p for p in self.paths if p.suffix == ".gz"), None):
+            raise DataError(f"{gz}: format ptb reads plain-text tree files, not gzip; decompress it (gunzip -k "
+                            f"{gz.name}) and select the decompressed file in {self.where}")
         self.info.location = {"path": self._rel(path), "include": ",".join(self.spec.include or [])}
         self._record_files(self.paths)
 

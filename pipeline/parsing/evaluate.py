@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 from model import Transformer
 from pipeline.config import DecodeConfig
-from pipeline.evaluate import SAMPLE_ROWS, eval_setup, samples_markdown, translate
+from pipeline.evaluate import SAMPLE_ROWS, eval_setup, samples_markdown, translate, truncation_summary
 from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
 from pipeline.parsing.trees import (PLACEHOLDER, Repair, Tree, parse_tree, remove_empty, repair, right_branching,
@@ -37,12 +37,14 @@ log = logging.getLogger("aiayn.parsing")
 
 def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
           tags: Sequence[Sequence[str]] | None = None, progress: Callable[[int], None] | None = None,
-          leaves: str = PLACEHOLDER) -> tuple[list[str], list[tuple[Tree, Repair]]]:
+          leaves: str = PLACEHOLDER, *, source: str = "input",
+          truncated: list[int] | None = None) -> tuple[list[str], list[tuple[Tree, Repair]]]:
     """The model's raw outputs for tokenized ``sentences`` (words separated by spaces) and, for each, the
     repaired tree over its words with what repair changed. ``tags`` (one list per sentence) fill the
     preterminals; without them every tag is ``XX``. ``leaves``: how the model writes preterminals
-    (``data.tree_leaves``)."""
-    outputs = translate(model, tokenizer, sentences, decode, progress)
+    (``data.tree_leaves``). A sentence longer than the model's positions is cut, warned about (naming ``source``)
+    and its line appended to ``truncated``, as :func:`pipeline.evaluate.translate` does."""
+    outputs = translate(model, tokenizer, sentences, decode, progress, source=source, truncated=truncated)
     trees = [repair(out, sent.split(), tags[i] if tags is not None else None, leaves)
              for i, (out, sent) in enumerate(zip(outputs, sentences))]
     return outputs, trees
@@ -91,7 +93,10 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
         src, raw_golds = setup.split(corpus_dir, key)
         golds = [strip_root(parse_tree(g)) for g in raw_golds]
         tags = [[t for t, _ in remove_empty(g).tagged_words()] for g in golds]
-        outputs, parsed = parse(model, tokenizer, src, decode, tags, leaves=leaves)
+        truncated: list[int] = []
+        outputs, parsed = parse(model, tokenizer, src, decode, tags, leaves=leaves, source=key, truncated=truncated)
+        if truncated:
+            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config["max_positions"]))
         trees, repairs = [t for t, _ in parsed], [r for _, r in parsed]
         write_text(out_dir / f"{key}.hyp", "".join(f"{t}\n" for t in trees))
         write_text(out_dir / f"{key}.gold", "".join(f"{g}\n" for g in golds))
@@ -103,7 +108,8 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
         write_json(out_dir / f"{key}.samples.json",
                    [{"source": s, "reference": g, "output": o, "hypothesis": t, "repaired": r == "yes"}
                     for s, g, o, t, r in samples])
-        results[key] = {"name": corpus["splits"][key].get("name", key), **score_parses(golds, trees, repairs)}
+        results[key] = {"name": corpus["splits"][key].get("name", key), **score_parses(golds, trees, repairs),
+                        "truncated_sources": len(truncated)}
         r = results[key]
         log.info("%s: EVALB F1 %.2f (P %.2f R %.2f, exact %.2f), well-formed before repair %.1f%%, "
                  "right-branching F1 %.2f", key, r["f1"], r["precision"], r["recall"], r["exact_match"],

@@ -48,7 +48,11 @@ class MlflowSink:
         check_reachable(tracking_uri)
         self.run_id, self.tracking_uri = run_id, tracking_uri
         self._client = MlflowClient(tracking_uri)
-        self._client.get_run(run_id)  # a wrong run id fails here, not in the background
+        run = self._client.get_run(run_id)  # a wrong run id fails here, not in the background
+        # A resumed training logs again the steps it trains again (values equal: the resume is exact). MLflow keeps
+        # every point, so each key's steps already in the run are skipped, leaving each step in it once.
+        self._logged_through = {key: max(m.step for m in self._client.get_metric_history(run_id, key))
+                                for key in run.data.metrics}
         self._flush_every_s, self._max_backoff_s, self._close_timeout_s = flush_every_s, max_backoff_s, close_timeout_s
         self._metrics: list[Metric] = []
         self._params: dict[str, str] = {}
@@ -57,7 +61,9 @@ class MlflowSink:
         self._last_error: Exception | None = None
         self._monitors = _system_monitors() if system_metrics_every_s else []
         self._system_every_s = system_metrics_every_s or 0.0
-        self._system_step, self._next_sample = 0, time.monotonic()
+        self._system_step = 1 + max((v for k, v in self._logged_through.items() if k.startswith("system/")),
+                                    default=-1)
+        self._next_sample = time.monotonic()
         self.sent = 0  # metrics the server accepted (for reports and tests)
         self._thread = threading.Thread(target=self._run, name="mlflow-sink", daemon=True)
         self._thread.start()
@@ -71,7 +77,8 @@ class MlflowSink:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
         with self._lock:
-            self._metrics.extend(Metric(k, float(v), now, step) for k, v in metrics.items())
+            self._metrics.extend(Metric(k, float(v), now, step) for k, v in metrics.items()
+                                 if step > self._logged_through.get(k, -1))
 
     def close(self) -> None:
         """Send everything still buffered (retrying up to ``close_timeout_s``); safe to call twice."""

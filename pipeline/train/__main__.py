@@ -4,17 +4,20 @@ One process::
 
     python -m pipeline.train --config multi30k-cpu --shards runs/shards/<fp> --out runs/train/demo
 
-One node, N processes (DDP; gloo on CPU, NCCL on GPU)::
+One node, N processes (DDP; gloo on CPU, NCCL on GPU), every socket on 127.0.0.1 (``pipeline.train.rendezvous``)::
 
-    torchrun --standalone --nproc_per_node 2 -m pipeline.train --config multi30k-cpu --out runs/train/demo
+    torchrun --nproc_per_node 2 --rdzv-backend aiayn -m pipeline.train --config multi30k-cpu --out runs/train/demo
 
-Two nodes (run on each node, same command but its own ``--node-rank``; HOST0 is reachable from both, and
-``--out`` should be a shared folder so that a restart on either node finds the checkpoints)::
+Two nodes (run on each node, same command but its own ``--node-rank`` and ``is_host``; HOST0 is reachable from
+both on interface eth0, and ``--out`` should be a shared folder so that a restart on either node finds the
+checkpoints)::
 
-    torchrun --nnodes 2 --nproc_per_node 8 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
-        --rdzv-id my-run -m pipeline.train --config wmt14-en-de-base --out /shared/runs/base
-    torchrun --nnodes 2 --nproc_per_node 8 --node-rank 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
-        --rdzv-id my-run -m pipeline.train --config wmt14-en-de-base --out /shared/runs/base
+    torchrun --nnodes 2 --nproc_per_node 8 --node-rank 0 --rdzv-backend aiayn --rdzv-endpoint HOST0:29500 \\
+        --rdzv-id my-run --rdzv-conf interface=eth0,is_host=true \\
+        -m pipeline.train --config wmt14-en-de-base --out /shared/runs/base
+    torchrun --nnodes 2 --nproc_per_node 8 --node-rank 1 --rdzv-backend aiayn --rdzv-endpoint HOST0:29500 \\
+        --rdzv-id my-run --rdzv-conf interface=eth0,is_host=false \\
+        -m pipeline.train --config wmt14-en-de-base --out /shared/runs/base
 
 With ``--mlflow-run-id RUN_ID`` rank 0 also logs params, step metrics and system metrics into that MLflow run
 (``pipeline.tracking.MlflowSink``); the server is ``MLFLOW_TRACKING_URI``, checked before training starts.
@@ -39,7 +42,7 @@ import sys
 from pathlib import Path
 
 from pipeline.cli import add_config_args, resolve_config, user_errors
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, ensure_work_dir
 from pipeline.stages import build_inputs, run_dir
 
 from .distributed import DistInfo, barrier, setup, teardown
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     sinks: list = []
     try:
         cfg = resolve_config(args)
+        if info.is_main and args.out:  # before any stage or the trainer writes
+            ensure_work_dir(args.out, "--out", "pass --out a writable folder")
+        elif info.is_main:
+            ensure_work_dir(cfg.work_dir)
         sinks = mlflow_sinks(args.mlflow_run_id, info)  # fails here, before training, if the server is down
         shards = args.shards or ensure_shards(cfg, info)
         out = args.out or run_dir(cfg, shards)

@@ -8,13 +8,19 @@ Layout of ``<out>/checkpoints/``::
 A checkpoint file is written to a temporary name and renamed (``os.replace``), then the index is rewritten the
 same way, so a crash leaves either the old or the new state, never half a file under a listed name. Loading
 walks the index from the newest entry: a file whose size or sha256 differs from the index, or that
-``torch.load(weights_only=True)`` cannot read, is reported by name and the previous one is tried.
+``torch.load(weights_only=True)`` cannot read, is reported by name and the previous one is tried. An index that is
+missing or unreadable while checkpoint files exist is rebuilt from those files, each verified by loading it.
+Temporary files of a write that was killed are removed when the next run starts (``fsutil.remove_stale_temps``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import pickle
+import re
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,40 +42,144 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:08d}.pt"
 
 
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+_FIX = "pass a checkpoint file written by training or averaging"
+
+
 def read_index(folder: Path) -> list[dict]:
-    """The index entries (oldest first); empty when there is no index yet."""
-    path = Path(folder) / INDEX
-    if not path.is_file():
+    """The index entries (oldest first); empty when there is no index and no checkpoint file.
+
+    An index that is missing or half-written while ``ckpt-*.pt`` files exist is rebuilt from them (see
+    :func:`rebuild_index`) rather than read as "no checkpoints", which would silently restart training at step 0.
+    """
+    folder = Path(folder)
+    path = folder / INDEX
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))["checkpoints"]
+        if isinstance(entries, list) and all(isinstance(e, dict) and {"file", "step", "sha256", "bytes"} <= e.keys()
+                                             for e in entries):
+            return entries
+        problem = "has no valid 'checkpoints' list"
+    except FileNotFoundError:
+        problem = "is missing"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        problem = f"is unreadable ({type(e).__name__}, half-written?)"
+    if not any(_NAME.match(p.name) for p in _listing(folder)):
         return []
-    return json.loads(path.read_text(encoding="utf-8"))["checkpoints"]
+    return rebuild_index(folder, f"{path} {problem}")
+
+
+def _listing(folder: Path) -> list[Path]:
+    try:
+        return sorted(Path(folder).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def rebuild_index(folder: Path, why: str) -> list[dict]:
+    """Rewrite ``folder``'s index from its ``ckpt-<step>.pt`` files, each loaded to verify it (a file that does not
+    load, or whose recorded step differs from its name, is left out and named). Returns the new entries."""
+    entries = []
+    for path in _listing(folder):
+        m = _NAME.match(path.name)
+        if not m:
+            continue
+        state, problem = _try_load(path)
+        if state is not None and state.get("step") != int(m[1]):
+            problem = f"records step {state.get('step')}, its name says {int(m[1])}"
+        if problem:
+            log.warning("checkpoint %s is unusable: %s; left out of the rebuilt index", path, problem)
+            continue
+        entries.append({"file": path.name, "step": int(m[1]), "sha256": sha256_file(path),
+                        "bytes": path.stat().st_size})
+    log.warning("%s: rebuilt the index from %d intact checkpoint file(s)%s", why, len(entries),
+                f", newest {entries[-1]['file']}" if entries else "")
+    _write_index(folder, entries)
+    return entries
 
 
 def _write_index(folder: Path, entries: list[dict]) -> None:
     write_json(Path(folder) / INDEX, {"format": CHECKPOINT_FORMAT, "checkpoints": entries})
 
 
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
 def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep_last: int) -> dict:
     """Write ``state`` as ``ckpt-<step>.pt`` atomically, record its sha256 in the index, prune to ``keep_last``.
 
-    Returns the new index entry. Call on one process only (rank 0).
+    Returns the new index entry. Call on one process only (rank 0). A failed write (disk full, quota, I/O error)
+    raises :class:`CheckpointError` saying how much space was free and needed and which checkpoint is still intact;
+    no partial file is left under any name.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(step)
-    with atomic_file(folder / name) as tmp:
-        torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp)
-    path = folder / name
-    entry = {"file": name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
-    entries = [e for e in read_index(folder) if e["file"] != name] + [entry]
-    keep, drop = entries[-keep_last:], entries[:-keep_last]
-    _write_index(folder, keep)  # the index forgets a file before the file goes
+    entries = [e for e in read_index(folder) if e["file"] != name]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with atomic_file(folder / name) as tmp:
+            torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp)
+        path = folder / name
+        entry = {"file": name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+        entries.append(entry)
+        keep, drop = entries[-keep_last:], entries[:-keep_last]
+        _write_index(folder, keep)  # the index forgets a file before the file goes
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        raise CheckpointError(_write_failed(folder, name, e, entries, _tensor_bytes(state))) from None
     for e in drop:
         (folder / e["file"]).unlink(missing_ok=True)
     return entry
 
 
+def _write_failed(folder: Path, name: str, error: Exception, entries: list[dict], need: int) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+    else:  # torch's writer loses the errno: "[enforce fail at inline_container.cc] unexpected pos ..."
+        reason = f"the write failed, usually a full disk or a quota ({type(error).__name__}: {str(error)[:120]})"
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:,.1f} MB free there"
+    except OSError:
+        free = "free space unknown"
+    last = [e for e in entries if e["file"] != name and (folder / e["file"]).is_file()]  # what the index lists
+    kept = (f"the last intact checkpoint, {folder / last[-1]['file']} (step {last[-1]['step']}), is still there "
+            "and a rerun resumes from it") if last else "no earlier checkpoint exists: a rerun starts from step 0"
+    return (f"could not write checkpoint {folder / name}: {reason} (it needs about {need / 2**20:,.1f} MB, {free}); "
+            f"{kept}. Free space in {folder} (or lower train.keep_last_checkpoints) and run the same command again")
+
+
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    with warnings.catch_warnings():  # torch warns about pickle protocols on the way to refusing a file
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _unreadable(error: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in words that never advise ``weights_only=False``: a
+    file this pipeline did not write is not to be trusted with code execution."""
+    if isinstance(error, pickle.UnpicklingError):
+        return ("refused: it holds Python objects besides tensors and plain containers (loading them could run "
+                "code), or is not a checkpoint at all")
+    return f"not a torch checkpoint file ({type(error).__name__} while reading it)"
+
+
+def _try_load(path: Path) -> tuple[dict | None, str | None]:
+    """(state, None) for a readable checkpoint of this pipeline's format, else (None, what is wrong)."""
+    try:
+        state = _load(path)
+    except Exception as e:  # torch raises many types for a file it cannot read; all mean "unusable"
+        return None, _unreadable(e)
+    if not isinstance(state, dict):
+        return None, f"holds a {type(state).__name__}, not a checkpoint (a dict with format {CHECKPOINT_FORMAT!r})"
+    if state.get("format") != CHECKPOINT_FORMAT:
+        return None, f"format {state.get('format')!r}, expected {CHECKPOINT_FORMAT!r}"
+    return state, None
 
 
 def verify_and_load(folder: Path, entry: dict) -> tuple[dict | None, str | None]:
@@ -81,32 +191,42 @@ def verify_and_load(folder: Path, entry: dict) -> tuple[dict | None, str | None]
         return None, f"{path.stat().st_size} bytes, the index records {entry['bytes']} (truncated?)"
     if sha256_file(path) != entry["sha256"]:
         return None, "sha256 differs from the index (corrupt)"
-    try:
-        state = _load(path)
-    except Exception as e:  # any unreadable file is a reason to fall back, not to stop
-        return None, f"unreadable ({type(e).__name__}: {e})"
-    if state.get("format") != CHECKPOINT_FORMAT:
-        return None, f"format {state.get('format')!r}, expected {CHECKPOINT_FORMAT!r}"
-    return state, None
+    return _try_load(path)
 
 
 def find_latest(folder: Path) -> tuple[str, dict] | None:
     """(file name, loaded state) of the newest intact checkpoint in ``folder``, or None when there is none.
 
-    A listed file that is missing, truncated, altered or unreadable is logged (by name) and skipped.
+    A listed file that is missing, truncated, altered or unreadable is logged (by name) and skipped; when every one
+    is, a warning says that training restarts from step 0.
     """
     folder = Path(folder)
-    for entry in reversed(read_index(folder)):
+    entries = read_index(folder)
+    for entry in reversed(entries):
         state, problem = verify_and_load(folder, entry)
         if state is not None:
             return entry["file"], state
         log.warning("checkpoint %s is unusable: %s; falling back to the previous one", folder / entry["file"], problem)
+    if entries:
+        log.warning("none of the %d checkpoints in %s is usable: training restarts from step 0", len(entries), folder)
     return None
 
 
-def load_checkpoint(path: Path) -> dict:
-    """Load one checkpoint file (weights only: tensors and primitive containers)."""
-    return _load(Path(path))
+def load_checkpoint(path: Path, fix: str = _FIX) -> dict:
+    """Load one checkpoint file (weights only: tensors and primitive containers).
+
+    A missing file, a folder, a file torch cannot read, a pickle that would need code execution, or anything but
+    a checkpoint of this pipeline raises :class:`CheckpointError` naming the file and ending with ``fix``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a folder, not a checkpoint file; {fix}")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} not found; {fix}")
+    state, problem = _try_load(path)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}; {fix}")
+    return state
 
 
 def _config_diff(saved: dict, current: dict) -> dict:
@@ -135,16 +255,7 @@ def load_init_checkpoint(path: Path, model_config: dict, tokenizer_sha256: str) 
     """
     path = Path(path)
     drop = "or drop train.init_from"
-    if not path.is_file():
-        raise CheckpointError(f"initial checkpoint {path} not found: pass an existing file ({drop})")
-    try:
-        state = load_checkpoint(path)
-    except Exception as e:  # torch raises many types for a file it cannot read; all mean "not a checkpoint"
-        raise CheckpointError(f"initial checkpoint {path} is unreadable ({type(e).__name__}: {e}); pass a checkpoint "
-                              f"file written by training or averaging ({drop})") from None
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"initial checkpoint {path} has format {state.get('format')!r}, expected "
-                              f"{CHECKPOINT_FORMAT!r}; pass a checkpoint written by training or averaging ({drop})")
+    state = load_checkpoint(path, f"{_FIX} ({drop})")
     # The tokenizer first: another vocabulary usually changes vocab_size too, and this names the real cause.
     saved = state.get("tokenizer_sha256")
     if saved != tokenizer_sha256:

@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from pipeline.fsutil import write_text
+
 log = logging.getLogger("aiayn.train")
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, from the vendors' data sheets (SXM parts).
@@ -34,12 +36,35 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per line: ``{"params": {...}}`` once, then ``{"step": s, "time": unix, **metrics}``."""
+    """One JSON object per line: ``{"params": {...}}`` once per (re)start, then ``{"step": s, "time": unix, **metrics}``.
 
-    def __init__(self, path: Path):
+    ``resume_step``: the step training (re)starts from. Rows of later steps, logged by an interrupted run before its
+    last checkpoint was superseded, are dropped (as is a half-written last line), so each step appears once.
+    """
+
+    def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            self._truncate(resume_step)
         self._f = open(self.path, "a", encoding="utf-8")  # append: a resumed run continues the same file
+
+    def _truncate(self, resume_step: int) -> None:
+        kept, dropped = [], 0
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                dropped += 1
+                continue
+            if isinstance(row, dict) and row.get("step", 0) > resume_step:
+                dropped += 1
+            else:
+                kept.append(line + "\n")
+        if dropped:
+            write_text(self.path, "".join(kept))
+            log.info("%s: dropped %d row(s) past step %d, which this run trains again", self.path, dropped,
+                     resume_step)
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._write({"params": params})

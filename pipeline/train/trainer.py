@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler
 from pipeline.config import RunConfig, dump_config
-from pipeline.fsutil import sha256_file, write_json, write_text
+from pipeline.fsutil import exclusive, remove_stale_temps, sha256_file, write_json, write_text
 from pipeline.shards import MANIFEST, ShardDataset, token_batches
 
 from .checkpoint import (check_compatible, find_latest, load_checkpoint, load_init_checkpoint, read_index,
@@ -219,18 +219,31 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
     and tokenizer, else :class:`CheckpointError`); optimizer, schedule and step count start fresh.
 
     Runs in one process, or in every process of a torchrun job (the process group is joined here if the caller
-    has not). ``sinks`` receive metrics in addition to the JSONL file and the console (rank 0 only). Returns
+    has not). Rank 0 holds ``out_dir``'s lock for the whole run, whoever started it (CLI, torchrun, the flow): a
+    second run of the same folder logs that it waits, then resumes where the first stopped, instead of training
+    beside it; its other ranks wait at the first collective. Temporary files left by a killed run are removed
+    first. ``sinks`` receive metrics in addition to the JSONL file and the console (rank 0 only). Returns
     ``out_dir``.
     """
     info = info or setup()
-    t = cfg.train
     out_dir = Path(out_dir).resolve()
-    ckpt_dir = out_dir / "checkpoints"
     started = time.monotonic()
-
     # Rank 0 hashes every shard file; the others check sizes only (same files, no need to read them N times).
+    # Checked before the lock: a refused config leaves no run folder behind.
     train_ds = ShardDataset(shard_dir, "train", verify=info.is_main)
     preflight(cfg, train_ds, info.world_size)
+    if not info.is_main:
+        return _train(cfg, train_ds, shard_dir, out_dir, sinks, info, init_checkpoint, started)
+    with exclusive(out_dir, "run folder"):
+        for folder in (out_dir, out_dir / "checkpoints"):
+            remove_stale_temps(folder)
+        return _train(cfg, train_ds, shard_dir, out_dir, sinks, info, init_checkpoint, started)
+
+
+def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Path, sinks: Sequence[MetricsSink],
+           info: DistInfo, init_checkpoint: Path | None, started: float) -> Path:
+    t = cfg.train
+    ckpt_dir = out_dir / "checkpoints"
     dev_ds = ShardDataset(shard_dir, "dev", verify=info.is_main)
     shards = {"fingerprint": train_ds.manifest["fingerprint"],
               "manifest_sha256": sha256_file(Path(shard_dir) / MANIFEST)}
@@ -285,7 +298,8 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_text(out_dir / "config.yaml", dump_config(cfg))
-        all_sinks = [JsonlSink(out_dir / "metrics.jsonl"), ConsoleSink(t.max_steps, step), *sinks]
+        # Rows past the step resumed from were logged by the interrupted run and are now trained again.
+        all_sinks = [JsonlSink(out_dir / "metrics.jsonl", resume_step=step), ConsoleSink(t.max_steps, step), *sinks]
         params = {**_flat(cfg.model_dump(mode="json")), "world_size": info.world_size, "accumulation_steps": accum,
                   "num_parameters": model.num_parameters(), "device": str(info.device),
                   "precision": "bf16" if step_fn.bf16 else "fp32", "shards_fingerprint": shards["fingerprint"]}
