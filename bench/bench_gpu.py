@@ -27,7 +27,7 @@ in 3.5 days, on 8 P100 with ~25,000 source + ~25,000 target tokens per step.
 Decoding. :func:`model.decoding.beam_search` with the config's beam (4) and length penalty (0.6) on the
 ``--decode-preset`` model (random weights), ``--decode-batch`` synthetic source sentences of ``--decode-src-len``
 +-5 tokens per call, output forced to ``--decode-out-len`` tokens + eos (``min_len`` = max length, as
-bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.evaluate.decoding_model`, the bf16 copy that
+bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.inference.decoding_model`, the bf16 copy that
 ``decode.precision=bf16`` uses). Sentences/s over ``--decode-calls`` timed calls after one warm-up call.
 
 Needs a CUDA device (it exits with a message otherwise); not part of the tests or CI.
@@ -189,7 +189,7 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, args: argparse.Nam
     }
     if compiled:
         row["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    del step_fn, model, groups
+    step_fn = model = groups = None  # free GPU memory for the next variant (update() closes over these names)
     torch.cuda.empty_cache()
     return row
 
@@ -199,7 +199,7 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, args: argparse.Nam
 
 def bench_decode(preset: str, precision: str, args: argparse.Namespace) -> dict:
     """Sentences/s of beam search (the config's beam and length penalty) with the output length forced."""
-    from pipeline.evaluate import decoding_model  # lazily: sacremoses etc., only the decoding part needs them
+    from pipeline.inference import decoding_model  # lazily: sacremoses etc., only the decoding part needs them
 
     cfg = load_config(f"wmt14-en-de-{preset}")
     info = setup()
@@ -241,7 +241,7 @@ def bench_decode(preset: str, precision: str, args: argparse.Namespace) -> dict:
            "forced_len_ok": all(x == out_len for x in lengths), "sentences_per_s": n / sum(times),
            "tokens_per_s": sum(lengths) / sum(times), "s_per_call_median": statistics.median(times),
            "peak_memory_gib": peak_memory_mb(dev) / 1024}
-    del model, base
+    model = base = None  # free GPU memory for the next variant (call() closes over model)
     torch.cuda.empty_cache()
     return row
 

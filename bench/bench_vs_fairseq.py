@@ -18,7 +18,7 @@ test2016, batch 64, against ``fairseq-generate`` and CTranslate2 (converted from
 equal tiny models. Output length is forced (``--min-len``/``--max-len-b`` in fairseq,
 ``decode.min_len``/``decode.max_len_b`` here, ``min/max_decoding_length`` in CTranslate2) so that every
 implementation runs the same number of decoder steps whatever its weights; tokens/s counts the generated tokens,
-eos included. Ours decodes through :func:`pipeline.evaluate.translate` (tokenization and detokenization
+eos included. Ours decodes through :func:`pipeline.inference.translate` (tokenization and detokenization
 included), in fp32 and with ``decode.precision=bf16`` (a bf16 copy of the model, no autocast); fairseq and
 CTranslate2 (both fp32) read pre-tokenized ids.
 
@@ -130,8 +130,12 @@ def ours_train_cmd(paths: dict, size: str, precision: str, updates: int, log_eve
         "train.dev_every_steps": 10**9, "train.checkpoint_every_steps": 10**9,
         "train.checkpoint_every_minutes": 10**6, "train.dev_max_sentences": 64, "train.precision": precision,
         "train.seed": 1}
-    return [sys.executable, "-m", "pipeline.train", "--config", "multi30k-cpu", "--data-root", data_root,
-            "--shards", paths["shards"], "--out", out, *[a for k, v in sets.items() for a in ("-s", f"{k}={v}")]]
+    # python -m pipeline.train reads a resolved config: resolve it with the CLI, as a user would.
+    config = Path(out).with_suffix(".yaml")
+    subprocess.run([sys.executable, "-m", "pipeline", "config", "--config", "multi30k-cpu", "--data-root", data_root,
+                    *[a for k, v in sets.items() for a in ("-s", f"{k}={v}")], "--out", str(config)], check=True,
+                   cwd=REPO, env=child_env(1), stdout=subprocess.DEVNULL)
+    return [sys.executable, "-m", "pipeline.train", "--config", str(config), "--shards", paths["shards"], "--out", out]
 
 
 def fairseq_train_cmd(venv: Path, paths: dict, size: str, updates: int, log_every: int, save_dir: Path | None) -> list:
@@ -243,7 +247,8 @@ def print_train(results: dict, args: argparse.Namespace) -> None:
             best = max(r["best_interval_tgt_tokens_per_s"] for r in rs)
             per_run = ", ".join(f"{r['tgt_tokens_per_s']:,.0f}" for r in rs)
             best_per_run = ", ".join(f"{r['best_interval_tgt_tokens_per_s']:,.0f}" for r in rs)
-            print(f"| {size} | {impl} | {per_run} | {med:,.0f} | {med / fs:.2f} | {best_per_run} | {best / fs_best:.2f} | "
+            print(f"| {size} | {impl} | {per_run} | {med:,.0f} | {med / fs:.2f} | {best_per_run} | "
+                  f"{best / fs_best:.2f} | "
                   f"{statistics.mean(r['tgt_tokens_per_update'] for r in rs):,.0f} | "
                   f"{max(r['peak_rss_mb'] for r in rs):,} |")
     print("\nLabel-smoothed training loss (nats per target token, mean over each log interval; first run of each):\n")
@@ -266,7 +271,7 @@ def ours_decode_child(args: argparse.Namespace) -> None:
     import torch
 
     from pipeline.config import DecodeConfig
-    from pipeline.evaluate import load_model, translate
+    from pipeline.inference import load_model, translate
     from pipeline.tokenize import Tokenizer
 
     torch.set_num_threads(args.threads)
@@ -360,7 +365,8 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
                 else:
                     r = json.loads(text.strip().splitlines()[-1])
                 run = {"repeat": rep, "sentences_per_s": r["sentences"] / r["seconds"],
-                       "tgt_tokens_per_s": r["tokens"] / r["seconds"], "tokens_per_sentence": r["tokens"] / r["sentences"],
+                       "tgt_tokens_per_s": r["tokens"] / r["seconds"],
+                       "tokens_per_sentence": r["tokens"] / r["sentences"],
                        "seconds": round(r["seconds"], 2), "peak_rss_mb": round(rss)}
                 runs[impl].append(run)
                 print(f"  beam {beam} {impl:<12} repeat {rep}: {run['sentences_per_s']:6.1f} sent/s, "

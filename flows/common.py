@@ -13,28 +13,28 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.exceptions import CancelledRun
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run
 
 from pipeline import tracking
-from pipeline.config import DevDomainWarning, RunConfig, ensure_work_dir, load_config
+from pipeline.config import DevDomainWarning, RunConfig, ensure_work_dir, resolve_config
 from tasks.caching import run_cached
 from tasks.report import publish_report
-from tasks.stages import average, evaluate, prepare_data, train_tokenizer, write_shards
+from tasks.stages import average_stage, data_stage, evaluate_stage, shards_stage, tokenizer_stage
 from tasks.tracking import fetch_champion, finish_tracking, log_stage, open_stage, register, start_tracking
-from tasks.training import train
+from tasks.training import train_stage
 
 
-@task(name="resolve-config")
-def resolve_config(config: str, overrides: dict[str, Any], data_root: str | None, flow_name: str,
-                   expect: dict[str, str]) -> RunConfig:
-    """Load the named config with the run's overrides; refuse one this flow is not for (``expect``: field ->
-    value, e.g. the language pair, or ``task: parsing``)."""
+def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, flow_name: str,
+                expect: dict[str, str]) -> RunConfig:
+    """The run's config, resolved once (:func:`pipeline.config.resolve_config`: the worker's environment, then
+    the run's parameters); refuses one this flow is not for (``expect``: field -> value, e.g. the language pair,
+    or ``task: parsing``)."""
     with warnings.catch_warnings(record=True) as caught:  # into the flow run's logs, where users look
         warnings.simplefilter("always", DevDomainWarning)
-        cfg = load_config(config, overrides, data_root=data_root)
+        cfg = resolve_config(config, overrides, data_root=data_root)
     for w in caught:
         get_run_logger().warning(str(w.message))
     got = {"src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang, "task": cfg.task}
@@ -50,11 +50,7 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
                  tracking_uri: str | None, register_model: bool) -> dict:
     """The stages in order; returns the stage outputs, the scores file and the promotion decision."""
     shortcuts = {k: v for k, v in (("train.max_steps", max_steps), ("train.max_minutes", max_minutes)) if v is not None}
-    # The worker's environment is the deployment's: it may point at local corpora and at the tracking server.
-    data_root = data_root or os.environ.get("AIAYN_DATA_ROOT") or None
-    overrides = {**({"work_dir": os.environ["AIAYN_WORK_DIR"]} if os.environ.get("AIAYN_WORK_DIR") else {}),
-                 **(overrides or {}), **shortcuts}
-    cfg = resolve_config(config, overrides, data_root, flow_name, expect)
+    cfg = flow_config(config, {**(overrides or {}), **shortcuts}, data_root, flow_name, expect)
     work = ensure_work_dir(cfg.work_dir)  # a clear error before tracking and the stages start
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
     parent = start_tracking(cfg, uri, run_name=flow_run.get_name() or cfg.name,
@@ -62,27 +58,27 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
                                   "prefect.flow_run_url": str(flow_run.get_flow_run_ui_url() or "")})
     try:
         stages: dict[str, tuple[Path, bool]] = {}
-        corpus, hit = stages["data"] = run_cached(prepare_data, data=cfg.data, work_dir=work)
+        corpus, hit = stages["data"] = run_cached(data_stage, data=cfg.data, work_dir=work)
         log_stage(parent, "data", hit, {"corpus": corpus})
         # train.init_from=champion continues from the champion's weights, so it reads its vocabulary too.
         init = fetch_champion(cfg, work) if cfg.train.init_from == "champion" else None
         if init is not None:
             tokenizer, hit = stages["tokenizer"] = init[1], True
         else:
-            tokenizer, hit = stages["tokenizer"] = run_cached(train_tokenizer, corpus=corpus,
+            tokenizer, hit = stages["tokenizer"] = run_cached(tokenizer_stage, corpus=corpus,
                                                               tokenizer=cfg.tokenizer, work_dir=work)
-        shards, hit_shards = stages["shards"] = run_cached(write_shards, corpus=corpus, tokenizer_dir=tokenizer,
+        shards, hit_shards = stages["shards"] = run_cached(shards_stage, corpus=corpus, tokenizer_dir=tokenizer,
                                                            tokenizer=cfg.tokenizer, work_dir=work)
         log_stage(parent, "tokenize", hit and hit_shards, {"tokenizer": tokenizer, "shards": shards})
         train_run = open_stage(parent, "train")
-        run, hit = stages["train"] = run_cached(train, cfg=cfg, shards=shards, launch=cfg.launch,
+        run, hit = stages["train"] = run_cached(train_stage, cfg=cfg, shards=shards, launch=cfg.launch,
                                                 tracking_run_id=train_run, init_checkpoint=init and init[0])
         log_stage(parent, "train", hit, {"run": run}, run_id=train_run)
-        averaged, hit = stages["average"] = run_cached(average, cfg=cfg, checkpoints=run / "checkpoints",
-                                                       tokenizer_dir=tokenizer, corpus=corpus, shards=shards)
+        averaged, hit = stages["average"] = run_cached(average_stage, cfg=cfg, checkpoints=run / "checkpoints",
+                                                       tokenizer_dir=tokenizer, corpus=corpus)
         log_stage(parent, "average", hit, {"checkpoint": averaged})
-        scores, hit = stages["evaluate"] = run_cached(evaluate, cfg=cfg, checkpoint=averaged, tokenizer_dir=tokenizer,
-                                                      corpus=corpus, shards=shards)
+        scores, hit = stages["evaluate"] = run_cached(evaluate_stage, cfg=cfg, checkpoint=averaged,
+                                                      tokenizer_dir=tokenizer, corpus=corpus)
         log_stage(parent, "evaluate", hit, {"checkpoint": averaged, "tokenizer": tokenizer, "scores": scores},
                   attention_sentences=cfg.tracking.attention_sentences)
         decision = register(cfg, parent, averaged, tokenizer, scores) if register_model else None

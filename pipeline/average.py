@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_index, verify_and_load
 from pipeline.config import RunConfig
+from pipeline.evaluate import EVALUATORS, evaluate_checkpoint
 from pipeline.fsutil import atomic_file, sha256_file, write_json
-from pipeline.stages import Inputs
-from pipeline.train.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_index, verify_and_load
 
 log = logging.getLogger("aiayn.average")
 CHOICE = "choice.json"
@@ -114,17 +114,14 @@ def averaged_path(cfg: RunConfig, run: Path) -> Path:
 def dev_score(cfg: RunConfig, scores_json: Path) -> tuple[str, float]:
     """The number N is chosen on, from an evaluation's ``scores.json``: (its name, its value)."""
     dev = json.loads(Path(scores_json).read_text(encoding="utf-8"))["splits"]["dev"]
-    if cfg.task == "parsing":
-        return "EVALB F1", float(dev["f1"])
-    return "sacreBLEU", float(dev["sacrebleu"]["score"])
+    evaluator = EVALUATORS[cfg.task]
+    return evaluator.dev_metric, evaluator.dev_score(dev)
 
 
-def choose_last_n(cfg: RunConfig, checkpoints: Path, inputs: Inputs, out_dir: Path) -> Path:
+def choose_last_n(cfg: RunConfig, checkpoints: Path, corpus: Path, tokenizer: Path, out_dir: Path) -> Path:
     """Average the last N checkpoints for each N in ``cfg.average.choose_from`` (those that exist), score each
-    on the dev split, keep the best in ``out_dir`` (the others are deleted) and write ``out_dir/choice.json``;
-    returns the chosen checkpoint."""
-    from pipeline.evaluate import evaluate_for  # decoding is only needed when N is chosen
-
+    on the dev split of ``corpus`` (decoded with ``tokenizer``), keep the best in ``out_dir`` (the others are
+    deleted) and write ``out_dir/choice.json``; returns the chosen checkpoint."""
     checkpoints, out_dir = Path(checkpoints), Path(out_dir)
     steps = sorted(e["step"] for e in read_index(checkpoints))
     wanted = cfg.average.choose_from
@@ -142,7 +139,7 @@ def choose_last_n(cfg: RunConfig, checkpoints: Path, inputs: Inputs, out_dir: Pa
         sha = sha256_file(path)
         scores = out_dir / f"dev-last{n}" / "scores.json"
         if not (scores.is_file() and json.loads(scores.read_text(encoding="utf-8"))["checkpoint"]["sha256"] == sha):
-            scores = evaluate_for(cfg, path, inputs, out_dir=scores.parent, splits=["dev"])
+            scores = evaluate_checkpoint(cfg, path, corpus, tokenizer, out_dir=scores.parent, splits=["dev"])
         metric, value = dev_score(cfg, scores)
         log.info("average of the last %d checkpoints: dev %s %.2f", n, metric, value)
         rows.append({"n": n, "steps": steps[-n:], "dev": value, "sha256": sha, "scores": str(scores)})
@@ -158,12 +155,13 @@ def choose_last_n(cfg: RunConfig, checkpoints: Path, inputs: Inputs, out_dir: Pa
     return chosen
 
 
-def average_run(cfg: RunConfig, run: Path, inputs: Inputs | None) -> Path:
+def average_run(cfg: RunConfig, run: Path, corpus: Path | None = None, tokenizer: Path | None = None) -> Path:
     """A training run's averaged checkpoint as ``cfg.average`` says: the last ``last_n`` checkpoints, or the
-    best on dev of the last N for N in ``choose_from`` (which decodes with ``inputs``: needed only then)."""
+    best on dev of the last N for N in ``choose_from`` (which decodes the dev split of ``corpus`` with
+    ``tokenizer``: needed only then)."""
     run = Path(run)
     if cfg.average.choose_from:
-        if inputs is None:
-            raise ValueError("choosing N on dev decodes the dev split: pass the run's inputs")
-        return choose_last_n(cfg, run / "checkpoints", inputs, choice_dir(cfg, run))
+        if corpus is None or tokenizer is None:
+            raise ValueError("choosing N on dev decodes the dev split: pass the run's corpus and tokenizer")
+        return choose_last_n(cfg, run / "checkpoints", corpus, tokenizer, choice_dir(cfg, run))
     return average_checkpoints(run / "checkpoints", cfg.average.last_n, averaged_path(cfg, run))

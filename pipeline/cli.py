@@ -1,8 +1,9 @@
 """Command line: ``python -m pipeline <command> --config NAME [--set section.field=value ...]``.
 
-Every command resolves the config once, here, and passes the typed object down. Environment variables are read
-only here: ``AIAYN_DATA_ROOT`` (where local corpora live) and ``AIAYN_WORK_DIR`` (where outputs go).
-Distributed training runs under torchrun as ``python -m pipeline.train`` (see that module).
+Every command resolves the config once (:func:`pipeline.config.resolve_config`, which owns precedence and reads
+``AIAYN_DATA_ROOT`` and ``AIAYN_WORK_DIR``) and passes the typed object down. Distributed training runs under
+torchrun as ``python -m pipeline.train --config FILE``, FILE a resolved config (``python -m pipeline config --out
+FILE``; see that module).
 """
 
 from __future__ import annotations
@@ -10,29 +11,26 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
+from collections import Counter
 from pathlib import Path
 
-from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir, load_config
+from pipeline.average import average_run, averaged_path
+from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir, resolve_config, write_resolved
 from pipeline.data import DataError, prepare_corpus, read_manifest
-from pipeline.shards import ShardError
-from pipeline.stages import Inputs, build_inputs, run_dir
-from pipeline.tokenize import TokenizerError
+from pipeline.data.clean import Normalizer
+from pipeline.errors import UserError
+from pipeline.evaluate import EVALUATORS, evaluate_checkpoint
+from pipeline.inference import load_model, truncation_summary
+from pipeline.tokenize import Tokenizer
+from pipeline.train import train
+from pipeline.workdir import Inputs, build_inputs, run_dir
 
 log = logging.getLogger("aiayn")
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Exceptions that mean bad input or config: reported as one clear line and exit status 2, no traceback."""
-    from pipeline.train.checkpoint import CheckpointError
-    from pipeline.train.trainer import TrainConfigError
-
-    return ConfigError, DataError, TokenizerError, ShardError, CheckpointError, TrainConfigError
-
-
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    """The arguments every command shares (also used by ``python -m pipeline.train``)."""
+    """The arguments every command shares."""
     p.add_argument("--config", "-c", default="multi30k-cpu", help="config name under configs/ or a YAML path")
     p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. --set train.max_steps=200 (value parsed as YAML)")
@@ -41,18 +39,18 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", "-v", action="store_true")
 
 
-def resolve_config(args: argparse.Namespace) -> RunConfig:
-    """Config file, then environment, then explicit flags, then ``--set`` overrides (last wins)."""
-    overrides: list = []
-    if os.environ.get("AIAYN_WORK_DIR"):
-        overrides.append(("work_dir", os.environ["AIAYN_WORK_DIR"]))
-    if args.work_dir:
-        overrides.append(("work_dir", args.work_dir))
-    overrides += args.set
-    return load_config(args.config, overrides, data_root=args.data_root or os.environ.get("AIAYN_DATA_ROOT") or None)
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The config the flags name, resolved (:func:`pipeline.config.resolve_config`): ``--work-dir`` and
+    ``--data-root`` are explicit settings, so they win over the environment; ``--set`` overrides come last."""
+    overrides = ([("work_dir", args.work_dir)] if args.work_dir else []) + args.set
+    return resolve_config(args.config, overrides, data_root=args.data_root)
 
 
 def cmd_config(cfg: RunConfig, args: argparse.Namespace) -> None:
+    """Print the resolved config, or write it to ``--out`` (what ``python -m pipeline.train --config`` reads)."""
+    if args.out:
+        print(f"{write_resolved(cfg, Path(args.out))} (config hash {cfg.section_hash()})")
+        return
     print(f"# config hash: {cfg.section_hash()}")
     print(dump_config(cfg), end="")
 
@@ -78,8 +76,6 @@ def cmd_tokenize(cfg: RunConfig, args: argparse.Namespace) -> None:
 
 
 def _train(cfg: RunConfig, shards: Path) -> Path:
-    from pipeline.train import train
-
     out = train(cfg, shards, run_dir(cfg, shards))
     print(f"run: {out}")
     return out
@@ -90,10 +86,8 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> None:
     _train(cfg, build_inputs(cfg).shards)
 
 
-def _average(cfg: RunConfig, run: Path, inputs: Inputs | None) -> Path:
-    from pipeline.average import average_run
-
-    out = average_run(cfg, run, inputs)
+def _average(cfg: RunConfig, run: Path, inputs: Inputs) -> Path:
+    out = average_run(cfg, run, inputs.corpus, inputs.tokenizer)
     print(f"averaged: {out}")
     return out
 
@@ -103,30 +97,20 @@ def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
     found by the shards' content, so the inputs are resolved: a no-op when unchanged, but it hashes every input
     file)."""
     inputs = build_inputs(cfg)
-    _average(cfg, run_dir(cfg, inputs.shards), inputs if cfg.average.choose_from else None)
+    _average(cfg, run_dir(cfg, inputs.shards), inputs)
 
 
 def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
-    from pipeline.evaluate import evaluate_for
-
     if not checkpoint.is_file():
         raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
-    out = evaluate_for(cfg, checkpoint, inputs)
+    out = evaluate_checkpoint(cfg, checkpoint, inputs.corpus, inputs.tokenizer)
     scores = json.loads(out.read_text(encoding="utf-8"))["splits"]
     print(f"scores: {out}")
-    for key, s in scores.items():
-        if cfg.task == "parsing":
-            print(f"  {key:<24} EVALB F1 {s['f1']:6.2f}   P {s['precision']:6.2f}   R {s['recall']:6.2f}   "
-                  f"exact {s['exact_match']:6.2f}   well-formed before repair {100 * s['well_formed_before_repair_rate']:5.1f}%"
-                  f"   right-branching F1 {s['right_branching_f1']:6.2f}")
-        else:
-            print(f"  {key:<24} sacreBLEU {s['sacrebleu']['score']:6.2f}   chrF {s['chrf']['score']:6.2f}   "
-                  f"tokenized compound-split BLEU {s['tok_bleu_compound_split']['score']:6.2f}")
+    for key, split in scores.items():
+        print(f"  {key:<24} {EVALUATORS[cfg.task].summary(split)}")
 
 
 def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
-    from pipeline.average import averaged_path
-
     inputs = build_inputs(cfg)
     checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg, inputs.shards))
     _evaluate(cfg, inputs, checkpoint)
@@ -159,12 +143,6 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
     For ``task: parsing`` the input is tokenized sentences (PTB tokens separated by spaces) and each output line
     is a repaired tree over exactly those words (POS tags ``XX``). Lines longer than the model's positions are cut
     to fit, each with a warning, and counted at the end."""
-    from collections import Counter
-
-    from pipeline.data.clean import Normalizer
-    from pipeline.evaluate import load_model, translate, truncation_summary
-    from pipeline.tokenize import Tokenizer
-
     if not args.checkpoint or not args.tokenizer:
         raise ConfigError("translate needs --checkpoint (a .pt file) and --tokenizer (a tokenizer folder)")
     normalize = Normalizer(cfg.data.cleaning, Counter())
@@ -186,20 +164,9 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
         bar = tqdm(total=len(lines), unit="sent", file=sys.stderr)
         progress = bar.update
     truncated: list[int] = []
-    if cfg.task == "parsing":
-        from pipeline.parsing.evaluate import parse
-
-        empty = [i for i, line in enumerate(lines, start=1) if not line]
-        if empty:
-            raise DataError(f"{name}: line {empty[0]} is empty; a parse needs at least one word")
-        _, parsed = parse(model, tokenizer, lines, cfg.decode, progress=progress, leaves=cfg.data.tree_leaves,
-                          source=name, truncated=truncated)
-        for tree, _ in parsed:
-            print(tree)
-    else:
-        for line in translate(model, tokenizer, lines, cfg.decode, progress=progress, source=name,
-                              truncated=truncated):
-            print(line)
+    for line in EVALUATORS[cfg.task].outputs(cfg, model, tokenizer, lines, progress, source=name,
+                                             truncated=truncated):
+        print(line)
     if truncated:
         log.warning("%s: %s", name, truncation_summary(len(truncated), len(lines), model.config["max_positions"]))
 
@@ -235,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         add_config_args(p)
+        if name == "config":
+            p.add_argument("--out", help="write the resolved config to this file (for python -m pipeline.train "
+                                         "--config FILE) instead of printing it")
         if name in ("evaluate", "translate"):
             p.add_argument("--checkpoint", help="a training or averaged checkpoint (.pt)")
         if name == "translate":
@@ -248,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        cfg = resolve_config(args)
+        cfg = config_from_args(args)
         if args.command not in READ_ONLY_COMMANDS:
             ensure_work_dir(cfg.work_dir)
         COMMANDS[args.command][0](cfg, args)
-    except user_errors() as e:
+    except UserError as e:  # bad input or config: one clear line, exit status 2, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -24,11 +24,14 @@ from typing import Any, Literal, Mapping, Sequence, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.errors import UserError
+from pipeline.fsutil import write_text
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot be loaded; the message names the file and the field."""
 
 
@@ -511,7 +514,8 @@ def resolve_config_path(name_or_path: str | Path, relative_to: Path = CONFIG_DIR
     """``multi30k-cpu`` -> ``configs/multi30k-cpu.yaml``; an existing path is taken as it is."""
     p = Path(name_or_path)
     candidates = [p] if p.suffix in (".yaml", ".yml") else []
-    candidates += [relative_to / f"{name_or_path}.yaml", relative_to / str(name_or_path), CONFIG_DIR / f"{name_or_path}.yaml"]
+    candidates += [relative_to / f"{name_or_path}.yaml", relative_to / str(name_or_path),
+                   CONFIG_DIR / f"{name_or_path}.yaml"]
     for c in candidates:
         if c.is_file():
             return c.resolve()
@@ -650,9 +654,24 @@ def _did_you_mean(loc: tuple) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _validate(tree: dict, items: list[tuple[str, Any, str]], path: Path) -> RunConfig:
+    """The typed config of a merged tree; a :class:`ConfigError` naming, per bad field, where its value came from."""
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        # a whole-config rule names its fields in its message; echoing the whole config would bury it
+        lines = [f"{_error_source(err['loc'], items, path)}: {_field_path(err['loc'])}: {err['msg']}"
+                 + (f" (got {err.get('input')!r})" if err["loc"] else "")
+                 + (_did_you_mean(err["loc"]) if err["type"] == "extra_forbidden" else "")
+                 for err in e.errors()]
+        raise ConfigError(lines[0] if len(lines) == 1
+                          else "invalid config:\n" + "\n".join(f"  {line}" for line in lines)) from None
+
+
 def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
                 data_root: str | Path | None = None) -> RunConfig:
-    """Load, merge presets, apply overrides and validate. Raises :class:`ConfigError` naming each bad field.
+    """Load, merge presets, apply overrides and validate; the environment is not read (see :func:`resolve_config`).
+    Raises :class:`ConfigError` naming each bad field.
 
     ``data_root`` points the run at local corpora: it sets ``data.root`` and, when the config names a
     ``local_data`` preset (a hub config's local twin, e.g. ``data/multi30k``), takes the data section from it.
@@ -665,21 +684,65 @@ def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
             tree["data"] = _load_yaml_tree(resolve_config_path(local, path.parent))["data"]
         tree = apply_overrides(tree, [("data.root", str(data_root))])
     items = _override_items(overrides)
-    tree = _apply(tree, items)
-    try:
-        cfg = RunConfig.model_validate(tree)
-    except ValidationError as e:
-        # a whole-config rule names its fields in its message; echoing the whole config would bury it
-        lines = [f"{_error_source(err['loc'], items, path)}: {_field_path(err['loc'])}: {err['msg']}"
-                 + (f" (got {err.get('input')!r})" if err["loc"] else "")
-                 + (_did_you_mean(err["loc"]) if err["type"] == "extra_forbidden" else "")
-                 for err in e.errors()]
-        raise ConfigError(lines[0] if len(lines) == 1 else "invalid config:\n" + "\n".join(f"  {line}" for line in lines)
-                          ) from None
+    cfg = _validate(_apply(tree, items), items, path)
     mismatch = cfg.data.dev_domain_mismatch()
     if mismatch:
         warnings.warn(f"{path}: {mismatch}", DevDomainWarning, stacklevel=2)
     return cfg
+
+
+ENV_DATA_ROOT = "AIAYN_DATA_ROOT"  # where local corpora live (a deployment's worker points it at them)
+ENV_WORK_DIR = "AIAYN_WORK_DIR"  # where stage outputs go
+
+
+def resolve_config(name_or_path: str | Path, overrides: Overrides | None = None, data_root: str | Path | None = None,
+                   environ: Mapping[str, str] | None = None) -> RunConfig:
+    """The run's config, resolved once: the one function that owns precedence, used by the CLI and the flows.
+
+    Later wins: the schema's defaults < the YAML file (and the presets it ``extends``) < the environment
+    (``AIAYN_DATA_ROOT``, ``AIAYN_WORK_DIR``; ``environ``, default ``os.environ``) < ``data_root`` < ``overrides``
+    (dotted keys, in order). What runs below (the torchrun entry point included) receives the result, written by
+    :func:`write_resolved`, and reads no environment of its own.
+    """
+    env = os.environ if environ is None else environ
+    items: list = [("work_dir", env[ENV_WORK_DIR])] if env.get(ENV_WORK_DIR) else []
+    if isinstance(overrides, Mapping):
+        items += list(overrides.items())
+    else:
+        items += list(overrides or [])
+    return load_config(name_or_path, items, data_root=data_root or env.get(ENV_DATA_ROOT) or None)
+
+
+def write_resolved(cfg: RunConfig, path: Path) -> Path:
+    """Write ``cfg`` as a resolved config file (every field, nothing to merge), atomically; returns ``path``.
+    :func:`load_resolved` reads it back as it is."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, dump_config(cfg))
+    return path
+
+
+def load_resolved(path: str | Path) -> RunConfig:
+    """A resolved config file (``python -m pipeline config --out FILE``, or a run folder's ``config.yaml``) as it
+    is: validated, with no presets, environment or overrides applied. A preset (it ``extends`` others or names
+    ``local_data``) is refused, saying how to resolve it."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the resolved config: {e.strerror or e}; write one with python -m "
+                          "pipeline config --config NAME [--set ...] --out FILE") from None
+    try:
+        tree = yaml.load(text, Loader=_YamlLoader) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
+    preset = sorted(k for k in ("extends", "local_data") if k in tree)
+    if preset:
+        raise ConfigError(f"{path}: has {preset}: a preset, not a resolved config; resolve it first: python -m "
+                          f"pipeline config --config {path} [--set ...] --out FILE")
+    return _validate(tree, [], path)
 
 
 _WORK_DIR_FIX = "set work_dir (in the config or --set work_dir=...), --work-dir or AIAYN_WORK_DIR to a writable folder"

@@ -28,6 +28,7 @@ from sacrebleu.metrics.base import Metric
 from sacrebleu.significance import PairedTest
 
 from pipeline.config import RunConfig
+from pipeline.parsing.evalb import EvalbF1
 
 log = logging.getLogger("aiayn.promotion")
 
@@ -92,8 +93,6 @@ def metric_for(name: str) -> Metric:
     if name == "chrf":
         return CHRF()
     if name == "f1":
-        from pipeline.parsing.evalb import EvalbF1
-
         return EvalbF1()
     raise ValueError(f"no promotion metric {name!r}: use sacrebleu, chrf or f1")
 

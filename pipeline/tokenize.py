@@ -27,8 +27,8 @@ import sentencepiece as spm
 
 from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder,
-                             write_json)
+from pipeline.errors import UserError
+from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder, write_json
 
 log = logging.getLogger("aiayn.tokenize")
 
@@ -48,7 +48,7 @@ TRAINER_OPTIONS = {
 _READ_ROWS = 65_536  # Parquet rows per read while feeding the trainer
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """A tokenizer that cannot be trained or loaded; the message names the file or field and what to change."""
 
 

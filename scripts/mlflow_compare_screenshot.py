@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/mlflow_compare_screenshot.py [--tracking-uri URL] [--out compare.png]
 
-Without ``--tracking-uri`` it starts a throwaway MLflow server (``pipeline.localstack.start_mlflow``) and stops it
+Without ``--tracking-uri`` it starts a throwaway MLflow server (``ops.localstack.start_mlflow``) and stops it
 at the end. It trains two small models on Multi30k that differ in ``train.lr_scale``, each tracked as a pipeline
 run (params, step metrics, system metrics, dataset inputs), opens ``#/compare-runs`` for the two, checks that
 the rendered page names both runs, and saves the PNG. Needs ``chromium`` (``apt-get install chromium``) and the
@@ -24,11 +24,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ops.localstack import free_port, start_mlflow  # noqa: E402
 from pipeline import tracking  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.localstack import free_port, start_mlflow  # noqa: E402
-from pipeline.stages import build_inputs  # noqa: E402
 from pipeline.train import train  # noqa: E402
+from pipeline.workdir import build_inputs  # noqa: E402
 
 # A model small enough to train a few dozen steps in seconds on a CPU; the two runs differ in lr_scale.
 SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "model.d_model=64", "model.n_heads=4", "model.d_ff=128",

@@ -1,6 +1,7 @@
 """Cross-run caching for stage tasks: a key from what determines a stage's output, and nothing else.
 
-The key of a stage task is the hash of: the task's name and source, the source of the stage code it calls, and
+The key of a stage task is the hash of: the task's name and source, the source of every module the stage
+function runs (its module and what that imports of ours, derived from the imports: ``pipeline.codegraph``), and
 its inputs, where a config is its canonical JSON and a stage folder is the hash of its manifest (which holds
 the content hashes of every file in it). So a changed training config re-runs training and what follows,
 while data and tokenization keep their keys. The task name is in the key because two tasks with equal inputs
@@ -17,10 +18,13 @@ from typing import Any, Callable, Iterable
 from prefect import get_run_logger
 from pydantic import BaseModel
 
+from pipeline.codegraph import REPO, code_closure
 from pipeline.config import canonical_json
 from pipeline.fsutil import MANIFEST, sha256_file
 
-REPO = Path(__file__).resolve().parents[1]
+# The config schema reaches a stage only through the config's values, which the key holds by content: leaving
+# its code out keeps a new field in one section from invalidating every stage.
+_NOT_CODE = ("pipeline.config",)
 # Folders that are not stage folders but have an index with content hashes (checkpoints/index.json).
 _INDEX_FILES = (MANIFEST, "index.json")
 
@@ -40,25 +44,28 @@ def digest(value: Any) -> str:
     return canonical_json(value)
 
 
-def code_digest(paths: Iterable[str]) -> str:
-    """Hash of the Python sources under ``paths`` (repo-relative files or folders)."""
+def code_digest(files: Iterable[Path]) -> str:
+    """Hash of the Python sources ``files`` (their repo-relative names and bytes)."""
     h = hashlib.sha256()
-    for rel in paths:
-        p = REPO / rel
-        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
-            h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
+    for f in files:
+        h.update(str(f.relative_to(REPO)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
-def stage_cache_key(code: Iterable[str], ignore: Iterable[str] = (),
+def stage_code(stage: Callable) -> tuple[Path, ...]:
+    """The source files the plain stage function ``stage`` runs (see :func:`pipeline.codegraph.code_closure`)."""
+    return code_closure(stage.__module__, _NOT_CODE)
+
+
+def stage_cache_key(stage: Callable, ignore: Iterable[str] = (),
                     content: dict[str, Callable[[Any], str]] | None = None) -> Callable:
-    """A ``cache_key_fn`` for a stage task over the stage code in ``code``.
+    """A ``cache_key_fn`` for a task over the plain stage function ``stage`` (the code it runs is in the key).
 
     ``ignore`` names parameters that do not change the output (e.g. the tracking run that receives metrics);
     ``content`` maps a parameter to a function giving its content digest where its value alone is not enough
     (the data config names files whose bytes decide the corpus).
     """
-    code, ignore, content = tuple(code), frozenset(ignore), dict(content or {})
+    code, ignore, content = stage_code(stage), frozenset(ignore), dict(content or {})
 
     def key(context, parameters: dict[str, Any]) -> str:
         h = hashlib.sha256()

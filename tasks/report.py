@@ -1,97 +1,16 @@
-"""The run report: one markdown artifact per flow run with what a reviewer asks first (data, tokenizer,
-training, every score by name, the promotion decision, where the tracking run is)."""
+"""The run report: one markdown artifact per flow run (built by :func:`pipeline.report.render_report`) and, when a
+promotion decision has evidence, a table artifact of it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pipeline import tracking
-from pipeline.average import CHOICE
 from pipeline.config import RunConfig
-
-
-def _read(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def _scores_rows(scores: dict) -> list[str]:
-    """One row per (split, score): named scores carry {"score", "what", "signature"}, plain numbers stand alone."""
-    rows = []
-    for key, split in scores["splits"].items():
-        for metric, value in split.items():
-            if isinstance(value, dict) and "score" in value:
-                what = value.get("what", "")
-                sig = f" `{value['signature']}`".replace("|", "\\|") if value.get("signature") else ""  # | splits cells
-                rows.append(f"| {key} ({split.get('name', '')}) | {metric} | **{value['score']:.2f}** | {what}{sig} |")
-            elif isinstance(value, float):
-                rows.append(f"| {key} ({split.get('name', '')}) | {metric} | {value:.4g} | |")
-    return rows
-
-
-def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision: dict | None,
-                  tracking_url: str | None) -> str:
-    """The report's markdown from the stage outputs (``stages``: name -> (path, reused from cache))."""
-    corpus, shards = _read(stages["data"][0] / "manifest.json"), _read(stages["shards"][0] / "manifest.json")
-    summary = _read(stages["train"][0] / "train_summary.json")
-    scores = _read(stages["evaluate"][0])
-    out = [f"# {cfg.name}: {cfg.data.src_lang}->{cfg.data.tgt_lang}, preset `{cfg.preset}`", ""]
-    if tracking_url:
-        out += [f"Tracking run: [{tracking_url}]({tracking_url})", ""]
-    out += ["## Stages", "", "| stage | output | cache |", "|---|---|---|"]
-    out += [f"| {name} | `{path}` | {'reused' if cached else 'ran'} |" for name, (path, cached) in stages.items()]
-    out += ["", "## Data", "", "| split | name | pairs |", "|---|---|---|"]
-    out += [f"| {k} | {s['name'] if 'name' in s else ''} | {s['rows']:,} |" for k, s in corpus["splits"].items()]
-    clean = corpus["splits"]["train"]["cleaning"]
-    out += ["", f"Training pairs read {clean['read']:,}, kept {clean['kept']:,}; removed by rule: "
-            + ", ".join(f"{r['rule']} {r['removed']:,}" for r in clean["rules"]), ""]
-    train = shards["splits"]["train"]
-    out += ["## Tokenizer", "", f"Vocabulary {shards['tokenizer'].get('vocab_size', '?')}; training split "
-            f"{train['src']['tokens']:,} source / {train['tgt']['tokens']:,} target tokens, mean length "
-            f"{train['src']['mean_len']:.1f} / {train['tgt']['mean_len']:.1f}, unknown rate "
-            f"{train['src']['unk_rate']:.4%} / {train['tgt']['unk_rate']:.4%}.", ""]
-    dev = summary.get("final_dev") or {}
-    out += ["## Training", "", f"{summary['steps']:,} updates, {summary['epoch']} epochs, stopped by "
-            f"`{summary['stopped_by']}` after {summary['wall_seconds'] / 60:.1f} min on {summary['world_size']} "
-            f"process(es); {summary['tokens']['tgt']:,} target tokens this invocation"
-            + (f"; final dev loss {dev['dev_loss']:.3f}, ppl {dev['dev_ppl']:.2f}." if dev else "."), ""]
-    choice = stages["average"][0].parent / CHOICE
-    if choice.is_file():
-        c = _read(choice)
-        out += ["## Averaging", "", f"N chosen on {c['metric']}: **{c['chosen_n']}**.", "",
-                "| N | steps | dev |", "|---|---|---|"]
-        out += [f"| {r['n']} | {r['steps'][0]}-{r['steps'][-1]} | {r['dev']:.2f} |" for r in c["candidates"]]
-        out += [""]
-    out += ["## Scores", "", "| split | score | value | what |", "|---|---|---|---|", *_scores_rows(scores), ""]
-    if decision:
-        verdict = {"promoted": "promoted to **champion**", "not promoted": "**not promoted**",
-                   "no decision": "no decision"}[decision["decision"]]
-        out += ["## Registry", "", f"Version {decision['version']}: {verdict}. {decision['reason']}", ""]
-        rows = evidence_rows(decision)
-        if rows:
-            cell = lambda v: v.replace("|", "\\|")  # noqa: E731  (sacreBLEU signatures hold |)
-            out += ["| evidence | value |", "|---|---|", *(f"| {k} | {cell(v)} |" for k, v in rows), ""]
-    return "\n".join(out)
-
-
-def evidence_rows(decision: dict) -> list[tuple[str, str]]:
-    """The promotion decision's evidence as (what, value) rows: the paired test and every test-set guard."""
-    c = decision.get("comparison")
-    if not c:
-        return []
-    rows = [("promotion set", f"{decision['set']} ({decision['set_role']} set, {c['segments']} segments)"),
-            (c["metric"], f"{c['challenger']:.2f} (champion version {decision['champion_version']}: "
-                          f"{c['champion']:.2f})"),
-            ("delta", f"{c['delta']:+.2f}"), ("95% CI of delta", f"[{c['ci_low']:+.2f}, {c['ci_high']:+.2f}]"),
-            ("p-value (paired bootstrap)", f"{c['p_value']:.4f}"), ("test", c["signature"])]
-    for g in decision["guards"]:
-        drop = "new set" if g["drop"] is None else f"{g['champion']:.2f} -> {g['challenger']:.2f}"
-        failed = " **failed**" if g["set"] in decision["failed_guards"] else ""
-        rows.append((f"guard {g['set']} {g['metric']}", drop + failed))
-    return rows
+from pipeline.report import evidence_rows, render_report
 
 
 @task(name="report")

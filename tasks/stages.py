@@ -9,10 +9,13 @@ from pathlib import Path
 from prefect import task
 from prefect.tasks import exponential_backoff
 
+from pipeline.average import average_run
 from pipeline.config import DataConfig, RunConfig, TokenizerConfig
 from pipeline.data import DataError, corpus_fingerprint, prepare_corpus
 from pipeline.data.sources import HubUnavailable
-from pipeline.stages import Inputs
+from pipeline.evaluate import evaluate_checkpoint
+from pipeline.shards import build_shards
+from pipeline.tokenize import train_tokenizer
 from tasks.caching import stage_cache_key
 
 
@@ -38,48 +41,35 @@ def _corpus_content(data: DataConfig) -> str:
 
 @task(name="prepare-data", persist_result=True, retries=3, retry_delay_seconds=exponential_backoff(10),
       retry_condition_fn=_hub_unavailable,
-      cache_key_fn=stage_cache_key(["pipeline/data", "pipeline/fsutil.py"], content={"data": _corpus_content}))
-def prepare_data(data: DataConfig, work_dir: Path) -> Path:
+      cache_key_fn=stage_cache_key(prepare_corpus, content={"data": _corpus_content}))
+def data_stage(data: DataConfig, work_dir: Path) -> Path:
     """Read, clean and version the corpus; the cache key covers every input file's content hash."""
     return prepare_corpus(data, work_dir)
 
 
-@task(name="train-tokenizer", persist_result=True,
-      cache_key_fn=stage_cache_key(["pipeline/tokenize.py", "pipeline/fsutil.py"]))
-def train_tokenizer(corpus: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
+@task(name="train-tokenizer", persist_result=True, cache_key_fn=stage_cache_key(train_tokenizer))
+def tokenizer_stage(corpus: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
     """The sentencepiece model shared by source and target, trained on the corpus's training split."""
-    from pipeline.tokenize import train_tokenizer as train
-
-    return train(corpus, tokenizer, work_dir)
+    return train_tokenizer(corpus, tokenizer, work_dir)
 
 
-@task(name="write-shards", persist_result=True,
-      cache_key_fn=stage_cache_key(["pipeline/shards.py", "pipeline/tokenize.py", "pipeline/fsutil.py"]))
-def write_shards(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
+@task(name="write-shards", persist_result=True, cache_key_fn=stage_cache_key(build_shards))
+def shards_stage(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
     """Every split encoded into memory-mappable token shards."""
-    from pipeline.shards import build_shards
-
     return build_shards(corpus, tokenizer_dir, tokenizer, work_dir)
 
 
 @task(name="average-checkpoints", persist_result=True,
-      cache_key_fn=stage_cache_key(["pipeline/average.py", "pipeline/train/checkpoint.py", "pipeline/evaluate.py",
-                                    "pipeline/parsing", "model"],
-                                   content={"cfg": lambda c: c.section_hash("average", "task", "decode")}))
-def average(cfg: RunConfig, checkpoints: Path, tokenizer_dir: Path, corpus: Path, shards: Path) -> Path:
+      cache_key_fn=stage_cache_key(average_run, content={"cfg": lambda c: c.section_hash("average", "task", "decode")}))
+def average_stage(cfg: RunConfig, checkpoints: Path, tokenizer_dir: Path, corpus: Path) -> Path:
     """The element-wise mean of the last ``average.last_n`` checkpoints (float64 accumulation), or, with
     ``average.choose_from``, the best such mean on the dev split (the corpus and tokenizer decode it)."""
-    from pipeline.average import average_run
-
-    return average_run(cfg, checkpoints.parent, Inputs(corpus, tokenizer_dir, shards))
+    return average_run(cfg, checkpoints.parent, corpus, tokenizer_dir)
 
 
 @task(name="evaluate", persist_result=True,
-      cache_key_fn=stage_cache_key(["pipeline/evaluate.py", "pipeline/parsing", "model", "pipeline/tokenize.py"],
-                                   content={"cfg": lambda c: c.section_hash("task", "decode")}))
-def evaluate(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path, shards: Path) -> Path:
+      cache_key_fn=stage_cache_key(evaluate_checkpoint, content={"cfg": lambda c: c.section_hash("task", "decode")}))
+def evaluate_stage(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path) -> Path:
     """Decode dev and every test split and score them as the task demands (translation: every BLEU variant
     and chrF; parsing: EVALB F1); returns ``scores.json``."""
-    from pipeline.evaluate import evaluate_for
-
-    return evaluate_for(cfg, checkpoint, Inputs(corpus, tokenizer_dir, shards))
+    return evaluate_checkpoint(cfg, checkpoint, corpus, tokenizer_dir)

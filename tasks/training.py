@@ -19,11 +19,11 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from pipeline.config import LaunchConfig, RunConfig, dump_config
-from pipeline.fsutil import write_text
+from pipeline.config import LaunchConfig, RunConfig, write_resolved
 from pipeline.proc import preexec_exit_with_parent
-from pipeline.stages import run_dir
+from pipeline.train import trainer
 from pipeline.train.launch import torchrun_command
+from pipeline.workdir import run_dir
 from tasks.caching import stage_cache_key
 
 _PROGRESS_EVERY_S = 10.0
@@ -58,10 +58,9 @@ def _progress(cfg: RunConfig, step: int, started: float) -> float:
 
 
 @task(name="train", persist_result=True,
-      cache_key_fn=stage_cache_key(["pipeline/train", "model", "pipeline/shards.py", "pipeline/config.py"],
-                                   ignore=("launch", "tracking_run_id"),
+      cache_key_fn=stage_cache_key(trainer.train, ignore=("launch", "tracking_run_id"),
                                    content={"cfg": lambda c: c.section_hash("data", "tokenizer", "model", "train")}))
-def train(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: str | None = None,
+def train_stage(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: str | None = None,
           init_checkpoint: Path | None = None) -> Path:
     """Train under torchrun until ``max_steps``/``max_minutes``; returns the run folder (checkpoints inside).
     ``init_checkpoint``: start from its weights (``train.init_from``) instead of a random initialisation.
@@ -74,12 +73,10 @@ def train(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: s
     # No lock here: the trainer's rank 0 holds the run folder's lock (every way in is covered, and its waiting
     # message reaches this log through torchrun's output); this process holding it too would deadlock them.
     out.mkdir(parents=True, exist_ok=True)
-    config_file = out / "config.yaml"
-    write_text(config_file, dump_config(cfg))
+    # The one hand-off: the resolved config, written once as the run folder's record, read by every rank as it is.
+    config_file = write_resolved(cfg, out / "config.yaml")
     extra = ["--mlflow-run-id", tracking_run_id] if tracking_run_id else []
     cmd = torchrun_command(launch, config_file, shards, out, extra, init_checkpoint=init_checkpoint)
-    # The config file is fully resolved: keep the worker's data/work-dir variables from re-applying.
-    env = {k: v for k, v in os.environ.items() if k not in ("AIAYN_DATA_ROOT", "AIAYN_WORK_DIR")}
     logger.info("launching: %s", " ".join(cmd))
     progress_id = create_progress_artifact(progress=0.0, key="training-progress",
                                            description=f"training {cfg.name} in {out}")
@@ -87,7 +84,7 @@ def train(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: s
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # Its own session, so that a cancellation can signal torchrun's whole process group; and SIGTERM when this
     # process dies outright, which nothing else would deliver to a separate session.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1, start_new_session=True, preexec_fn=preexec_exit_with_parent())
     stop_progress = threading.Event()
 

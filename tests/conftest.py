@@ -1,7 +1,19 @@
-"""Test tiers: unit and integration run by default; `slow` ones (end-to-end, benchmark-scale) need --run-slow."""
+"""Three test tiers, chosen by marks (declared in pyproject.toml):
+
+- unit (no mark): fast, in-process, no shared data, servers or subprocesses; the whole tier runs in under a
+  minute: ``.venv/bin/python -m pytest -m "not integration and not slow"``
+- ``integration``: reads the shared data in ../shared/data, starts servers (MLflow, Prefect) or processes
+  (``python -m pipeline``, torchrun, ...); with the unit tests it is the default run: ``.venv/bin/python -m pytest``
+- ``slow``: end-to-end or benchmark-scale, skipped unless --run-slow; everything, as CI runs it:
+  ``.venv/bin/python -m pytest --run-slow``
+
+A test that uses one of INTEGRATION_FIXTURES (or a fixture built on one) without an ``integration`` or ``slow``
+mark is refused at collection, so the unit tier stays fast.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -25,7 +37,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
 
 
+# Fixtures that read the shared data or start servers/processes: a test using any of them (directly or through
+# another fixture) must be marked integration (or slow).
+INTEGRATION_FIXTURES = ("shared_data", "tiny_stack", "mlflow_server", "stack")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [f"{item.nodeid} (uses {', '.join(f for f in INTEGRATION_FIXTURES if f in item.fixturenames)})"
+                for item in items if any(f in item.fixturenames for f in INTEGRATION_FIXTURES)
+                and item.get_closest_marker("integration") is None and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("tests that read the shared data or start servers/processes must be marked "
+                                "@pytest.mark.integration (or slow):\n  " + "\n  ".join(unmarked))
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")
@@ -37,7 +61,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not (SHARED_DATA / "multi30k" / "train.en").is_file():
-        pytest.fail(f"shared data not found at {SHARED_DATA}: put ../shared/data beside the repo or set AIAYN_SHARED_DATA")
+        pytest.fail(f"shared data not found at {SHARED_DATA}: "
+                    "put ../shared/data beside the repo or set AIAYN_SHARED_DATA")
     return SHARED_DATA
 
 
@@ -58,6 +83,16 @@ def tiny_config(shared_data: Path, *overrides: str):
     from pipeline.config import load_config
 
     return load_config("multi30k-cpu", [("data.root", str(shared_data)), *TINY, *overrides])
+
+
+def resolved_tiny_config(shared_data: Path, folder: Path, *overrides: str) -> Path:
+    """:func:`tiny_config` written as a resolved config file in ``folder`` (named by its content), as
+    ``python -m pipeline.train --config`` reads it."""
+    from pipeline.config import canonical_json, write_resolved
+
+    cfg = tiny_config(shared_data, *overrides)
+    name = hashlib.sha256(canonical_json(cfg.model_dump(mode="json")).encode()).hexdigest()[:12]
+    return write_resolved(cfg, Path(folder) / f"config-{name}.yaml")
 
 
 @dataclass(frozen=True)
@@ -86,7 +121,7 @@ def tiny_stack(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> S
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
     """A real MLflow tracking server (SQLite + local artifacts) on a free port; yields its URL."""
-    from pipeline.localstack import free_port, start_mlflow
+    from ops.localstack import free_port, start_mlflow
 
     service = start_mlflow(tmp_path_factory.mktemp("mlflow"), free_port())
     try:
@@ -143,14 +178,14 @@ class Prefect:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, shared_data: Path):
-    """`python -m pipeline.localstack up` on free ports in a temporary home; `down` afterwards."""
-    from pipeline.localstack import Stack, free_port
+    """`python -m ops.localstack up` on free ports in a temporary home; `down` afterwards."""
+    from ops.localstack import Stack, free_port
 
     home = tmp_path_factory.mktemp("stack")
     env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
     env.pop("PREFECT_API_URL", None)
     ports = [str(free_port()), str(free_port())]
-    cmd = [sys.executable, "-m", "pipeline.localstack", "--home", str(home), "--prefect-port", ports[0],
+    cmd = [sys.executable, "-m", "ops.localstack", "--home", str(home), "--prefect-port", ports[0],
            "--mlflow-port", ports[1], "--data-root", str(shared_data), "--work-dir", str(home / "work")]
     up = subprocess.run([*cmd[:3], "up", *cmd[3:]], env=env, capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr

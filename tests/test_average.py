@@ -10,7 +10,7 @@ import torch
 
 from model import Transformer
 from pipeline.average import average_checkpoints
-from pipeline.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from pipeline.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 ARCH = dict(encoder_layers=1, decoder_layers=1, d_model=16, d_ff=32, n_heads=2, dropout=0.0)
 

@@ -17,6 +17,8 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 
+pytestmark = pytest.mark.integration  # every test reads the shared data and runs the CLI
+
 CONFIG = """\
 extends: [presets/tiny]
 name: bad-data

@@ -18,10 +18,13 @@ from pipeline.average import average_checkpoints
 from pipeline.cli import COMMANDS, READ_ONLY_COMMANDS, main
 from pipeline.config import DecodeConfig, load_config
 from pipeline.data import prepare_corpus
-from pipeline.evaluate import evaluate, load_model, translate
+from pipeline.inference import load_model, translate
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
+from pipeline.translation.evaluate import evaluate_translation
 from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.integration  # every test runs `python -m pipeline` or trains on the shared data
 
 REPO = Path(__file__).resolve().parents[1]
 POSITIONS = 128  # the tiny model's max_positions (training needs 98 for Multi30k's longest pair)
@@ -144,7 +147,7 @@ def test_evaluation_records_truncated_sources_per_split(short_model, tiny_stack,
                                        "data.dev={name: d, format: text, path: x/d}", "data.test=[]"])
     corpus = prepare_corpus(cfg.data, tmp_path / "work")
     with caplog.at_level(logging.WARNING, logger="aiayn.evaluate"):
-        out = evaluate(short_model, tiny_stack.tokenizer, corpus, GREEDY, tmp_path / "eval")
+        out = evaluate_translation(short_model, tiny_stack.tokenizer, corpus, GREEDY, tmp_path / "eval")
     assert json.loads(out.read_text())["splits"]["dev"]["truncated_sources"] == 2
     assert f"dev: 2 of 3 lines were longer than the model's {POSITIONS} positions" in caplog.text
     assert "dev: line 1 has " in caplog.text and "dev: line 3 has " in caplog.text

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import CONFIG_DIR, ConfigError, ModelConfig, TrainConfig, ensure_work_dir, load_config
+from pipeline.config import (CONFIG_DIR, ConfigError, ModelConfig, TrainConfig, dump_config, ensure_work_dir,
+                             load_config, load_resolved, resolve_config, write_resolved)
 
 RUN_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -40,7 +41,8 @@ def test_presets_match_the_paper_rows() -> None:
 
 
 def _tiny_data() -> dict:
-    return {"train": [{"name": "t", "format": "text", "path": "t"}], "dev": {"name": "d", "format": "text", "path": "d"}}
+    return {"train": [{"name": "t", "format": "text", "path": "t"}],
+            "dev": {"name": "d", "format": "text", "path": "d"}}
 
 
 def test_cli_style_and_dict_overrides() -> None:
@@ -186,7 +188,7 @@ def test_section_hash_is_stable_and_local() -> None:
 
 def test_run_folder_ignores_budgets_but_not_settings_or_data(tmp_path) -> None:
     from pipeline.shards import SHARDS_FORMAT
-    from pipeline.stages import run_dir
+    from pipeline.workdir import run_dir
 
     shards, other = tmp_path / "a", tmp_path / "b"
     for folder, fp in ((shards, "f" * 64), (other, "e" * 64)):
@@ -203,6 +205,7 @@ def test_run_folder_ignores_budgets_but_not_settings_or_data(tmp_path) -> None:
     assert run_dir(base, shards, init) != run_dir(base, shards)  # a run from a champion's weights is its own
 
 
+@pytest.mark.integration
 def test_a_local_data_root_swaps_a_hub_config_to_its_local_twin(shared_data) -> None:
     hub = load_config("multi30k-cpu-hub")
     assert {s.format for s in (*hub.data.train, hub.data.dev, *hub.data.test)} == {"hub"}
@@ -213,3 +216,43 @@ def test_a_local_data_root_swaps_a_hub_config_to_its_local_twin(shared_data) -> 
         load_config("multi30k-cpu", data_root=shared_data).section_hash("data", "tokenizer", "model", "train")
     # A config without a local twin only moves its root.
     assert load_config("multi30k-cpu", data_root="/elsewhere").data.root == "/elsewhere"
+
+
+def test_resolve_config_owns_precedence(tmp_path: Path) -> None:
+    """defaults < YAML < environment < data_root < overrides: the one function the CLI and the flows call."""
+    assert resolve_config("multi30k-cpu", environ={}).work_dir == load_config("multi30k-cpu").work_dir  # YAML
+    env = {"AIAYN_WORK_DIR": str(tmp_path / "env"), "AIAYN_DATA_ROOT": str(tmp_path / "env-data")}
+    cfg = resolve_config("multi30k-cpu", environ=env)
+    assert (cfg.work_dir, cfg.data.root) == (str(tmp_path / "env"), str(tmp_path / "env-data"))
+    cfg = resolve_config("multi30k-cpu", {"work_dir": str(tmp_path / "set")}, data_root=tmp_path / "flag", environ=env)
+    assert (cfg.work_dir, cfg.data.root) == (str(tmp_path / "set"), str(tmp_path / "flag"))
+    # later overrides win over earlier ones, whatever their form
+    cfg = resolve_config("multi30k-cpu", ["train.max_steps=5", ("train.max_steps", 7)], environ={})
+    assert cfg.train.max_steps == 7
+
+
+def test_a_resolved_file_loads_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the torchrun entry point reads: no environment, presets or overrides applied a second time."""
+    cfg = resolve_config("multi30k-cpu", {"train.max_steps": 9, "work_dir": str(tmp_path / "w")}, environ={})
+    path = write_resolved(cfg, tmp_path / "config.yaml")
+    assert path.read_text(encoding="utf-8") == dump_config(cfg)
+    monkeypatch.setenv("AIAYN_WORK_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("AIAYN_DATA_ROOT", str(tmp_path / "other-data"))
+    assert load_resolved(path) == cfg
+    with pytest.raises(ConfigError, match=r"multi30k-cpu.yaml: has \['extends'\]: a preset, not a resolved config"):
+        load_resolved(CONFIG_DIR / "multi30k-cpu.yaml")
+    path.write_text(dump_config(cfg).replace("max_steps: 9", "max_steps: nine"), encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"{path}: train.max_steps: "):
+        load_resolved(path)
+    with pytest.raises(ConfigError, match="cannot read the resolved config"):
+        load_resolved(tmp_path / "missing.yaml")
+
+
+def test_cli_writes_the_resolved_file(tmp_path: Path) -> None:
+    from pipeline.cli import main
+
+    out = tmp_path / "run.yaml"
+    assert main(["config", "--set", "train.max_steps=7", "--work-dir", str(tmp_path / "w"), "--out", str(out)]) == 0
+    cfg = load_resolved(out)
+    assert (cfg.train.max_steps, cfg.work_dir) == (7, str(tmp_path / "w"))
+

@@ -64,6 +64,7 @@ def assert_nothing_written(work: Path) -> None:
 # ------------------------------------------------------------------------------------------ real shared data
 
 
+@pytest.mark.integration
 def test_multi30k_default_config_on_shared_data(shared_data: Path, tmp_path: Path) -> None:
     cfg = load_config("multi30k-cpu", [("data.root", str(shared_data))])
     corpus = prepare_corpus(cfg.data, tmp_path)
@@ -85,6 +86,7 @@ def test_multi30k_default_config_on_shared_data(shared_data: Path, tmp_path: Pat
     assert train["cleaning"]["normalized"]["whitespace_changed"] > 40
 
 
+@pytest.mark.integration
 def test_sgm_extraction_equals_the_plain_text_test_set(shared_data: Path, tmp_path: Path) -> None:
     sgm = {"name": "nt14", "format": "sgm", "files": {"en": "wmt14-en-de/sgm/newstest2014-deen-src.en.sgm",
                                                        "de": "wmt14-en-de/sgm/newstest2014-deen-ref.de.sgm"}}
@@ -95,6 +97,7 @@ def test_sgm_extraction_equals_the_plain_text_test_set(shared_data: Path, tmp_pa
     assert [r["src"] for r in got] == en and [r["tgt_raw"] for r in got] == de and len(got) == 3003
 
 
+@pytest.mark.integration
 def test_concatenated_training_sources_are_tagged_and_decontaminated(shared_data: Path, tmp_path: Path) -> None:
     train = [{"name": "multi30k", "format": "text", "path": "multi30k/train"},
              {"name": "nt2012", "format": "text", "path": "wmt-en-de-older-newstest/newstest2012"},
@@ -200,6 +203,7 @@ HUB_PROBE = """
 """
 
 
+@pytest.mark.integration
 def test_hub_loader_reads_a_hub_layout_dataset_repository(root: Path, tmp_path: Path) -> None:
     """The real `datasets.load_dataset` code path, against a local copy laid out like hub repo wmt/wmt14."""
     repo = tmp_path / "wmt14"
@@ -225,6 +229,7 @@ def test_hub_loader_reads_a_hub_layout_dataset_repository(root: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("offline", ["1", ""])
+@pytest.mark.integration
 def test_hub_unreachable_fails_fast_naming_the_local_alternative(root: Path, tmp_path: Path, offline: str) -> None:
     spec = {"name": "wmt14", "format": "hub", "dataset": "wmt/wmt14", "subset": "de-en", "split": "train"}
     # An endpoint nobody listens on stands for "no internet" wherever the test runs.
@@ -321,6 +326,7 @@ def copy_multi30k(shared_data: Path, root: Path, prefix: str, start: int, n: int
     write_pair(root, prefix, en, de)
 
 
+@pytest.mark.integration
 def test_text_glob_reads_every_prefix_in_sorted_order(shared_data: Path, root: Path, tmp_path: Path) -> None:
     copy_multi30k(shared_data, root, "m30k/train-extra", 200)  # written first: order must come from the names
     copy_multi30k(shared_data, root, "m30k/train", 0)
@@ -544,6 +550,7 @@ def test_tsv_line_with_wrong_field_count(root: Path, tmp_path: Path) -> None:
                        tmp_path)
 
 
+@pytest.mark.integration
 def test_sgm_with_mismatched_segments(shared_data: Path, tmp_path: Path) -> None:
     root = tmp_path / "d"
     root.mkdir()
@@ -571,6 +578,7 @@ def test_failure_midway_leaves_earlier_output_intact(root: Path, tmp_path: Path)
 # ------------------------------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.integration
 def test_cli_prepare_data_and_clear_errors(shared_data: Path, tmp_path: Path) -> None:
     env = {**os.environ, "AIAYN_DATA_ROOT": str(shared_data)}
     res = subprocess.run([sys.executable, "-m", "pipeline", "prepare-data", "--work-dir", str(tmp_path)],

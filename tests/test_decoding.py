@@ -145,7 +145,7 @@ def test_bf16_decodes_close_to_fp32(model, sources, how) -> None:
     if how == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             bf16 = beam_search(model, sources, bos_id=BOS, eos_id=EOS, beam_size=4, max_len_b=12)
-    else:  # what decode.precision=bf16 runs (pipeline.evaluate.decoding_model)
+    else:  # what decode.precision=bf16 runs (pipeline.inference.decoding_model)
         bf16 = beam_search(copy.deepcopy(model).to(torch.bfloat16), sources, bos_id=BOS, eos_id=EOS, beam_size=4,
                            max_len_b=12)
     # bf16 products round to ~3 significant digits: scores stay close, most outputs are unchanged. With bf16

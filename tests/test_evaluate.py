@@ -12,13 +12,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.average import average_checkpoints, average_run, averaged_path, choice_dir
+from pipeline.checkpoint import CheckpointError, load_checkpoint
 from pipeline.config import ConfigError, DecodeConfig
 from pipeline.fsutil import sha256_file
-from pipeline.stages import Inputs
-from pipeline.evaluate import compound_split_tokenize, evaluate, load_model, score, translate
+from pipeline.inference import load_model, translate
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
-from pipeline.train.checkpoint import CheckpointError, load_checkpoint
+from pipeline.translation.bleu import compound_split_tokenize, score_translations
+from pipeline.translation.evaluate import evaluate_translation
 from tests.conftest import TINY, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,15 +35,15 @@ def averaged(shared_data, tiny_stack, tmp_path_factory) -> Path:
 
 def test_scores_are_named_signed_and_exact_on_references() -> None:
     refs = ["Ein Mann mit einem orangefarbenen Hut, der etwas anstarrt.", "Ein Terrier läuft über saftig-grünes Gras."]
-    s = score(refs, refs, "de")
+    s = score_translations(refs, refs, "de")
     assert {k: s[k]["score"] for k in ("sacrebleu", "chrf", "tok_bleu_compound_split")} == {
         "sacrebleu": 100.0, "chrf": 100.0, "tok_bleu_compound_split": 100.0}
     assert "tok:13a" in s["sacrebleu"]["signature"] and "tok:none" in s["tok_bleu_compound_split"]["signature"]
     assert "nc:6" in s["chrf"]["signature"]
-    worse = score(["Ein Mann.", "Ein Hund läuft."], refs, "de")
+    worse = score_translations(["Ein Mann.", "Ein Hund läuft."], refs, "de")
     assert 0 < worse["sacrebleu"]["score"] < 100
     with pytest.raises(ValueError, match="1 hypotheses for 2 references"):
-        score(refs[:1], refs, "de")
+        score_translations(refs[:1], refs, "de")
 
 
 def test_compound_splitting_follows_get_ende_bleu() -> None:
@@ -50,8 +51,10 @@ def test_compound_splitting_follows_get_ende_bleu() -> None:
         "saftig ##AT##-##AT## grünes Gras , a ##AT##-##AT## b-c ."]
 
 
+@pytest.mark.integration
 def test_evaluate_writes_hypotheses_samples_and_scores(averaged, tiny_stack, tmp_path) -> None:
-    out = evaluate(averaged, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, tmp_path, splits=["test.test2016"])
+    out = evaluate_translation(averaged, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, tmp_path,
+                               splits=["test.test2016"])
     report = json.loads(out.read_text())
     split = report["splits"]["test.test2016"]
     assert split["name"] == "test2016" and split["sentences"] == 1000
@@ -68,9 +71,11 @@ def test_evaluate_writes_hypotheses_samples_and_scores(averaged, tiny_stack, tmp
     rows = json.loads((tmp_path / "test.test2016.samples.json").read_text(encoding="utf-8"))
     assert [(r["source"], r["hypothesis"]) for r in rows] == list(zip(src[:20], hyps[:20]))
     with pytest.raises(ValueError, match=r"no split \['test.nope'\]"):
-        evaluate(averaged, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, tmp_path, splits=["test.nope"])
+        evaluate_translation(averaged, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, tmp_path,
+                             splits=["test.nope"])
 
 
+@pytest.mark.integration
 def test_translate_command_reads_stdin(averaged, tiny_stack, shared_data) -> None:
     lines = ["A man  is riding a bike.", "Two dogs play in the snow.", "A girl\tsmiles."]
     cmd = [sys.executable, "-m", "pipeline", "translate", "--checkpoint", str(averaged), "--tokenizer",
@@ -87,14 +92,15 @@ def test_translate_command_reads_stdin(averaged, tiny_stack, shared_data) -> Non
     assert res.returncode == 2 and "needs --checkpoint" in res.stderr
 
 
+@pytest.mark.integration
 def test_choosing_n_on_dev_scores_every_candidate_and_keeps_the_best(averaged, tiny_stack, shared_data) -> None:
     """average.choose_from: each candidate average decoded on dev, the best kept and recorded; a re-run reuses
     the dev scores of unchanged averages; candidates beyond the checkpoints are skipped, all of them an error."""
     run = averaged.parent.parent  # 3 checkpoints: steps 10, 20, 30
     fast = ("decode.beam_size=2", "decode.max_len_a=0.5", "decode.max_len_b=4", "decode.batch_sentences=128")
     cfg = tiny_config(shared_data, "average.choose_from=[3, 1, 2, 8]", *fast)
-    inputs = Inputs(tiny_stack.corpus, tiny_stack.tokenizer, tiny_stack.shards)
-    chosen = average_run(cfg, run, inputs)
+    inputs = (tiny_stack.corpus, tiny_stack.tokenizer)
+    chosen = average_run(cfg, run, *inputs)
     folder = choice_dir(cfg, run)
     choice = json.loads((folder / "choice.json").read_text())
     rows = {r["n"]: r for r in choice["candidates"]}
@@ -109,11 +115,11 @@ def test_choosing_n_on_dev_scores_every_candidate_and_keeps_the_best(averaged, t
     assert load_checkpoint(chosen)["step"] == 30
 
     stamps = {n: Path(r["scores"]).stat().st_mtime_ns for n, r in rows.items()}
-    assert average_run(cfg, run, inputs) == chosen  # same checkpoints: the averages and their dev scores reused
+    assert average_run(cfg, run, *inputs) == chosen  # same checkpoints: the averages and their dev scores reused
     assert {n: Path(r["scores"]).stat().st_mtime_ns for n, r in rows.items()} == stamps
 
     with pytest.raises(CheckpointError, match=r"choose_from \[8, 9\] needs at least 8 checkpoints, only 3 exist"):
-        average_run(tiny_config(shared_data, "average.choose_from=[9, 8]", *fast), run, inputs)
+        average_run(tiny_config(shared_data, "average.choose_from=[9, 8]", *fast), run, *inputs)
     with pytest.raises(ConfigError, match="distinct positive"):
         tiny_config(shared_data, "average.choose_from=[2, 2]")
 
@@ -122,7 +128,8 @@ def test_choosing_n_on_dev_scores_every_candidate_and_keeps_the_best(averaged, t
 def test_run_command_end_to_end_on_multi30k(shared_data, tmp_path) -> None:
     """The README's main job, shrunk: every stage from raw files to scores, then a re-run that reuses it all."""
     sets = [a for o in (*TINY, "train.max_steps=20", "train.checkpoint_every_steps=5", "average.last_n=2",
-                        "decode.beam_size=1", "decode.max_len_a=0.1", "decode.max_len_b=2", "decode.batch_sentences=512")
+                        "decode.beam_size=1", "decode.max_len_a=0.1", "decode.max_len_b=2",
+                        "decode.batch_sentences=512")
             for a in ("--set", o)]
     cmd = [sys.executable, "-m", "pipeline", "run", "--config", "multi30k-cpu", "--data-root", str(shared_data),
            "--work-dir", str(tmp_path), *sets]

@@ -16,7 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import QUICK, REPO_ROOT as REPO, api as _api
+from tests.conftest import QUICK
+from tests.conftest import REPO_ROOT as REPO
+from tests.conftest import api as _api
 
 STAGES = ["prepare-data", "train-tokenizer", "write-shards", "train", "average-checkpoints", "evaluate"]
 
@@ -24,7 +26,7 @@ STAGES = ["prepare-data", "train-tokenizer", "write-shards", "train", "average-c
 @pytest.mark.slow
 @pytest.mark.integration
 def test_stack_up_is_idempotent_and_binds_localhost(stack) -> None:
-    from pipeline.localstack import Stack
+    from ops.localstack import Stack
 
     assert "Prefect UI:  http://127.0.0.1:" in stack["up"] and "MLflow UI:   http://127.0.0.1:" in stack["up"]
     again = subprocess.run([*stack["cmd"][:3], "up", *stack["cmd"][3:]], env=stack["env"], capture_output=True,
@@ -149,6 +151,7 @@ def test_the_weekly_schedule_creates_runs(stack) -> None:
 def test_cache_keys_follow_content_not_names(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
+    from pipeline.average import average_run
     from pipeline.config import load_config
     from tasks.caching import stage_cache_key
 
@@ -161,7 +164,7 @@ def test_cache_keys_follow_content_not_names(tmp_path: Path) -> None:
     folder = tmp_path / "stage"
     folder.mkdir()
     (folder / "manifest.json").write_text('{"a": 1}')
-    key = stage_cache_key(["pipeline/average.py"], ignore=("run_id",))
+    key = stage_cache_key(average_run, ignore=("run_id",))
     cfg = load_config("multi30k-cpu")
     base = key(ctx("t"), {"folder": folder, "cfg": cfg.average, "run_id": "1"})
     assert key(ctx("t"), {"folder": folder, "cfg": cfg.average, "run_id": "2"}) == base  # ignored parameter
@@ -193,9 +196,10 @@ def test_torchrun_command_from_launch_settings(tmp_path: Path) -> None:
             "--rdzv-id job --rdzv-conf interface=eth0,is_host=false") in cmd
 
 
+@pytest.mark.integration
 def test_down_never_signals_a_process_it_did_not_start(tmp_path: Path) -> None:
     """A recorded PID now used by another process (other start time) is left alone."""
-    from pipeline.localstack import Service, Stack
+    from ops.localstack import Service, Stack
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -218,11 +222,11 @@ def test_the_data_task_retries_an_unreachable_hub_but_not_bad_input(stack, share
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from pipeline.config import load_config
-    from tasks.stages import prepare_data
+    from tasks.stages import data_stage
 
     hub = load_config("multi30k-cpu-hub")  # no internet here (nor in CI): the hub is unreachable
     broken = load_config("multi30k-cpu", data_root=tmp_path)  # no corpora there: bad input, not the network
-    quick = prepare_data.with_options(retries=2, retry_delay_seconds=0)
+    quick = data_stage.with_options(retries=2, retry_delay_seconds=0)
 
     @flow
     def attempt(data) -> str:
@@ -250,7 +254,7 @@ def test_weekly_retraining_decides_on_new_data_with_evidence_and_never_on_old(st
     refused with its p-value; unchanged data retrains nothing and decides nothing."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.localstack import free_port
+    from ops.localstack import free_port
 
     root = tmp_path / "data"
     for lang in ("en", "de"):
@@ -311,9 +315,9 @@ def test_two_promotions_at_once_end_with_the_best_champion(stack, shared_data: P
     decision's recorded champion is the one it really faced."""
     from mlflow.tracking import MlflowClient
 
+    from ops.localstack import free_port
     from pipeline import tracking
     from pipeline.config import DecodeConfig
-    from pipeline.localstack import free_port
     from pipeline.promotion import PromotionSet
     from pipeline.train import train
     from tests.conftest import tiny_config
@@ -364,4 +368,5 @@ def test_two_promotions_at_once_end_with_the_best_champion(stack, shared_data: P
         assert results[better] == {"decision": "not promoted", "champion_version": best}
     for v, r in results.items():  # the tags say what happened
         tags = c.get_model_version(name, v).tags
-        assert (tags["promotion.decision"], tags["promotion.champion_version"]) == (r["decision"], r["champion_version"])
+        assert ((tags["promotion.decision"], tags["promotion.champion_version"])
+                == (r["decision"], r["champion_version"]))

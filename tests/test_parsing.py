@@ -14,12 +14,11 @@ import pytest
 from pipeline.average import average_checkpoints
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError, prepare_corpus, read_manifest
-from pipeline.evaluate import evaluate_for
+from pipeline.evaluate import evaluate_checkpoint
 from pipeline.parsing.evalb import COLLINS, UNLABELED, brackets, score_corpus, score_sentence
 from pipeline.parsing.trees import (PLACEHOLDER, Tree, TreeError, clean, is_well_formed, linearize, parse_tree,
                                     read_trees, repair, right_branching, strip_root, target_symbols)
 from pipeline.shards import build_shards
-from pipeline.stages import Inputs
 from pipeline.tokenize import Tokenizer, train_tokenizer
 from pipeline.train import train
 
@@ -37,6 +36,7 @@ def t(text: str) -> Tree:
 # --------------------------------------------------------------------------------------------- reading
 
 
+@pytest.mark.integration
 def test_mrg_files_and_one_tree_per_line_read_the_same(shared_data) -> None:
     ptb = shared_data / "ptb-sample"
     mrg = list(read_trees(ptb / "combined" / "wsj_0001.mrg"))
@@ -71,7 +71,8 @@ def test_traces_function_tags_and_root_wrapper_are_removed() -> None:
     raw = parse_tree("( (S (NP-SBJ-1 (DT The) (NN cat)) (VP (VBD reported) (SBAR (-NONE- 0) (S (-NONE- *T*-1))) "
                      "(NP=2 (-LRB- -LRB-) (NN it) (-RRB- -RRB-))) (. .)) )")
     cleaned = clean(raw)
-    assert str(cleaned) == "(S (NP (DT The) (NN cat)) (VP (VBD reported) (NP (-LRB- -LRB-) (NN it) (-RRB- -RRB-))) (. .))"
+    assert str(cleaned) == ("(S (NP (DT The) (NN cat)) (VP (VBD reported) "
+                            "(NP (-LRB- -LRB-) (NN it) (-RRB- -RRB-))) (. .))")
     assert linearize(cleaned) == "(S (NP XX XX ) (VP XX (NP XX XX XX ) ) XX )"
     # a wrapper around several constituents is kept as TOP (EVALB deletes TOP brackets)
     assert str(clean(parse_tree("( (NP (NN a)) (. .) )"))) == "(TOP (NP (NN a)) (. .))"
@@ -79,6 +80,7 @@ def test_traces_function_tags_and_root_wrapper_are_removed() -> None:
 
 
 @pytest.mark.parametrize("leaves", [PLACEHOLDER, "words"])
+@pytest.mark.integration
 def test_linearisation_round_trips_on_every_sample_tree(shared_data, leaves) -> None:
     n = 0
     for _, raw in read_trees(shared_data / "ptb-sample" / "wsj_sample.oneline.mrg"):
@@ -220,7 +222,8 @@ def test_errors_skips_cutoff_and_summed_totals() -> None:
     gold = t(GOLD)
     other_words = t("(S (NP (DT A) (NN dog)) (VP (VBD sat) (PP (IN on) (NP (DT the) (NN mat)))) (. .))")
     assert score_sentence(gold, other_words).status == 1
-    assert score_sentence(t("(S (NP (PRP He)) (VP (VBD left)))"), t("(S (NP (PRP He)) (VP (VBD left) (VBD x)))")).status == 1
+    assert score_sentence(t("(S (NP (PRP He)) (VP (VBD left)))"),
+                          t("(S (NP (PRP He)) (VP (VBD left) (VBD x)))")).status == 1
     assert score_sentence(t("(FRAG (. .))"), t("(S (. .))")).status == 2  # nothing left to score
     long = t("(S " + " ".join(f"(NN w{i})" for i in range(40)) + " (. .))")  # 41 words with '.'
     pairs = [(gold, gold), (long, long), (gold, other_words), (t("(FRAG (. .))"), t("(S (. .))"))]
@@ -243,7 +246,8 @@ def test_parsing_configs_and_their_validation(tmp_path) -> None:
         assert cfg.task == "parsing" and cfg.tokenizer.model_type == "word"
         assert (cfg.decode.beam_size, cfg.decode.length_penalty, cfg.decode.max_len_a, cfg.decode.max_len_b) == (
             21, 0.3, 1.0, 300)
-    assert (wsj.model.encoder_layers, wsj.model.d_model, wsj.model.n_heads, wsj.tokenizer.vocab_size) == (4, 1024, 16, 16000)
+    assert (wsj.model.encoder_layers, wsj.model.d_model, wsj.model.n_heads, wsj.tokenizer.vocab_size) == (
+        4, 1024, 16, 16000)
     assert wsj.data.test[0].include == ["23/*.mrg"] and wsj.data.dev.include == ["22/*.mrg"]
     assert (wsj.data.tree_leaves, cpu.data.tree_leaves) == (PLACEHOLDER, "words")  # the paper's form; CPU's
     assert load_config("multi30k-cpu").task == "translation"
@@ -267,6 +271,7 @@ def ptb_stack(shared_data, tmp_path_factory):
     return cfg, work, corpus, train_tokenizer(corpus, cfg.tokenizer, work)
 
 
+@pytest.mark.integration
 def test_data_stage_writes_words_linearised_trees_and_gold(ptb_stack) -> None:
     _, _, corpus, _ = ptb_stack
     manifest = read_manifest(corpus)
@@ -283,6 +288,7 @@ def test_data_stage_writes_words_linearised_trees_and_gold(ptb_stack) -> None:
     assert dev[0]["line"] == 1 and dev[0]["tgt_raw"].startswith("( (S (NP-SBJ (NNP Savin)")
 
 
+@pytest.mark.integration
 def test_tokenizer_keeps_every_target_symbol_one_piece(ptb_stack) -> None:
     cfg, _, corpus, tok_dir = ptb_stack
     tok = Tokenizer(tok_dir)
@@ -294,13 +300,15 @@ def test_tokenizer_keeps_every_target_symbol_one_piece(ptb_stack) -> None:
     assert tok.encode("Pierre Vinken qzxqzx")[-1] == tok.unk_id  # words: one piece each, unknown ones <unk>
 
 
+@pytest.mark.integration
 def test_missing_treebank_files_are_named(shared_data, tmp_path) -> None:
     cfg = load_config("ptb-sample-cpu", [("data.root", str(shared_data)), "data.dev.include=['wsj_99*.mrg']"])
     with pytest.raises(DataError, match=r"data.dev: no file under .*ptb-sample/combined matches include"):
         prepare_corpus(cfg.data, tmp_path)
 
 
-def test_evaluate_for_parsing_scores_repaired_trees(ptb_stack, tmp_path) -> None:
+@pytest.mark.integration
+def test_evaluate_checkpoint_parsing_scores_repaired_trees(ptb_stack, tmp_path) -> None:
     """The flow's evaluation entry on a barely trained model: EVALB scores over trees with the gold words."""
     cfg, work, corpus, tok_dir = ptb_stack
     cfg = load_config("ptb-sample-cpu", [("data.root", cfg.data.root), ("work_dir", str(work)), *TINY_MODEL,
@@ -309,7 +317,7 @@ def test_evaluate_for_parsing_scores_repaired_trees(ptb_stack, tmp_path) -> None
     shards = build_shards(corpus, tok_dir, cfg.tokenizer, work)
     run = train(cfg, shards, tmp_path / "run")
     checkpoint = average_checkpoints(run / "checkpoints", 1, run / "averaged" / "last1.pt")
-    scores_json = evaluate_for(cfg, checkpoint, Inputs(corpus, tok_dir, shards))
+    scores_json = evaluate_checkpoint(cfg, checkpoint, corpus, tok_dir)
     scores = json.loads(scores_json.read_text())
     assert scores["task"] == "parsing" and scores["decoding"]["beam_size"] == 1
     assert sorted(scores["splits"]) == ["dev", "test.ptb-sample-test"]
@@ -337,7 +345,8 @@ def test_tiny_parsing_run_end_to_end(shared_data, tmp_path) -> None:
     """Every stage through the CLI on a few sample files: scores, repaired trees over the gold words."""
     source = "{name: %s, format: ptb, path: ptb-sample/combined, include: ['%s']}"
     sets = [f"data.train=[{source % ('ptb-sample-train', 'wsj_000?.mrg')}]", "data.dev.include=['wsj_0010.mrg']",
-            f"data.test=[{source % ('ptb-sample-test', 'wsj_0011.mrg')}]", "model.encoder_layers=1", "model.decoder_layers=1",
+            f"data.test=[{source % ('ptb-sample-test', 'wsj_0011.mrg')}]", "model.encoder_layers=1",
+            "model.decoder_layers=1",
             "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "tokenizer.vocab_size=600",
             "train.max_steps=6", "train.max_tokens=2048", "train.update_tokens=2048", "train.warmup_steps=4",
             "train.checkpoint_every_steps=3", "train.dev_every_steps=1000", "average.last_n=2",

@@ -60,6 +60,7 @@ def files(folder: Path) -> dict[str, bytes]:
 # ------------------------------------------------------------------------------------ reruns and determinism
 
 
+@pytest.mark.integration
 def test_byte_identical_whatever_the_workers_and_a_rerun_is_a_noop(corpus: Path, tok: Tokenizer, shards: Path,
                                                                    work: Path, tmp_path: Path) -> None:
     one = build_shards(corpus, tok.dir, CFG.model_copy(update={"num_workers": 1}), tmp_path)
@@ -75,6 +76,7 @@ def test_byte_identical_whatever_the_workers_and_a_rerun_is_a_noop(corpus: Path,
 # ------------------------------------------------------------------------------------------ format, manifest
 
 
+@pytest.mark.integration
 def test_layout_schema_and_manifest(corpus: Path, tok: Tokenizer, shards: Path) -> None:
     m = read_shard_manifest(shards)
     assert sorted(p.name for p in shards.iterdir()) == [
@@ -106,6 +108,7 @@ def test_layout_schema_and_manifest(corpus: Path, tok: Tokenizer, shards: Path) 
 # ------------------------------------------------------------------------------------------------- reader
 
 
+@pytest.mark.integration
 def test_reader_gives_the_tokenizers_ids_as_views_into_the_files(corpus: Path, tok: Tokenizer,
                                                                   train: ShardDataset) -> None:
     src, tgt = corpus_texts(corpus, "train")
@@ -123,6 +126,7 @@ def test_reader_gives_the_tokenizers_ids_as_views_into_the_files(corpus: Path, t
         train[len(train)]
 
 
+@pytest.mark.integration
 def test_every_split_decodes_back_to_the_corpus_text(corpus: Path, tok: Tokenizer, shards: Path) -> None:
     for key in ("dev", "test.test2016", "test.newstest2014"):
         ds = ShardDataset(shards, key, tokenizer=tok)
@@ -131,6 +135,7 @@ def test_every_split_decodes_back_to_the_corpus_text(corpus: Path, tok: Tokenize
         assert tok.decode_batch(ds.collate(np.arange(len(ds)), "tgt", bos=True, eos=True)) == tgt, key
 
 
+@pytest.mark.integration
 def test_collate_pads_and_frames(train: ShardDataset) -> None:
     idx = np.array([28_996, 3, 20_000, 16_384, 7])  # across both shards and both record batches
     width = int(train.tgt_len[idx].max())
@@ -146,6 +151,7 @@ def test_collate_pads_and_frames(train: ShardDataset) -> None:
         assert src[row, : len(s)].tolist() == s.tolist() and (src[row, len(s) :] == 0).all()
 
 
+@pytest.mark.integration
 def test_dataset_pickles_by_path(train: ShardDataset) -> None:
     again = pickle.loads(pickle.dumps(train))
     assert len(pickle.dumps(train)) < 1000  # the path, not the data
@@ -155,6 +161,7 @@ def test_dataset_pickles_by_path(train: ShardDataset) -> None:
 # ------------------------------------------------------------------------------------------------ batching
 
 
+@pytest.mark.integration
 def test_batches_respect_the_budget_and_cover_every_example_once(train: ShardDataset) -> None:
     sizes = train.sizes
     batches = train.batches(max_tokens=4096, seed=0)
@@ -167,6 +174,7 @@ def test_batches_respect_the_budget_and_cover_every_example_once(train: ShardDat
     assert real / padded > 0.97 and padded / (len(batches) * 4096) > 0.95
 
 
+@pytest.mark.integration
 def test_batch_order_is_fixed_by_seed_and_epoch(train: ShardDataset) -> None:
     a, b = train.batches(4096, seed=0), train.batches(4096, seed=0)
     assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
@@ -192,6 +200,7 @@ def damaged_copy(shards: Path, tmp_path: Path) -> Path:
     return shutil.copytree(shards, tmp_path / shards.name)
 
 
+@pytest.mark.integration
 def test_corrupt_shard_is_named(shards: Path, tmp_path: Path) -> None:
     copy = damaged_copy(shards, tmp_path)
     path = copy / "train-00001.arrow"
@@ -203,6 +212,7 @@ def test_corrupt_shard_is_named(shards: Path, tmp_path: Path) -> None:
     ShardDataset(copy, "dev")  # the other splits are untouched
 
 
+@pytest.mark.integration
 def test_truncated_shard_is_named(shards: Path, tmp_path: Path) -> None:
     copy = damaged_copy(shards, tmp_path)
     path = copy / "train-00000.arrow"
@@ -219,18 +229,21 @@ def test_truncated_shard_is_named(shards: Path, tmp_path: Path) -> None:
         ShardDataset(copy, "train")
 
 
+@pytest.mark.integration
 def test_tokenizer_that_did_not_encode_the_shards_is_refused(corpus: Path, shards: Path, tmp_path: Path) -> None:
     other = Tokenizer(train_tokenizer(corpus, CFG.model_copy(update={"vocab_size": 3000}), tmp_path))
     with pytest.raises(ShardError, match=rf"{other.model_path} .* is not the tokenizer these shards were encoded"):
         ShardDataset(shards, "train", tokenizer=other)
 
 
+@pytest.mark.integration
 def test_config_special_ids_must_match_the_tokenizer(corpus: Path, tok: Tokenizer, tmp_path: Path) -> None:
     cfg = CFG.model_copy(update={"special": SpecialIds(pad=1, unk=0)})
     with pytest.raises(ShardError, match=r"tokenizer.special .* differs from the ids fixed in .*spm.model"):
         build_shards(corpus, tok.dir, cfg, tmp_path)
 
 
+@pytest.mark.integration
 def test_corpus_file_changed_after_its_manifest_is_named(corpus: Path, tok: Tokenizer, tmp_path: Path) -> None:
     copy = shutil.copytree(corpus, tmp_path / "corpus")
     with open(copy / "dev.parquet", "ab") as f:
@@ -240,6 +253,7 @@ def test_corpus_file_changed_after_its_manifest_is_named(corpus: Path, tok: Toke
     assert not (tmp_path / "work" / "shards").exists() or not any((tmp_path / "work" / "shards").iterdir())
 
 
+@pytest.mark.integration
 def test_unknown_split_and_unfinished_folder(shards: Path, tmp_path: Path) -> None:
     with pytest.raises(ShardError, match=r"no split 'valid'; it has \['dev', 'test.newstest2014'"):
         ShardDataset(shards, "valid")

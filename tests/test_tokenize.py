@@ -51,6 +51,7 @@ def normalised_lines(path: Path) -> list[str]:
 # ------------------------------------------------------------------------------------ reruns and determinism
 
 
+@pytest.mark.integration
 def test_training_is_deterministic_and_a_rerun_is_a_noop(corpus: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
     again = train_tokenizer(corpus, SMALL, tmp_path)
     assert again.name == tokenizer_dir.name
@@ -61,6 +62,7 @@ def test_training_is_deterministic_and_a_rerun_is_a_noop(corpus: Path, tokenizer
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == mtimes
 
 
+@pytest.mark.integration
 def test_sampling_is_seeded_also_across_processes(corpus: Path, tmp_path: Path) -> None:
     # 20k of the 58k training sentences: the sample, hence the model, is fixed by the seed alone (sentencepiece's
     # own sampler is not: it ignores its seed in a fresh process).
@@ -79,6 +81,7 @@ def test_sampling_is_seeded_also_across_processes(corpus: Path, tmp_path: Path) 
     assert json.loads((a / "manifest.json").read_text())["train"]["used"] == 20_000
 
 
+@pytest.mark.integration
 def test_model_settings_name_the_folder_encode_settings_do_not(corpus: Path, tokenizer_dir: Path,
                                                               tmp_path: Path) -> None:
     encode_only = SMALL.model_copy(update={"num_workers": 1, "shard_rows": 10})
@@ -90,6 +93,7 @@ def test_model_settings_name_the_folder_encode_settings_do_not(corpus: Path, tok
 # --------------------------------------------------------------------------------------- special ids, dtype
 
 
+@pytest.mark.integration
 def test_special_ids_are_fixed_in_the_model(corpus: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
     tok = Tokenizer(tokenizer_dir)
     assert (tok.pad_id, tok.unk_id, tok.bos_id, tok.eos_id) == (0, 1, 2, 3)
@@ -110,6 +114,7 @@ def test_token_dtype_is_uint16_while_ids_fit() -> None:
 # ------------------------------------------------------------------------------------------ encode / decode
 
 
+@pytest.mark.integration
 def test_round_trip_on_all_multi30k_and_newstest2014_both_languages(shared_data: Path, tokenizer_dir: Path) -> None:
     tok = Tokenizer(tokenizer_dir)
     names = [f"multi30k/{split}.{lang}" for split in ("train", "val", "test2016") for lang in ("en", "de")]
@@ -124,6 +129,7 @@ def test_round_trip_on_all_multi30k_and_newstest2014_both_languages(shared_data:
     assert byte_pieces > 0
 
 
+@pytest.mark.integration
 def test_decode_stops_at_eos_and_drops_pad_and_bos(tokenizer_dir: Path) -> None:
     tok = Tokenizer(tokenizer_dir)
     text = "Zwei Männer stehen am Herd und bereiten Essen zu."
@@ -139,6 +145,7 @@ def test_decode_stops_at_eos_and_drops_pad_and_bos(tokenizer_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------- bad input
 
 
+@pytest.mark.integration
 def test_vocabulary_too_large_says_what_to_change(corpus: Path, tmp_path: Path) -> None:
     with pytest.raises(TokenizerError) as err:
         train_tokenizer(corpus, TokenizerConfig(vocab_size=200_000), tmp_path)
@@ -149,11 +156,13 @@ def test_vocabulary_too_large_says_what_to_change(corpus: Path, tmp_path: Path) 
     assert not [p for p in (tmp_path / "tokenizer").iterdir()]  # nothing half-written left behind
 
 
+@pytest.mark.integration
 def test_vocabulary_too_small_says_what_to_change(corpus: Path, tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match=r"tokenizer.vocab_size=100 is too small.*at least \d+"):
         train_tokenizer(corpus, TokenizerConfig(vocab_size=100), tmp_path)
 
 
+@pytest.mark.integration
 def test_replaced_or_damaged_model_is_refused(corpus: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
     other = train_tokenizer(corpus, SMALL.model_copy(update={"vocab_size": 3000}), tmp_path / "other")
     copy = shutil.copytree(tokenizer_dir, tmp_path / "copy")

@@ -18,16 +18,19 @@ import pandas as pd
 import pytest
 from mlflow.tracking import MlflowClient
 
+from ops.localstack import free_port, start_mlflow
 from pipeline import tracking
 from pipeline.average import average_checkpoints
 from pipeline.config import DecodeConfig
-from pipeline.evaluate import evaluate, load_model, translate
 from pipeline.fsutil import sha256_file
-from pipeline.localstack import free_port, start_mlflow
+from pipeline.inference import load_model, translate
 from pipeline.promotion import Policy, PromotionSet, read_promotion_set
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
-from tests.conftest import TINY, tiny_config
+from pipeline.translation.evaluate import evaluate_translation
+from tests.conftest import resolved_tiny_config, tiny_config
+
+pytestmark = pytest.mark.integration  # every test talks to a real MLflow server
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_DECODE = DecodeConfig(beam_size=2, max_len_a=0.5, max_len_b=4, batch_sentences=256)
@@ -81,16 +84,16 @@ def tracked(mlflow_server, shared_data, tiny_stack, tmp_path_factory) -> dict:
     run = _pipeline_run(mlflow_server, cfg, tiny_stack)
     runs = run["runs"]
     out = tmp_path_factory.mktemp("run")
-    proc = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", "multi30k-cpu", "--data-root",
-                           str(shared_data), "--shards", str(tiny_stack.shards), "--out", str(out),
-                           *[a for o in (*TINY, *steps) for a in ("--set", o)], "--mlflow-run-id", runs["train"]],
+    config = resolved_tiny_config(shared_data, out.parent, *steps)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config), "--shards",
+                           str(tiny_stack.shards), "--out", str(out), "--mlflow-run-id", runs["train"]],
                           cwd=REPO, env=_env(mlflow_server), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     tracking.log_training(runs["train"], out)
 
     ckpt = average_checkpoints(out / "checkpoints", 2, out / "averaged" / "last2.pt")
-    scores_json = evaluate(ckpt, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE, out / "averaged" / "eval",
-                           splits=["dev", "test.newstest2014"])
+    scores_json = evaluate_translation(ckpt, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE,
+                                       out / "averaged" / "eval", splits=["dev", "test.newstest2014"])
     scores = tracking.log_evaluation(runs["evaluate"], ckpt, tiny_stack.tokenizer, scores_json, attention_sentences=2)
     policy = Policy.of(cfg)
     version = tracking.register_model(runs["register"], ckpt, tiny_stack.tokenizer, FAST_DECODE,
@@ -142,7 +145,8 @@ def test_training_step_metrics_and_system_metrics(tracked) -> None:
     assert run.data.params["world_size"] == "1" and run.data.params["model.d_model"] == "32"
     assert "system/cpu_utilization_percentage" in run.data.metrics
     assert "system/system_memory_usage_megabytes" in run.data.metrics
-    assert {"training/train_summary.json", "training/metrics.jsonl", "plots/learning_curves.png"} <= _artifacts(c, run_id)
+    assert {"training/train_summary.json", "training/metrics.jsonl", "plots/learning_curves.png"} <= _artifacts(
+        c, run_id)
 
 
 def test_data_lineage_inputs_with_source_and_digest(started, tiny_stack) -> None:
@@ -160,7 +164,8 @@ def test_data_lineage_inputs_with_source_and_digest(started, tiny_stack) -> None
     assert len(shard_inputs["shards/train"].dataset.digest) == 32
     data = c.get_run(started["runs"]["data"]).data
     assert data.metrics["corpus.train.rows"] == corpus["splits"]["train"]["rows"]
-    assert data.metrics["corpus.train.removed.duplicate"] == corpus["splits"]["train"]["cleaning"]["removed"]["duplicate"]
+    assert (data.metrics["corpus.train.removed.duplicate"]
+            == corpus["splits"]["train"]["cleaning"]["removed"]["duplicate"])
     assert {"tokenizer/spm.model", "tokenizer/spm.vocab", "data/shards/manifest.json"} <= _artifacts(
         c, started["runs"]["tokenizer"])
     assert "data/corpus/manifest.json" in _artifacts(c, started["runs"]["data"])
@@ -239,7 +244,8 @@ def test_promotion_needs_margin_significance_and_guards(mlflow_server, checkpoin
         run_id = run_of()
         pset = PromotionSet("multi30k-val", "dev", "sacrebleu", hyps, references)
         scores = {f"{k}.chrf": v for k, v in chrf.items()}
-        return tracking.register_model(run_id, checkpoint, tiny_stack.tokenizer, FAST_DECODE, name, scores, pset), run_id
+        return (tracking.register_model(run_id, checkpoint, tiny_stack.tokenizer, FAST_DECODE, name, scores, pset),
+                run_id)
 
     first, _ = register(_corrupt(refs, 0.5, 1), {"test2016": 40.0, "newstest2014": 10.0})
     assert tracking.promote(name, first, POLICY).promoted and tracking.champion(name) == first
@@ -257,7 +263,8 @@ def test_promotion_needs_margin_significance_and_guards(mlflow_server, checkpoin
     assert d.comparison.delta > 5 and d.comparison.p_value < 0.01 and d.comparison.ci_low > 0
     tags = c.get_model_version(name, better).tags
     assert tags["promotion.decision"] == "promoted" and tags["promotion.champion_version"] == first
-    assert float(tags["promotion.p_value"]) == round(d.comparison.p_value, 4) and tags["promotion.set"] == "multi30k-val"
+    assert (float(tags["promotion.p_value"]) == round(d.comparison.p_value, 4)
+            and tags["promotion.set"] == "multi30k-val")
     assert tags["promotion.ci95"].startswith("[") and "bs:1000" in tags["promotion.signature"]
     assert "newstest2014 chrf drop 0.50" in tags["promotion.guards"]  # -0.5 is within the 1.0 guard
     assert c.get_run(parent).data.tags["promotion.decision"] == "promoted"
@@ -280,7 +287,7 @@ def test_promotion_needs_margin_significance_and_guards(mlflow_server, checkpoin
     assert tracking.champion(name) == better
 
 
-def test_unreachable_server_fails_fast(shared_data, tiny_stack) -> None:
+def test_unreachable_server_fails_fast(shared_data, tiny_stack, tmp_path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     with pytest.raises(tracking.TrackingError, match=f"{dead} is not reachable"):
@@ -289,9 +296,9 @@ def test_unreachable_server_fails_fast(shared_data, tiny_stack) -> None:
         tracking.MlflowSink("0" * 32, dead)
     assert time.monotonic() - started < 3
     # The torchrun entry refuses before training starts, with one clear line and exit status 2.
-    proc = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", "multi30k-cpu", "--data-root",
-                           str(shared_data), "--shards", str(tiny_stack.shards), "--mlflow-run-id", "0" * 32,
-                           *[a for o in TINY for a in ("--set", o)]],
+    config = resolved_tiny_config(shared_data, tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.train", "--config", str(config), "--shards",
+                           str(tiny_stack.shards), "--mlflow-run-id", "0" * 32],
                           cwd=REPO, env=_env(dead), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"error: MLflow tracking server {dead} is not reachable" in proc.stderr
     assert "training:" not in proc.stderr  # the trainer never started

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from model import Transformer
+from pipeline.checkpoint import (CheckpointError, check_compatible, find_latest, load_checkpoint, read_index,
+                                 save_checkpoint)
 from pipeline.shards import ShardDataset
-from pipeline.train import (CheckpointError, TrainStep, accumulation_steps, find_latest, load_checkpoint,
-                            make_batch, read_index, save_checkpoint, setup, train, usable_batches)
-from pipeline.train.checkpoint import check_compatible
-from tests.conftest import TINY, tiny_config
+from pipeline.train import TrainStep, accumulation_steps, make_batch, setup, train, usable_batches
+from tests.conftest import resolved_tiny_config, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,8 @@ def assert_same_rng(a: list[dict], b: list[dict]) -> None:
     torchrun worker hosts no such threads, and the trainer itself never draws from it)."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        assert_same_tensors({k: v for k, v in x.items() if k != "python"}, {k: v for k, v in y.items() if k != "python"})
+        assert_same_tensors({k: v for k, v in x.items() if k != "python"},
+                            {k: v for k, v in y.items() if k != "python"})
 
 
 def assert_same_tensors(a, b) -> None:
@@ -72,6 +73,7 @@ def assert_same_tensors(a, b) -> None:
 # ------------------------------------------------------------------------------------------- one process
 
 
+@pytest.mark.integration
 def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
     cfg = config(shared_data, "train.max_steps=30", "train.lr_scale=2.0", "train.dev_every_steps=15")
     out = train(cfg, shards, tmp_path / "run")
@@ -92,6 +94,7 @@ def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
     assert [c["step"] for c in summary["checkpoints"]] == [30]
 
 
+@pytest.mark.integration
 def test_exact_resume_bitwise(shared_data, shards, tmp_path):
     # Dropout on, accumulation 2: the resumed run must replay data order, RNG and optimizer state exactly.
     extra = ["train.update_tokens=1024", "model.dropout=0.1"]
@@ -124,6 +127,7 @@ def test_exact_resume_across_epoch_boundary(shared_data, shards, tmp_path):
     assert a["totals"] == b["totals"]
 
 
+@pytest.mark.integration
 def test_truncated_newest_checkpoint_falls_back(shared_data, shards, tmp_path, caplog):
     cfg = config(shared_data, "train.max_steps=6", "train.checkpoint_every_steps=2")
     out = train(cfg, shards, tmp_path / "run")
@@ -154,6 +158,7 @@ def test_corrupt_checkpoint_detected_by_hash(tmp_path, caplog):
     assert "ckpt-00000002.pt" in caplog.text and "sha256" in caplog.text
 
 
+@pytest.mark.integration
 def test_keep_last_checkpoints(shared_data, shards, tmp_path):
     cfg = config(shared_data, "train.max_steps=5", "train.checkpoint_every_steps=1", "train.keep_last_checkpoints=2")
     out = train(cfg, shards, tmp_path / "run")
@@ -164,6 +169,7 @@ def test_keep_last_checkpoints(shared_data, shards, tmp_path):
     assert not list(ckpts.glob(".*tmp*"))
 
 
+@pytest.mark.integration
 def test_incompatible_checkpoint_refused(shared_data, shards, tmp_path):
     out = train(config(shared_data, "train.max_steps=2"), shards, tmp_path / "run")
     with pytest.raises(CheckpointError, match="different model config.*d_model"):
@@ -195,6 +201,7 @@ def test_half_written_index_is_rebuilt_from_the_files(tmp_path, caplog):
     assert [e["step"] for e in json.loads(index.read_text())["checkpoints"]] == [1, 2]  # rewritten, valid
 
 
+@pytest.mark.integration
 def test_deleted_index_resumes_from_the_newest_checkpoint_not_step_0(shared_data, shards, tmp_path, caplog):
     cfg = config(shared_data, "train.max_steps=4", "train.checkpoint_every_steps=2")
     out = train(cfg, shards, tmp_path / "run")
@@ -252,6 +259,7 @@ def test_checkpoint_argument_that_is_no_checkpoint_is_one_clear_line(kind, words
     assert "weights_only" not in err  # the user is never told to turn the safe load off
 
 
+@pytest.mark.integration
 def test_disk_full_during_a_checkpoint_keeps_the_last_one_and_says_so(shared_data, shards, tmp_path):
     import resource
     import signal
@@ -279,13 +287,15 @@ def test_disk_full_during_a_checkpoint_keeps_the_last_one_and_says_so(shared_dat
     assert find_latest(out / "checkpoints")[0] == "ckpt-00000002.pt"
 
 
+@pytest.mark.integration
 def test_leftover_temporary_files_of_a_killed_run_are_removed(shared_data, shards, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = socket.gethostname()
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
-    left = [out / "checkpoints" / f".ckpt-00000002.pt.tmp-{host}-{dead.pid}", out / f".config.yaml.tmp-{host}-{dead.pid}"]
+    left = [out / "checkpoints" / f".ckpt-00000002.pt.tmp-{host}-{dead.pid}",
+            out / f".config.yaml.tmp-{host}-{dead.pid}"]
     live = out / "checkpoints" / f".ckpt-00000009.pt.tmp-{host}-{os.getpid()}"  # a live writer's: kept
     for f in (*left, live):
         f.write_bytes(b"x" * 1000)
@@ -293,6 +303,7 @@ def test_leftover_temporary_files_of_a_killed_run_are_removed(shared_data, shard
     assert not any(f.exists() for f in left) and live.exists()
 
 
+@pytest.mark.integration
 def test_a_second_training_of_one_folder_waits_for_the_first(shared_data, shards, tmp_path):
     from pipeline.fsutil import exclusive
 
@@ -336,6 +347,7 @@ def trained(shared_data, shards, tmp_path_factory) -> Path:
     return train(cfg, shards, tmp_path_factory.mktemp("trained") / "run")
 
 
+@pytest.mark.integration
 def test_init_checkpoint_starts_from_its_weights_with_fresh_counters(shared_data, shards, trained, tmp_path, caplog):
     from pipeline.average import average_checkpoints
 
@@ -357,6 +369,7 @@ def test_init_checkpoint_starts_from_its_weights_with_fresh_counters(shared_data
                                           "sha256": hashlib.sha256(init.read_bytes()).hexdigest()}
 
 
+@pytest.mark.integration
 def test_init_checkpoint_weights_are_the_first_step_weights(shared_data, shards, trained, tmp_path):
     init = trained / "checkpoints" / "ckpt-00000020.pt"
     # One update at a learning rate of ~1e-11 moves no weight measurably: what is saved is what training began with.
@@ -368,6 +381,7 @@ def test_init_checkpoint_weights_are_the_first_step_weights(shared_data, shards,
         torch.testing.assert_close(started[k], source[k], rtol=0, atol=1e-6, msg=k)
 
 
+@pytest.mark.integration
 def test_resumed_run_ignores_init_checkpoint(shared_data, shards, trained, tmp_path):
     init = trained / "checkpoints" / "ckpt-00000020.pt"
     out = train(config(shared_data, "train.max_steps=2"), shards, tmp_path / "run", init_checkpoint=init)
@@ -377,6 +391,7 @@ def test_resumed_run_ignores_init_checkpoint(shared_data, shards, trained, tmp_p
     assert summary["steps"] == 4 and summary["init_checkpoint"]["path"] == str(init)  # where its weights began
 
 
+@pytest.mark.integration
 def test_init_checkpoint_of_another_shape_or_vocabulary_is_refused(shared_data, shards, trained, tmp_path):
     init = trained / "checkpoints" / "ckpt-00000020.pt"
     with pytest.raises(CheckpointError, match=r"different model config.*'d_model': \(32, 16\).*train\.init_from"):
@@ -408,6 +423,7 @@ def test_torchrun_command_passes_init_checkpoint(tmp_path):
                                                        tmp_path / "o")
 
 
+@pytest.mark.integration
 def test_max_minutes_stops_and_checkpoints(shared_data, shards, tmp_path):
     cfg = config(shared_data, "train.max_steps=100000", "train.max_minutes=0.05")
     out = train(cfg, shards, tmp_path / "run")
@@ -419,6 +435,7 @@ def test_max_minutes_stops_and_checkpoints(shared_data, shards, tmp_path):
 # ---------------------------------------------------------------------------------------------- accumulation
 
 
+@pytest.mark.integration
 def test_accumulation_equals_one_big_batch(shared_data, shards):
     cfg = config(shared_data, "model.dropout=0.0")
     ds = ShardDataset(shards, "train")
@@ -464,9 +481,10 @@ def free_port() -> int:
 
 
 def train_command(shared_data: Path, shards: Path, out: Path, *overrides: str) -> list[str]:
-    sets = [a for o in (*TINY, *overrides) for a in ("--set", o)]
-    return ["-m", "pipeline.train", "--config", "multi30k-cpu", "--data-root", str(shared_data),
-            "--shards", str(shards), "--out", str(out), *sets]
+    """``python -m pipeline.train`` (less the interpreter) on the tiny config with ``overrides``, resolved into a
+    file (beside the shards: ``out`` may be a path that cannot be written) as the pipeline hands it over."""
+    config = resolved_tiny_config(shared_data, Path(shards).parent, *overrides)
+    return ["-m", "pipeline.train", "--config", str(config), "--shards", str(shards), "--out", str(out)]
 
 
 def torchrun_env() -> dict:
@@ -489,8 +507,7 @@ def launched(launch, shared_data: Path, shards: Path, out: Path, *overrides: str
     """torchrun as the flow starts it (``torchrun_command``), with the tiny test config's overrides."""
     from pipeline.train.launch import torchrun_command
 
-    cmd = torchrun_command(launch, REPO / "configs" / "multi30k-cpu.yaml", shards, out,
-                           ["--data-root", str(shared_data), *[a for o in (*TINY, *overrides) for a in ("--set", o)]])
+    cmd = torchrun_command(launch, resolved_tiny_config(shared_data, Path(out).parent, *overrides), shards, out)
     return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -512,6 +529,7 @@ def listening_addresses(proc: subprocess.Popen, until_done: bool = True) -> set[
     return seen
 
 
+@pytest.mark.integration
 def test_torchrun_two_processes_listen_on_loopback_only(shared_data, shards, tmp_path):
     from pipeline.config import LaunchConfig
 
@@ -541,6 +559,7 @@ def test_torchrun_two_processes_listen_on_loopback_only(shared_data, shards, tmp
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.integration
 def test_torchrun_two_nodes_bind_the_configured_interface(shared_data, shards, tmp_path):
     from pipeline.config import LaunchConfig
 
@@ -565,6 +584,7 @@ def test_torchrun_two_nodes_bind_the_configured_interface(shared_data, shards, t
     (["train.max_tokens=40", "train.update_tokens=40"], "needs"),
     (["train.update_tokens=600"], "cannot be split over 2 processes"),
 ])
+@pytest.mark.integration
 def test_bad_config_fails_before_training(shared_data, shards, tmp_path, overrides, words):
     from pipeline.train.trainer import TrainConfigError, preflight
 
@@ -579,6 +599,7 @@ def test_bad_config_fails_before_training(shared_data, shards, tmp_path, overrid
         assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration
 def test_kill_9_then_rerun_equals_uninterrupted(shared_data, shards, tmp_path):
     """SIGKILL the training process at a random step, rerun the same command: bitwise the uninterrupted result."""
     import random
@@ -636,6 +657,7 @@ def test_tiny_model_overfits_a_few_hundred_shared_pairs(shared_data, tmp_path):
     assert nll[0] > 4.0 and nll[-1] < 0.3, nll
 
 
+@pytest.mark.integration
 def test_cpu_threads_split_the_cores_unless_set_explicitly() -> None:
     code = "import torch; from pipeline.train import setup; setup(); print(torch.get_num_threads())"
     repo = str(Path(__file__).resolve().parents[1])
@@ -648,6 +670,7 @@ def test_cpu_threads_split_the_cores_unless_set_explicitly() -> None:
         assert int(out.strip().splitlines()[-1]) == expected, extra
 
 
+@pytest.mark.integration
 def test_training_out_under_a_file_is_one_clear_line(shared_data, shards, tmp_path):
     (tmp_path / "file.txt").write_text("x")
     out = tmp_path / "file.txt" / "run"
@@ -656,3 +679,19 @@ def test_training_out_under_a_file_is_one_clear_line(shared_data, shards, tmp_pa
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert f"error: --out {out} cannot be used: {tmp_path / 'file.txt'} is a file; pass --out a writable folder" \
         in res.stderr
+
+
+@pytest.mark.integration
+def test_the_run_config_is_written_once(shared_data, shards, tmp_path):
+    """The launcher writes the run folder's config.yaml, the file every rank reads; the trainer keeps it as it is
+    and writes one itself only when there is none (in process) or it differs (a raised budget)."""
+    from pipeline.config import load_resolved, write_resolved
+
+    cfg = config(shared_data, "train.max_steps=1")
+    out = tmp_path / "run"
+    record = write_resolved(cfg, out / "config.yaml")
+    inode = record.stat().st_ino  # every write is a rename of a new file
+    train(cfg, shards, out)
+    assert record.stat().st_ino == inode
+    train(config(shared_data, "train.max_steps=2"), shards, out)
+    assert load_resolved(record).train.max_steps == 2

@@ -19,10 +19,10 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.codegraph import code_closure
 from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
-from pipeline.data.sources import DataError, Source, open_source, resolve_root
-from pipeline.parsing.trees import target_symbols
+from pipeline.data.sources import TASK_READERS, DataError, Source, open_source, resolve_root
 from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, read_stage_manifest, sha256_file,
                              stage_folder, write_json)
 
@@ -43,12 +43,14 @@ _PROGRESS_EVERY = 1_000_000
 
 
 def _code_hash() -> str:
-    """Hash of this stage's code: a change to cleaning or writing invalidates cached corpora."""
-    here = Path(__file__).resolve().parent
-    return code_hash(*sorted(here.glob("*.py")), here.parent / "fsutil.py", here.parent / "parsing" / "trees.py")
+    """Hash of the code this stage runs (its modules and their imports, the task readers' included): a change to
+    reading, cleaning or writing invalidates cached corpora. The config schema is left out: the config's values
+    are in the identity."""
+    modules = [__name__, *(spec.partition(":")[0] for spec in TASK_READERS.values())]
+    return code_hash(*sorted({f for m in modules for f in code_closure(m, ("pipeline.config",))}))
 
 
-class _SplitWriter:
+class _CorpusSplitWriter:
     """Streams rows of one split into a Parquet file, ``write_batch_rows`` rows at a time."""
 
     def __init__(self, path: Path, split: str, batch_rows: int):
@@ -92,7 +94,7 @@ class _SplitWriter:
 def _write_eval_split(source: Source, role: str, out: Path, batch_rows: int, normalize: Normalizer,
                       counts: Counter, tree_leaves: str) -> tuple[dict, list[tuple[str, str]]]:
     """Dev/test: never filtered (that would change what is measured); normalised, raw target kept."""
-    writer = _SplitWriter(out, role, batch_rows)
+    writer = _CorpusSplitWriter(out, role, batch_rows)
     pairs = []
     for line, src, tgt in source.pairs():
         s, t = normalize(src), normalize(source.model_target(tgt, tree_leaves))
@@ -161,7 +163,7 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
         normalize = Normalizer(data.cleaning, counts)
         keep = TrainFilter(data.cleaning, eval_pairs, counts)
         del eval_pairs
-        writer = _SplitWriter(tmp / "train.parquet", "train", data.write_batch_rows)
+        writer = _CorpusSplitWriter(tmp / "train.parquet", "train", data.write_batch_rows)
         read: Counter = Counter()
         symbols: set[str] = set()  # parsing: the closed target vocabulary of the kept training trees
         for source in train:
@@ -171,8 +173,7 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
                 s, t = normalize(src), normalize(source.model_target(tgt, data.tree_leaves))
                 if keep.keep(s, t):
                     writer.add(name, line, s, t, None)
-                    if source.spec.format == "ptb":
-                        symbols.update(target_symbols(t))
+                    symbols.update(source.target_symbols(t))
         entry = writer.close()
         report = _cleaning_report(sum(read.values()), counts, entry["rows"])
         if not entry["rows"]:

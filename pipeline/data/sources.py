@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import glob
 import gzip
+import importlib
 import json
 import os
 import re
@@ -27,8 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.config import SourceSpec
+from pipeline.errors import UserError
 from pipeline.fsutil import sha256_file
-from pipeline.parsing.trees import PLACEHOLDER, TreeError, clean, linearize, parse_tree, read_trees
 
 Pair = tuple[int, str, str]  # (1-based line in the source, source sentence, target sentence)
 
@@ -39,7 +40,7 @@ LOCAL_ALTERNATIVE = (
 )
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad input for the data stage; the message names the file (and line) and what to do."""
 
 
@@ -102,7 +103,8 @@ def _pattern_field(pattern: str) -> str:
     return f"path (pattern {pattern!r})"
 
 
-def _existing_file(path: Path, where: str) -> Path:
+def existing_file(path: Path, where: str) -> Path:
+    """``path``, checked to be a non-empty file; a :class:`DataError` naming ``where`` otherwise."""
     if not path.is_file():
         raise DataError(f"{where}: file not found: {path}")
     if path.stat().st_size == 0:
@@ -222,10 +224,15 @@ class Source(abc.ABC):
     def pairs(self) -> Iterator[Pair]:
         """Stream ``(line, src, tgt)``; sets ``info.rows_read`` when exhausted."""
 
-    def model_target(self, tgt: str, tree_leaves: str = PLACEHOLDER) -> str:
+    def model_target(self, tgt: str, tree_leaves: str) -> str:
         """What the model learns to produce from ``tgt`` as read (kept as ``tgt_raw`` for scoring): ``tgt`` itself
         (a treebank source linearises the tree, writing preterminals as ``tree_leaves``: ``data.tree_leaves``)."""
         return tgt
+
+    def target_symbols(self, target: str) -> set[str]:
+        """The symbols of a closed target vocabulary in one model target (a treebank's brackets and labels, which
+        the tokenizer must keep whole); none for text."""
+        return set()
 
 
 class TextSource(Source):
@@ -255,14 +262,14 @@ class TextSource(Source):
         files = self.spec.files
         if lang not in files:
             raise DataError(f"{self.where}.files has no entry for language {lang!r} (has {sorted(files)})")
-        return _existing_file(self._inside(files[lang], f"files.{lang}"), self.where)
+        return existing_file(self._inside(files[lang], f"files.{lang}"), self.where)
 
     def _prefix_file(self, prefix: str, lang: str, field: str) -> Path | None:
         """``<prefix>.<lang>``, else ``<prefix>.<lang>.gz``, resolved inside data.root; None if neither exists."""
         for name in (f"{prefix}.{lang}", f"{prefix}.{lang}.gz"):
             cand = self._inside(name, field)
             if cand.exists():
-                return _existing_file(cand, self.where)
+                return existing_file(cand, self.where)
         return None
 
     def _prefix_pair(self, prefix: str, field: str) -> tuple[Path, Path]:
@@ -350,7 +357,7 @@ class TsvSource(Source):
             self.paths = self._globbed_files(pattern)
             self.info.location = {"files": ",".join(self._rel(p) for p in self.paths), "pattern": pattern}
         else:
-            self.paths = [_existing_file(self._inside(pattern, "path"), self.where)]
+            self.paths = [existing_file(self._inside(pattern, "path"), self.where)]
             self.info.location = {"file": self._rel(self.paths[0])}
         self.info.location["columns"] = ",".join(cols)
         self._record_files(self.paths)
@@ -362,7 +369,7 @@ class TsvSource(Source):
         if not paths:
             raise DataError(f"{self.where}.path = {pattern!r} matches no file under data.root ({self.root}); "
                             "check the pattern and data.root")
-        return [_existing_file(p, self.where) for p in paths]
+        return [existing_file(p, self.where) for p in paths]
 
     def pairs(self) -> Iterator[Pair]:
         n_cols = len(self.spec.columns)
@@ -425,7 +432,7 @@ class SgmSource(Source):
         missing = [lang for lang in (self.src_lang, self.tgt_lang) if lang not in files]
         if missing:
             raise DataError(f"{self.where}.files has no SGML file for {missing}; give one per language")
-        self.paths = [_existing_file(self._inside(files[lang], f"files.{lang}"), self.where)
+        self.paths = [existing_file(self._inside(files[lang], f"files.{lang}"), self.where)
                       for lang in (self.src_lang, self.tgt_lang)]
         self.info.location = {"files": ",".join(self._rel(p) for p in self.paths)}
         self._record_files(self.paths)
@@ -496,7 +503,7 @@ class ParquetSource(Source):
             if not self.paths:
                 raise DataError(f"{self.where}: folder {path} has no {'/'.join(self.suffixes)} files")
         else:
-            self.paths = [_existing_file(path, self.where)]
+            self.paths = [existing_file(path, self.where)]
         self.info.location = {"path": self._rel(path)}
         self._record_files(self.paths)
 
@@ -650,58 +657,6 @@ class HubSource(DatasetSource):
                                  f"{LOCAL_ALTERNATIVE}") from None
 
 
-class PtbSource(Source):
-    """Penn Treebank trees (``.mrg`` files or one tree per line): ``path`` a file, or a folder + ``include`` globs.
-
-    Yields ``(n, words, tree)``: ``n`` counts the source's trees from 1 (files in sorted path order), ``words``
-    are the tree's words without ``-NONE-`` elements, ``tree`` the gold tree as distributed on one line (scored
-    against). :meth:`model_target` gives the linearised, cleaned tree the model learns (pipeline.parsing.trees).
-    """
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        path = self._inside(self.spec.path, "path")
-        if self.spec.include:
-            if not path.is_dir():
-                raise DataError(f"{self.where}: 'include' needs 'path' to be a folder, but {path} is not one")
-            matched = {self._inside(m, f"include (pattern {pattern!r})")
-                       for pattern in self.spec.include for m in path.glob(pattern)}
-            self.paths = sorted(p for p in matched if p.is_file())
-            if not self.paths:
-                raise DataError(f"{self.where}: no file under {path} matches include {self.spec.include}; check "
-                                "data.root and the patterns (e.g. WSJ sections: '0[2-9]/*.mrg')")
-            for p in self.paths:
-                _existing_file(p, self.where)
-        else:
-            if path.is_dir():
-                raise DataError(f"{self.where}: {path} is a folder; give 'include' patterns selecting its tree files")
-            self.paths = [_existing_file(path, self.where)]
-        # Tree files are read as plain text: a .gz would only fail later as "not UTF-8".
-        if gz := next((p for p in self.paths if p.suffix == ".gz"), None):
-            raise DataError(f"{gz}: format ptb reads plain-text tree files, not gzip; decompress it (gunzip -k "
-                            f"{gz.name}) and select the decompressed file in {self.where}")
-        self.info.location = {"path": self._rel(path), "include": ",".join(self.spec.include or [])}
-        self._record_files(self.paths)
-
-    def pairs(self) -> Iterator[Pair]:
-        n = 0
-        for path in self.paths:
-            try:
-                for line, tree in read_trees(path):
-                    cleaned = clean(tree)
-                    if cleaned is None:
-                        raise DataError(f"{path}: line {line}: the tree has no word besides -NONE- elements; "
-                                        "it cannot be parsed or scored, remove it")
-                    n += 1
-                    yield n, " ".join(cleaned.words()), str(tree)
-            except TreeError as e:
-                raise DataError(str(e)) from None
-        self.info.rows_read = n
-
-    def model_target(self, tgt: str, tree_leaves: str = PLACEHOLDER) -> str:
-        return linearize(clean(parse_tree(tgt)), tree_leaves)
-
-
 _READERS: dict[str, type[Source]] = {
     "text": TextSource,
     "tsv": TsvSource,
@@ -710,10 +665,20 @@ _READERS: dict[str, type[Source]] = {
     "arrow": ArrowSource,
     "hf_disk": DatasetSource,
     "hub": HubSource,
-    "ptb": PtbSource,
 }
+# Formats whose reader lives with the task that needs it, named by module as an entry point would be (the treebank
+# reader is parsing's): the data stage reads them through the same Source interface without importing that task.
+TASK_READERS = {"ptb": "pipeline.parsing.treebank:PtbSource"}
+
+
+def reader(fmt: str) -> type[Source]:
+    """The :class:`Source` class that reads format ``fmt`` (a task's reader is imported on first use)."""
+    if fmt in _READERS:
+        return _READERS[fmt]
+    module, _, name = TASK_READERS[fmt].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def open_source(spec: SourceSpec, root: Path, src_lang: str, tgt_lang: str, where: str) -> Source:
     """Resolve and check a source (paths, files, columns) before any pair is read."""
-    return _READERS[spec.format](spec, root, src_lang, tgt_lang, where)
+    return reader(spec.format)(spec, root, src_lang, tgt_lang, where)

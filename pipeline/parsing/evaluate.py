@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from model import Transformer
-from pipeline.config import DecodeConfig
-from pipeline.evaluate import SAMPLE_ROWS, eval_setup, samples_markdown, translate, truncation_summary
+from pipeline.config import DecodeConfig, RunConfig
+from pipeline.data import DataError
+from pipeline.evalsets import SAMPLE_ROWS, Evaluator, eval_setup, samples_markdown
 from pipeline.fsutil import sha256_file, write_json, write_text
+from pipeline.inference import translate, truncation_summary
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
 from pipeline.parsing.trees import (PLACEHOLDER, Repair, Tree, parse_tree, remove_empty, repair, right_branching,
                                     strip_root)
@@ -43,7 +45,7 @@ def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], de
     repaired tree over its words with what repair changed. ``tags`` (one list per sentence) fill the
     preterminals; without them every tag is ``XX``. ``leaves``: how the model writes preterminals
     (``data.tree_leaves``). A sentence longer than the model's positions is cut, warned about (naming ``source``)
-    and its line appended to ``truncated``, as :func:`pipeline.evaluate.translate` does."""
+    and its line appended to ``truncated``, as :func:`pipeline.inference.translate` does."""
     outputs = translate(model, tokenizer, sentences, decode, progress, source=source, truncated=truncated)
     trees = [repair(out, sent.split(), tags[i] if tags is not None else None, leaves)
              for i, (out, sent) in enumerate(zip(outputs, sentences))]
@@ -120,3 +122,38 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
                       "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
                       "decoding": decode.model_dump(), "splits": results})
     return path
+
+
+class ParsingEvaluator(Evaluator):
+    """``task: parsing``: trees over the input's words, scored with EVALB; models are chosen on dev EVALB F1."""
+
+    dev_metric = "EVALB F1"
+
+    def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+                 splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+        return evaluate_parsing(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device,
+                                cfg.data.tree_leaves)
+
+    def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],
+                progress: Callable[[int], None] | None = None, *, source: str = "input",
+                truncated: list[int] | None = None) -> list[str]:
+        """Each line is a tokenized sentence (PTB tokens separated by spaces); each output a repaired tree over
+        exactly its words (POS tags ``XX``)."""
+        empty = [i for i, line in enumerate(lines, start=1) if not line]
+        if empty:
+            raise DataError(f"{source}: line {empty[0]} is empty; a parse needs at least one word")
+        _, parsed = parse(model, tokenizer, lines, cfg.decode, progress=progress, leaves=cfg.data.tree_leaves,
+                          source=source, truncated=truncated)
+        return [str(tree) for tree, _ in parsed]
+
+    def dev_score(self, split: dict) -> float:
+        return float(split["f1"])
+
+    def summary(self, split: dict) -> str:
+        return (f"EVALB F1 {split['f1']:6.2f}   P {split['precision']:6.2f}   R {split['recall']:6.2f}   "
+                f"exact {split['exact_match']:6.2f}   well-formed before repair "
+                f"{100 * split['well_formed_before_repair_rate']:5.1f}%   right-branching F1 "
+                f"{split['right_branching_f1']:6.2f}")
+
+
+EVALUATOR = ParsingEvaluator()

@@ -19,7 +19,7 @@ from mlflow.types import ColSpec, DataType, Schema
 
 from pipeline.config import REPO_ROOT, CleaningConfig, DecodeConfig
 from pipeline.data.clean import Normalizer
-from pipeline.evaluate import load_model, translate
+from pipeline.inference import load_model, translate
 from pipeline.tokenize import Tokenizer
 
 # One unnamed string column: pyfunc then accepts a list of strings, a single string, or a DataFrame whose first

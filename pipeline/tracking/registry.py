@@ -17,10 +17,10 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.models import Model
 
+from pipeline.checkpoint import load_checkpoint
 from pipeline.config import DecodeConfig
 from pipeline.fsutil import sha256_file
 from pipeline.promotion import Decision, Policy, PromotionSet, decide, guards, paired_bootstrap
-from pipeline.train.checkpoint import load_checkpoint
 
 from .pyfunc import SIGNATURE, Translator, code_paths, pip_requirements
 from .runs import client, set_tags

@@ -10,10 +10,10 @@ from pathlib import Path
 import pandas as pd
 
 from pipeline.average import CHOICE
-from pipeline.evaluate import load_model
+from pipeline.checkpoint import load_checkpoint
 from pipeline.fsutil import sha256_file
+from pipeline.inference import load_model
 from pipeline.tokenize import Tokenizer
-from pipeline.train.checkpoint import load_checkpoint
 
 from .plots import attention_figures, learning_curves, read_metrics
 from .runs import TrackingError, client, log_metrics, log_params, set_tags
@@ -88,7 +88,8 @@ def log_evaluation(run_id: str, checkpoint: Path, tokenizer_dir: Path, scores_js
     c = client()
     log_metrics(run_id, metrics)
     first = next(iter(scores["splits"].values()))
-    set_tags(run_id, {f"signature.{k}": v["signature"] for k, v in first.items() if isinstance(v, dict) and "signature" in v}
+    set_tags(run_id, {f"signature.{k}": v["signature"] for k, v in first.items()
+                      if isinstance(v, dict) and "signature" in v}
              | {"checkpoint_sha256": scores["checkpoint"]["sha256"][:16]})
     c.log_artifacts(run_id, str(eval_dir), "evaluation")
 

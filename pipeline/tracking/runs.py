@@ -23,6 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import REPO_ROOT, RunConfig, dump_config
+from pipeline.errors import UserError
 
 log = logging.getLogger("aiayn.tracking")
 
@@ -32,7 +33,7 @@ BATCH_PARAMS = 100
 BATCH_METRICS = 1000
 
 
-class TrackingError(RuntimeError):
+class TrackingError(UserError, RuntimeError):
     """Tracking cannot go on: an unreachable server, a deleted experiment, metrics that could not be sent.
     The message names the server or run and what to do."""
 
@@ -56,7 +57,7 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
     except (urllib.error.URLError, OSError) as e:
         why = str(getattr(e, "reason", e))
     raise TrackingError(f"MLflow tracking server {uri} is not reachable ({url}: {why}). Start it "
-                        "(python -m pipeline.localstack up) or point MLFLOW_TRACKING_URI at a running server.")
+                        "(python -m ops.localstack up) or point MLFLOW_TRACKING_URI at a running server.")
 
 
 def client() -> MlflowClient:

@@ -1,12 +1,18 @@
 """``python -m pipeline.train``: train a model, in one process or under torchrun, without an orchestrator.
 
+``--config`` is a resolved config file, loaded as it is (no presets, environment or overrides: those were applied
+once, where it was resolved): the one the pipeline writes into each run folder (``config.yaml``), or one written by
+``python -m pipeline config --config NAME [--set ...] --out FILE``. So every rank, on every node, trains exactly
+the config its launcher resolved.
+
 One process::
 
-    python -m pipeline.train --config multi30k-cpu --shards runs/shards/<fp> --out runs/train/demo
+    python -m pipeline config --config multi30k-cpu --set train.max_steps=200 --out run.yaml
+    python -m pipeline.train --config run.yaml --shards runs/shards/<fp> --out runs/train/demo
 
 One node, N processes (DDP; gloo on CPU, NCCL on GPU), every socket on 127.0.0.1 (``pipeline.train.rendezvous``)::
 
-    torchrun --nproc_per_node 2 --rdzv-backend aiayn -m pipeline.train --config multi30k-cpu --out runs/train/demo
+    torchrun --nproc_per_node 2 --rdzv-backend aiayn -m pipeline.train --config run.yaml --out runs/train/demo
 
 Two nodes (run on each node, same command but its own ``--node-rank`` and ``is_host``; HOST0 is reachable from
 both on interface eth0, and ``--out`` should be a shared folder so that a restart on either node finds the
@@ -14,10 +20,10 @@ checkpoints)::
 
     torchrun --nnodes 2 --nproc_per_node 8 --node-rank 0 --rdzv-backend aiayn --rdzv-endpoint HOST0:29500 \\
         --rdzv-id my-run --rdzv-conf interface=eth0,is_host=true \\
-        -m pipeline.train --config wmt14-en-de-base --out /shared/runs/base
+        -m pipeline.train --config base.yaml --out /shared/runs/base
     torchrun --nnodes 2 --nproc_per_node 8 --node-rank 1 --rdzv-backend aiayn --rdzv-endpoint HOST0:29500 \\
         --rdzv-id my-run --rdzv-conf interface=eth0,is_host=false \\
-        -m pipeline.train --config wmt14-en-de-base --out /shared/runs/base
+        -m pipeline.train --config base.yaml --out /shared/runs/base
 
 With ``--mlflow-run-id RUN_ID`` rank 0 also logs params, step metrics and system metrics into that MLflow run
 (``pipeline.tracking.MlflowSink``); the server is ``MLFLOW_TRACKING_URI``, checked before training starts.
@@ -27,7 +33,7 @@ config and tokenizer, else exit status 2); a run that resumes ignores it.
 
 Running the same command again resumes from the newest intact checkpoint in ``--out``. Without ``--shards``
 the shards are built (or reused: every stage is a cached no-op when unchanged) from the config, on rank 0
-first while the other ranks wait. ``--out`` defaults to the config's run folder (``pipeline.stages.run_dir``:
+first while the other ranks wait. ``--out`` defaults to the config's run folder (``pipeline.workdir.run_dir``:
 ``<work_dir>/train/<hash of data, tokenizer, model, train less its budgets>-<shards fingerprint>``), the one
 ``python -m pipeline`` uses too.
 Prints the output folder (rank 0).
@@ -41,18 +47,20 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline.cli import add_config_args, resolve_config, user_errors
-from pipeline.config import RunConfig, ensure_work_dir
-from pipeline.stages import build_inputs, run_dir
+from pipeline.config import RunConfig, ensure_work_dir, load_resolved
+from pipeline.errors import UserError
+from pipeline.workdir import build_inputs, run_dir
 
 from .distributed import DistInfo, barrier, setup, teardown
 from .trainer import train
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command's arguments (the config ones as in ``python -m pipeline``)."""
+    """The command's arguments."""
     p = argparse.ArgumentParser(prog="python -m pipeline.train", description=__doc__.splitlines()[0])
-    add_config_args(p)
+    p.add_argument("--config", "-c", type=Path, required=True,
+                   help="a resolved config file (python -m pipeline config ... --out FILE, or a run's config.yaml)")
+    p.add_argument("--verbose", "-v", action="store_true")
     p.add_argument("--shards", type=Path, help="shard folder (default: build or reuse it from the config)")
     p.add_argument("--out", type=Path, help="run folder: checkpoints, metrics.jsonl, train_summary.json")
     p.add_argument("--mlflow-run-id", help="also log into this MLflow run (rank 0; server: MLFLOW_TRACKING_URI)")
@@ -88,14 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     info = setup()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format=f"%(asctime)s %(levelname)s [rank {info.rank}] %(name)s: %(message)s")
-    errors = user_errors()
-    if args.mlflow_run_id:
-        from pipeline.tracking import TrackingError
-
-        errors = (*errors, TrackingError)
     sinks: list = []
     try:
-        cfg = resolve_config(args)
+        cfg = load_resolved(args.config)
         if info.is_main and args.out:  # before any stage or the trainer writes
             ensure_work_dir(args.out, "--out", "pass --out a writable folder")
         elif info.is_main:
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         out = train(cfg, shards, out, sinks=sinks, info=info, init_checkpoint=args.init_checkpoint)
         for s in sinks:
             s.close()  # raises TrackingError if buffered metrics cannot be sent
-    except errors as e:
+    except UserError as e:  # bad input or config (the tracking server down too): one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

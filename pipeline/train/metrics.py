@@ -36,7 +36,8 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per line: ``{"params": {...}}`` once per (re)start, then ``{"step": s, "time": unix, **metrics}``.
+    """One JSON object per line: ``{"params": {...}}`` once per (re)start, then
+    ``{"step": s, "time": unix, **metrics}``.
 
     ``resume_step``: the step training (re)starts from. Rows of later steps, logged by an interrupted run before its
     last checkpoint was superseded, are dropped (as is a half-written last line), so each step appears once.

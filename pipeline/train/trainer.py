@@ -34,15 +34,15 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler
-from pipeline.config import RunConfig, dump_config
-from pipeline.fsutil import exclusive, remove_stale_temps, sha256_file, write_json, write_text
-from pipeline.shards import MANIFEST, ShardDataset, token_batches
+from pipeline.checkpoint import read_index, save_checkpoint
+from pipeline.config import RunConfig, dump_config, write_resolved
+from pipeline.errors import UserError
+from pipeline.fsutil import MANIFEST, exclusive, remove_stale_temps, sha256_file, write_json
+from pipeline.shards import ShardDataset, token_batches
 
-from .checkpoint import (check_compatible, find_latest, load_checkpoint, load_init_checkpoint, read_index,
-                         save_checkpoint)
-from .distributed import (DistInfo, all_gather_object, all_reduce_sum, broadcast_object, rng_state,
-                          seed_everything, set_rng_state, setup)
+from .distributed import DistInfo, all_gather_object, all_reduce_sum, rng_state, seed_everything, setup
 from .metrics import ConsoleSink, JsonlSink, MetricsSink, peak_flops, peak_memory_mb, perplexity
+from .resume import resume
 
 log = logging.getLogger("aiayn.train")
 
@@ -142,7 +142,7 @@ class TrainStep:
 
 
 @torch.no_grad()
-def evaluate(step_fn: TrainStep, ds: ShardDataset, batches: list[np.ndarray]) -> dict[str, float]:
+def dev_loss(step_fn: TrainStep, ds: ShardDataset, batches: list[np.ndarray]) -> dict[str, float]:
     """Label-smoothed loss, nll and perplexity per target token on ``batches``; every rank takes a share."""
     info, model = step_fn.info, step_fn.model
     model.eval()
@@ -184,7 +184,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(UserError, ValueError):
     """A config that cannot train on these shards; raised before any training step, saying what to change."""
 
 
@@ -255,49 +255,20 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     step_fn = TrainStep(model, cfg, info, pad)
     seed_everything(t.seed + info.rank)  # distinct dropout streams per rank
 
+    start = resume(ckpt_dir, model, step_fn.optimizer, step_fn.scheduler, t.seed, shards["fingerprint"],
+                   tokenizer_sha256, info, init_checkpoint)
+    step, epoch, batch_pos, last_dev, init = start.step, start.epoch, start.batch_pos, start.dev, start.init
+    totals = torch.tensor(start.totals, dtype=torch.float64, device=info.device)  # [3]: tgt, src tokens, sentences
     accum = accumulation_steps(t.update_tokens, t.max_tokens, info.world_size)
     group = accum * info.world_size
-    step, epoch, batch_pos = 0, 0, 0
-    totals = torch.zeros(3, dtype=torch.float64, device=info.device)  # target tokens, source tokens, sentences
-    last_dev: dict[str, float] = {}
-    init: dict | None = None  # the checkpoint the run's weights started from: path, sha256, its step
-
-    # Resume: rank 0 picks the newest intact checkpoint; every rank loads that file (a shared folder).
-    found = find_latest(ckpt_dir) if info.is_main else None
-    name = broadcast_object(found[0] if found else None, info)
-    if name is not None:
-        state = found[1] if found else load_checkpoint(ckpt_dir / name)
-        check_compatible(state, model.config, shards["fingerprint"], ckpt_dir / name)
-        model.load_state_dict(state["model"])
-        step_fn.optimizer.load_state_dict(state["optimizer"])
-        step_fn.scheduler.load_state_dict(state["scheduler"])
-        step, epoch, batch_pos = state["step"], state["epoch"], state["batch_pos"]
-        totals = torch.tensor(state["totals"], dtype=torch.float64, device=info.device)
-        last_dev = state["dev"]
-        if state["world_size"] == info.world_size:
-            set_rng_state(state["rng"][info.rank])
-        else:
-            log.warning("checkpoint %s was written by %d ranks, this run has %d: RNG streams restart from the seed",
-                        name, state["world_size"], info.world_size)
-            seed_everything(t.seed + info.rank + 7919 * step)
-        # A resumed run keeps where its weights first came from; its own checkpoint now supersedes that file.
-        init = state.get("init_checkpoint")
-        log.info("resuming from %s: step %d, epoch %d, batch %d", ckpt_dir / name, step, epoch, batch_pos)
-        if init_checkpoint is not None:
-            log.info("--init-checkpoint %s ignored: the run resumes from its own checkpoint", init_checkpoint)
-        del state, found
-    elif init_checkpoint is not None:
-        path = Path(init_checkpoint).resolve()
-        state = load_init_checkpoint(path, model.config, tokenizer_sha256)
-        model.load_state_dict(state["model"])  # in place: the optimizer and DDP hold these same parameters
-        init = {"path": str(path), "sha256": sha256_file(path), "step": state["step"]}
-        log.info("initialised from %s (step %d of its run)", path, state["step"])
-        del state
 
     all_sinks: list[MetricsSink] = []
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_text(out_dir / "config.yaml", dump_config(cfg))
+        # The run's record of its config; the pipeline's launcher already wrote it there (the file every rank read).
+        record = out_dir / "config.yaml"
+        if not (record.is_file() and record.read_text(encoding="utf-8") == dump_config(cfg)):
+            write_resolved(cfg, record)
         # Rows past the step resumed from were logged by the interrupted run and are now trained again.
         all_sinks = [JsonlSink(out_dir / "metrics.jsonl", resume_step=step), ConsoleSink(t.max_steps, step), *sinks]
         params = {**_flat(cfg.model_dump(mode="json")), "world_size": info.world_size, "accumulation_steps": accum,
@@ -329,7 +300,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                                f"than one update needs ({accum} per rank x {info.world_size} ranks); lower "
                                "train.update_tokens")
     flops_peak = peak_flops(info.device)
-    saved_step = step if name is not None else -1
+    saved_step = step if start.resumed else -1
     dev_step = step if last_dev else -1
     stopped_by = "max_steps"
     last_ckpt_time = interval_start = time.monotonic()
@@ -373,7 +344,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
 
         pause_start = time.monotonic()
         if step % t.dev_every_steps == 0:
-            last_dev, dev_step = evaluate(step_fn, dev_ds, dev_batches), step
+            last_dev, dev_step = dev_loss(step_fn, dev_ds, dev_batches), step
             log_metrics(last_dev)
         # Time-based decisions are rank 0's, shared with all ranks so that they act on the same step.
         now = time.monotonic()
@@ -390,7 +361,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     if saved_step != step:
         checkpoint()
     if dev_step != step:
-        last_dev = evaluate(step_fn, dev_ds, dev_batches)
+        last_dev = dev_loss(step_fn, dev_ds, dev_batches)
         log_metrics(last_dev)
     # Every rank's step and parameter digest: DDP replicas must agree; a mismatch shows up in the summary.
     ranks = all_gather_object({"rank": info.rank, "step": step, "params_sha256": _params_digest(model)}, info)

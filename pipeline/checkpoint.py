@@ -1,5 +1,8 @@
 """Training checkpoints: atomic writes, a sha256 index, keep-last-K pruning, verified loading with fallback.
 
+A contract between stages (training writes it; averaging, evaluation, tracking and serving read it), so it lives
+beside them rather than inside the training package.
+
 Layout of ``<out>/checkpoints/``::
 
     ckpt-00001000.pt     torch.save of a dict of tensors and primitive containers (see ``Trainer.state``)
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pipeline.errors import UserError
 from pipeline.fsutil import atomic_file, sha256_file, write_json
 
 log = logging.getLogger("aiayn.train")
@@ -34,7 +38,7 @@ CHECKPOINT_FORMAT = "aiayn-train-checkpoint/1"
 INDEX = "index.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used for this run (different model or shards); the message says why."""
 
 

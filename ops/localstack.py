@@ -1,8 +1,8 @@
 """The local stack: everything a user needs on one machine, bound to 127.0.0.1.
 
-    python -m pipeline.localstack up [--data-root DIR]   # Prefect server + work pool + deployments + worker, MLflow
-    python -m pipeline.localstack status
-    python -m pipeline.localstack down                   # stops exactly the processes ``up`` started
+    python -m ops.localstack up [--data-root DIR]   # Prefect server + work pool + deployments + worker, MLflow
+    python -m ops.localstack status
+    python -m ops.localstack down                   # stops exactly the processes ``up`` started
 
 ``up`` starts a Prefect server (SQLite), an MLflow tracking server (SQLite + a local artifact folder), creates
 the process work pool, deploys ``prefect.yaml`` and starts a worker; it prints the two UI addresses. It is safe
@@ -27,12 +27,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+import yaml
 
+from pipeline.config import load_config
 from pipeline.fsutil import write_json
+from pipeline.promotion import lock_name
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -125,7 +129,8 @@ def start_service(name: str, cmd: list[str], env: dict[str, str], health_url: st
     while health_url is not None and not healthy(health_url):
         if proc.poll() is not None or time.monotonic() > deadline:
             service.stop()
-            why = f"exited with status {proc.returncode}" if proc.poll() is not None else f"not healthy in {timeout_s:.0f} s"
+            why = (f"exited with status {proc.returncode}" if proc.poll() is not None
+                   else f"not healthy in {timeout_s:.0f} s")
             raise StackError(f"{name} {why}; its log ({log}) ends with:\n{_tail(log)}")
         time.sleep(0.3)
     return service
@@ -186,12 +191,6 @@ def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str,
 
 def deployed_models() -> list[str]:
     """The registered model of every deployment's config in prefect.yaml (their promotion locks)."""
-    import warnings
-
-    import yaml
-
-    from pipeline.config import load_config
-
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
     names = set()
     with warnings.catch_warnings():  # a config's own warnings are for its runs, not for the stack
@@ -204,8 +203,6 @@ def deployed_models() -> list[str]:
 def create_promotion_locks(env: dict[str, str]) -> list[str]:
     """One Prefect global concurrency limit (one slot) per deployed registered model, ``promote-<model>``: the
     flows hold it while they read the champion, compare and move the alias. Existing limits are kept."""
-    from pipeline.promotion import lock_name
-
     names = [lock_name(m) for m in deployed_models()]
     for name in names:
         try:
@@ -270,7 +267,7 @@ class Stack:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.localstack", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ops.localstack", description=__doc__.splitlines()[0])
     p.add_argument("action", choices=["up", "down", "status"])
     p.add_argument("--home", type=Path, default=Path(os.environ.get("AIAYN_STACK_HOME", REPO / "runs" / "stack")),
                    help="where the stack keeps its databases, artifacts, logs and PID records (default runs/stack)")

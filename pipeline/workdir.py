@@ -1,4 +1,4 @@
-"""Where each stage's output lives for a config, and the stage sequence shared by the CLI and torchrun entry.
+"""Where each stage's output lives in the work dir for a config, and the input stages in order (CLI, torchrun).
 
 Every stage folder is content-addressed (corpus, tokenizer, shards) or derived from the config hash (the run
 folder), so running the same config twice reuses what is done and resumes what is not.

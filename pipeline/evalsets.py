@@ -1,0 +1,92 @@
+"""What every task's evaluator shares: the dev/test splits it reads, the sample files it writes, and the
+:class:`Evaluator` interface that ``pipeline.evaluate.EVALUATORS`` maps each ``task`` to.
+
+Each task brings its own evaluator (``pipeline.translation.evaluate``, ``pipeline.parsing.evaluate``): how it
+decodes a sentence into an output line, how it scores a split, and the dev number that chooses between models.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import pyarrow.parquet as pq
+
+from model import Transformer
+from pipeline.config import RunConfig
+from pipeline.data import read_manifest
+from pipeline.inference import load_model
+from pipeline.tokenize import Tokenizer
+
+SAMPLE_ROWS = 20
+
+
+def samples_markdown(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A numbered Markdown table of sample rows for humans (``<split>.samples.md``)."""
+    cell = lambda s: s.replace("|", "\\|")  # noqa: E731  (a pipe would end the table cell)
+    lines = [f"# {title}", "", "| # | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += ["| " + " | ".join([str(i), *map(cell, row)]) + " |" for i, row in enumerate(rows, start=1)]
+    return "\n".join(lines) + "\n"
+
+
+def eval_split_keys(corpus: dict, corpus_dir: Path, splits: Sequence[str] | None) -> list[str]:
+    """The corpus splits to evaluate: ``splits``, or every split but ``train``; unknown names are an error."""
+    keys = list(splits) if splits else [k for k, s in corpus["splits"].items() if s["role"] != "train"]
+    unknown = [k for k in keys if k not in corpus["splits"]]
+    if unknown:
+        raise ValueError(f"{corpus_dir}: no split {unknown}; it has {sorted(corpus['splits'])}")
+    return keys
+
+
+@dataclass(frozen=True)
+class EvalSetup:
+    """What every evaluation (translation, parsing) starts from."""
+
+    corpus: dict  # the corpus manifest
+    keys: list[str]  # the splits to score
+    model: Transformer
+    tokenizer: Tokenizer
+    out_dir: Path
+
+    def split(self, corpus_dir: Path, key: str) -> tuple[list[str], list[str]]:
+        """A split's sources and raw (unfiltered, untokenized) references, in corpus order."""
+        table = pq.read_table(Path(corpus_dir) / self.corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
+        return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
+
+
+def eval_setup(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+               splits: Sequence[str] | None, device: str) -> EvalSetup:
+    """Read the corpus manifest, check the splits, load the model and tokenizer, create ``out_dir``."""
+    corpus = read_manifest(corpus_dir)
+    keys = eval_split_keys(corpus, corpus_dir, splits)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return EvalSetup(corpus, keys, load_model(checkpoint, device), Tokenizer(tokenizer_dir), out_dir)
+
+
+class Evaluator(abc.ABC):
+    """How one task decodes and scores; ``pipeline.evaluate.EVALUATORS[cfg.task]`` is its instance."""
+
+    dev_metric: str  # the name of the dev number models are chosen on (averaging's N), for humans
+
+    @abc.abstractmethod
+    def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+                 splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+        """Decode and score each split of ``splits`` (default: every dev/test split); returns ``scores.json``."""
+
+    @abc.abstractmethod
+    def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],
+                progress: Callable[[int], None] | None = None, *, source: str = "input",
+                truncated: list[int] | None = None) -> list[str]:
+        """One output line per input line, as ``python -m pipeline translate`` prints it; a line longer than the
+        model's positions is cut, warned about naming ``source``, and its number appended to ``truncated``."""
+
+    @abc.abstractmethod
+    def dev_score(self, split: dict) -> float:
+        """The :attr:`dev_metric` value of one split's entry in ``scores.json``."""
+
+    @abc.abstractmethod
+    def summary(self, split: dict) -> str:
+        """One line of a split's scores for the terminal."""

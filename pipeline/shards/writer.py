@@ -1,0 +1,237 @@
+"""Tokenizer stage, part 2: every corpus split encoded into Arrow IPC shards.
+
+Output contract (docs/formats.md, "Token shards"): ``<work_dir>/shards/<fingerprint[:16]>/`` with
+``<split>-<NNNNN>.arrow`` files and ``manifest.json``. The fingerprint hashes the tokenizer model, every split's
+content hash, the shard layout and this stage's code; a re-run on unchanged inputs returns the existing folder.
+
+Encoding streams: the main process reads the Parquet split in chunks of :data:`CHUNK_ROWS` rows, worker processes
+(each with its own sentencepiece model) encode them, and the main process writes the results in order, one
+record batch per chunk. At most ``2 * num_workers`` chunks are in flight, so memory does not grow with the
+corpus, and the output does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from itertools import chain
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import sentencepiece as spm
+
+from pipeline.config import TokenizerConfig
+from pipeline.data import read_manifest
+from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, sha256_file, stage_folder, write_json
+from pipeline.proc import exit_with_parent
+from pipeline.tokenize import Tokenizer, verify_file
+
+from .format import CHUNK_ROWS, SHARDS_FORMAT, ShardError, shard_schema
+
+log = logging.getLogger("aiayn.shards")
+
+_IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, few enough to bound memory
+
+
+def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> Path:
+    """Encode every split of the corpus with the tokenizer into Arrow IPC shards; return the shard folder.
+
+    Uses ``cfg.num_workers`` worker processes and ``cfg.shard_rows`` rows per shard file. Output appears only
+    complete, under ``work_dir/shards/<fingerprint>``; the same inputs give byte-identical files whatever the
+    number of workers, and a re-run returns the existing folder without writing. Raises :class:`ShardError`
+    (or :class:`~pipeline.tokenize.TokenizerError` for a damaged tokenizer folder) naming the file.
+    """
+    corpus_dir = Path(corpus_dir)
+    tok = Tokenizer(tokenizer_dir)
+    if cfg.special != tok.special:
+        raise ShardError(f"tokenizer.special {cfg.special.model_dump()} differs from the ids fixed in {tok.model_path} "
+                         f"({tok.special.model_dump()}); the model code reads tokenizer.special, so re-run "
+                         "train_tokenizer with this config")
+    corpus = read_manifest(corpus_dir)
+    splits = dict(sorted(corpus["splits"].items()))
+    identity = {"format": SHARDS_FORMAT, "code": _code_hash(),
+                "chunk_rows": CHUNK_ROWS, "shard_rows": cfg.shard_rows, "tokenizer_sha256": tok.sha256,
+                "corpus": {key: s["sha256"] for key, s in splits.items()}}
+    out, fingerprint, done = stage_folder(work_dir, "shards", identity)
+    if done:
+        return out
+    for s in splits.values():
+        verify_file(corpus_dir / s["file"], s["sha256"], corpus_dir / "manifest.json",
+                    "re-run the data stage (prepare_corpus)", ShardError)
+
+    started = time.perf_counter()
+    schema = shard_schema(tok.dtype)
+    is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])  # bool [vocab]
+    entries = {}
+    ctx = multiprocessing.get_context("spawn")  # no fork: callers (Prefect, torch) may hold threads and locks
+    init = (str(tok.model_path), tok.dtype.str, os.getpid())
+    with atomic_dir(out) as tmp, ProcessPoolExecutor(cfg.num_workers, mp_context=ctx, initializer=_init_worker,
+                                                     initargs=init) as pool:
+        for key, s in splits.items():
+            writer = _ShardSplitWriter(tmp, key, schema, tok.unk_id, is_byte)
+            plan = _plan(s["rows"], cfg.shard_rows)
+            chunks = _read_chunks(corpus_dir / s["file"], [stop - start for _, start, stop in plan])
+            results = _ordered(pool, _encode_chunk, chunks, _IN_FLIGHT_PER_WORKER * cfg.num_workers)
+            for (shard, start, _), encoded in zip(plan, results):
+                writer.write(shard, start, *encoded)
+            entries[key] = {"corpus_file": s["file"], "corpus_sha256": s["sha256"], **writer.close()}
+            log.info("%s: %d pairs encoded into %d shard(s)", key, s["rows"], len(entries[key]["shards"]))
+        write_json(tmp / MANIFEST, {
+            "format": SHARDS_FORMAT,
+            "fingerprint": fingerprint,
+            "code": identity["code"],
+            "chunk_rows": CHUNK_ROWS,
+            "shard_rows": cfg.shard_rows,
+            "dtype": tok.dtype.name,
+            "tokenizer": {"sha256": tok.sha256, "fingerprint": tok.manifest["fingerprint"],
+                          "vocab_size": tok.vocab_size, "model_type": tok.manifest["model_type"],
+                          "special": tok.special.model_dump()},
+            "corpus": {"fingerprint": corpus["fingerprint"], "src_lang": corpus["src_lang"],
+                       "tgt_lang": corpus["tgt_lang"]},
+            "splits": entries,
+        })
+    rows = sum(e["rows"] for e in entries.values())
+    elapsed = time.perf_counter() - started
+    log.info("shards written to %s: %d pairs in %.1f s (%.0f pairs/s)", out, rows, elapsed, rows / max(elapsed, 1e-9))
+    return out
+
+
+def _code_hash() -> str:
+    """Hash of this stage's code: every module of this package (the reader's checks are part of what a shard
+    folder promises) and the tokenizer wrapper that encodes."""
+    package = Path(__file__).resolve().parent
+    return code_hash(*sorted(package.glob("*.py")), package.parent / "tokenize.py")
+
+
+def _plan(rows: int, shard_rows: int) -> list[tuple[int, int, int]]:
+    """(shard, start, stop) of every chunk, in order: CHUNK_ROWS rows each, never straddling two shards."""
+    return [(first // shard_rows, start, min(start + CHUNK_ROWS, first + shard_rows, rows))
+            for first in range(0, rows, shard_rows)
+            for start in range(first, min(first + shard_rows, rows), CHUNK_ROWS)]
+
+
+def _read_chunks(path: Path, sizes: list[int]) -> Iterator[pa.Buffer]:
+    """The (src, tgt) columns of consecutive row ranges of ``sizes`` rows, each as an Arrow IPC stream."""
+    # pre_buffer off: with it, the reader keeps every row group it has read until the end (the whole file)
+    batches = pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=CHUNK_ROWS, columns=["src", "tgt"])
+    pending: list[pa.RecordBatch] = []
+    have = start = 0
+    for size in sizes:
+        while have < size:
+            batch = next(batches, None)
+            if batch is None:
+                raise ShardError(f"{path}: fewer rows than its corpus manifest records ({sum(sizes)}); "
+                                 "re-run the data stage (prepare_corpus)")
+            pending.append(batch)
+            have += batch.num_rows
+        table = pa.Table.from_batches(pending)
+        chunk = table.slice(0, size)
+        if chunk.column("src").null_count or chunk.column("tgt").null_count:
+            raise ShardError(f"{path}: null src/tgt in rows {start}-{start + size - 1}; the corpus contract has none, "
+                             "re-run the data stage (prepare_corpus)")
+        pending, have, start = table.slice(size).to_batches(), have - size, start + size
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, chunk.schema) as w:
+            w.write_table(chunk)
+        yield sink.getvalue()
+    if have or next(batches, None) is not None:
+        raise ShardError(f"{path}: more rows than its corpus manifest records ({sum(sizes)}); "
+                         "re-run the data stage (prepare_corpus)")
+
+
+def _ordered(pool: ProcessPoolExecutor, fn: Callable, items: Iterable, window: int) -> Iterator:
+    """``map(fn, items)`` on the pool, results in input order, at most ``window`` items submitted at once."""
+    pending: deque[Future] = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+_worker_sp: spm.SentencePieceProcessor | None = None
+_worker_dtype: np.dtype | None = None
+
+
+def _init_worker(model_path: str, dtype: str, parent: int) -> None:
+    """Worker start: die with the parent (pid ``parent``) even if it is killed outright, which a pool worker
+    otherwise outlives; load the model once per process, not once per task."""
+    global _worker_sp, _worker_dtype
+    exit_with_parent(parent)
+    _worker_sp = spm.SentencePieceProcessor(model_file=model_path)
+    _worker_dtype = np.dtype(dtype)
+
+
+def _encode_chunk(payload: pa.Buffer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Worker: one chunk -> (src offsets int32 [n+1], src ids [tokens], tgt offsets, tgt ids)."""
+    table = pa.ipc.open_stream(payload).read_all()
+    return (*_encode_texts(table.column("src").to_pylist()), *_encode_texts(table.column("tgt").to_pylist()))
+
+
+def _encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Worker: texts -> (offsets int32 [n+1], concatenated ids [tokens]), the Arrow list layout."""
+    ids = _worker_sp.encode(texts, num_threads=1)  # the worker processes are the parallelism
+    offsets = np.zeros(len(ids) + 1, np.int32)  # [n+1]
+    np.cumsum(np.fromiter(map(len, ids), np.int32, count=len(ids)), out=offsets[1:])
+    flat = np.fromiter(chain.from_iterable(ids), _worker_dtype, count=int(offsets[-1]))  # [tokens]
+    return offsets, flat
+
+
+class _ShardSplitWriter:
+    """Writes one split's chunks, in order, into shard files and keeps the split's token statistics."""
+
+    def __init__(self, folder: Path, key: str, schema: pa.Schema, unk_id: int, is_byte: np.ndarray):
+        self.folder, self.key, self.schema, self.unk_id, self.is_byte = folder, key, schema, unk_id, is_byte
+        self.shards: list[dict] = []
+        self.writer: pa.ipc.RecordBatchFileWriter | None = None
+        self.stats = {side: {"tokens": 0, "max_len": 0, "unk": 0, "byte_fallback": 0} for side in ("src", "tgt")}
+        self.rows = 0
+
+    def write(self, shard: int, start: int, src_off: np.ndarray, src_ids: np.ndarray, tgt_off: np.ndarray,
+              tgt_ids: np.ndarray) -> None:
+        """Append one encoded chunk (rows ``start``...) to shard number ``shard``, opening it on its first chunk."""
+        if shard == len(self.shards):
+            self._close_shard()
+            self.shards.append({"file": f"{self.key}-{shard:05d}.arrow", "rows": 0})
+            # No compression: readers address the token buffers in the mapped file directly.
+            self.writer = pa.ipc.new_file(self.folder / self.shards[-1]["file"], self.schema)
+        n = len(src_off) - 1
+        columns = [pa.array(np.arange(start, start + n, dtype=np.int64))]
+        for off, ids in ((src_off, src_ids), (tgt_off, tgt_ids)):
+            columns.append(pa.ListArray.from_arrays(pa.array(off), pa.array(ids)))
+        lengths = [np.diff(src_off), np.diff(tgt_off)]  # int32 [n] each
+        columns += [pa.array(length) for length in lengths]
+        self.writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=self.schema))
+        for side, ids, length in (("src", src_ids, lengths[0]), ("tgt", tgt_ids, lengths[1])):
+            st = self.stats[side]
+            st["tokens"] += len(ids)
+            st["max_len"] = max(st["max_len"], int(length.max(initial=0)))
+            st["unk"] += int(np.count_nonzero(ids == self.unk_id))
+            st["byte_fallback"] += int(np.count_nonzero(self.is_byte[ids]))
+        self.shards[-1]["rows"] += n
+        self.rows += n
+
+    def _close_shard(self) -> None:
+        if self.writer is None:
+            return
+        self.writer.close()
+        path = self.folder / self.shards[-1]["file"]
+        self.shards[-1].update(bytes=path.stat().st_size, sha256=sha256_file(path))
+        self.writer = None
+
+    def close(self) -> dict:
+        """The split's manifest entry: rows, shards (file, rows, bytes, sha256) and per-side token statistics."""
+        self._close_shard()
+        for st in self.stats.values():
+            st["mean_len"] = round(st["tokens"] / self.rows, 4) if self.rows else 0.0
+            st["unk_rate"] = round(st["unk"] / st["tokens"], 8) if st["tokens"] else 0.0
+            st["byte_rate"] = round(st["byte_fallback"] / st["tokens"], 8) if st["tokens"] else 0.0
+        return {"rows": self.rows, "shards": self.shards, **self.stats}

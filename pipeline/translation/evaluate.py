@@ -1,0 +1,88 @@
+"""The translation evaluator: beam search from a checkpoint over each dev/test split, then every BLEU variant
+(``pipeline.translation.bleu``), each named plainly.
+
+Scores, per dev/test set, against the references exactly as distributed (``tgt_raw`` in the corpus): sacreBLEU,
+chrF and the paper's tokenized compound-split BLEU, each with its signature (``pipeline.translation.bleu``).
+
+Outputs in the evaluation folder: ``<split>.hyp`` (one detokenized hypothesis per line, in corpus order),
+``<split>.ref`` (the references as scored, line for line: with the hypotheses, what promotion's paired test reads),
+``<split>.samples.md`` (source / reference / hypothesis rows for humans), the same rows as ``<split>.samples.json``
+(a list of {source, reference, hypothesis}: tracking's sample table and attention heat-maps) and ``scores.json``
+(all scores, their signatures, the decoding settings and the checkpoint's sha256).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable, Sequence
+
+from model import Transformer
+from pipeline.config import DecodeConfig, RunConfig
+from pipeline.evalsets import SAMPLE_ROWS, Evaluator, eval_setup, samples_markdown
+from pipeline.fsutil import sha256_file, write_json, write_text
+from pipeline.inference import translate, truncation_summary
+from pipeline.tokenize import Tokenizer
+from pipeline.translation.bleu import score_translations
+
+log = logging.getLogger("aiayn.evaluate")
+
+
+def evaluate_translation(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig,
+                         out_dir: Path, splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+    """Translate each dev/test split of the corpus with the checkpoint and score it; returns ``scores.json``.
+
+    ``splits`` defaults to every split but ``train`` (``dev`` and each ``test.<name>``).
+    """
+    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device)
+    corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
+    results = {}
+    for key in setup.keys:
+        src, refs = setup.split(corpus_dir, key)
+        truncated: list[int] = []
+        hyps = translate(model, tokenizer, src, decode, source=key, truncated=truncated)
+        if truncated:
+            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config["max_positions"]))
+        write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
+        write_text(out_dir / f"{key}.ref", "".join(r + "\n" for r in refs))
+        samples = list(zip(src, refs, hyps))[:SAMPLE_ROWS]
+        write_text(out_dir / f"{key}.samples.md", samples_markdown(f"{key}: sample translations",
+                                                                   ("source", "reference", "hypothesis"), samples))
+        write_json(out_dir / f"{key}.samples.json",
+                   [{"source": s, "reference": r, "hypothesis": h} for s, r, h in samples])
+        results[key] = {"name": corpus["splits"][key].get("name", key),
+                        **score_translations(hyps, refs, corpus["tgt_lang"]), "truncated_sources": len(truncated)}
+        log.info("%s: sacreBLEU %.2f, chrF %.2f, tokenized compound-split BLEU %.2f", key,
+                 results[key]["sacrebleu"]["score"], results[key]["chrf"]["score"],
+                 results[key]["tok_bleu_compound_split"]["score"])
+    path = out_dir / "scores.json"
+    write_json(path, {"checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+                      "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
+                      "decoding": decode.model_dump(), "splits": results})
+    return path
+
+
+class TranslationEvaluator(Evaluator):
+    """``task: translation``: detokenized translations, scored with sacreBLEU, chrF and the paper's BLEU; models are
+    chosen on dev sacreBLEU."""
+
+    dev_metric = "sacreBLEU"
+
+    def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+                 splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+        return evaluate_translation(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device)
+
+    def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],
+                progress: Callable[[int], None] | None = None, *, source: str = "input",
+                truncated: list[int] | None = None) -> list[str]:
+        return translate(model, tokenizer, lines, cfg.decode, progress, source=source, truncated=truncated)
+
+    def dev_score(self, split: dict) -> float:
+        return float(split["sacrebleu"]["score"])
+
+    def summary(self, split: dict) -> str:
+        return (f"sacreBLEU {split['sacrebleu']['score']:6.2f}   chrF {split['chrf']['score']:6.2f}   "
+                f"tokenized compound-split BLEU {split['tok_bleu_compound_split']['score']:6.2f}")
+
+
+EVALUATOR = TranslationEvaluator()
