@@ -71,7 +71,8 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
                                                            tokenizer=cfg.tokenizer, work_dir=work)
         log_stage(parent, "tokenize", hit and hit_shards, {"tokenizer": tokenizer, "shards": shards})
         train_run = open_stage(parent, "train")
-        run, hit = stages["train"] = run_cached(train_stage, cfg=cfg, shards=shards, launch=cfg.launch,
+        train = train_stage.with_options(retries=cfg.launch.retries)  # a lost node resumes on the retry
+        run, hit = stages["train"] = run_cached(train, cfg=cfg, shards=shards, launch=cfg.launch,
                                                 tracking_run_id=train_run, init_checkpoint=init and init[0])
         log_stage(parent, "train", hit, {"run": run}, run_id=train_run)
         averaged, hit = stages["average"] = run_cached(average_stage, cfg=cfg, checkpoints=run / "checkpoints",

@@ -196,7 +196,8 @@ def deployed_models() -> list[str]:
     with warnings.catch_warnings():  # a config's own warnings are for its runs, not for the stack
         warnings.simplefilter("ignore")
         for d in spec["deployments"]:
-            names.add(load_config(d["parameters"]["config"]).registered_model_name)
+            if "config" in d.get("parameters", {}):  # the train-node deployments register nothing
+                names.add(load_config(d["parameters"]["config"]).registered_model_name)
     return sorted(names)
 
 

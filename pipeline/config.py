@@ -343,31 +343,38 @@ class TrackingConfig(_Strict):
 class LaunchConfig(_Strict):
     """How the orchestrator starts training: torchrun's processes and rendezvous (not part of any hash).
 
-    One node: ``nnodes: 1``. Several: the same flow run on each node with its ``node_rank`` and a shared
-    ``rdzv_endpoint`` (host:port of node 0), ``rdzv_id`` and ``interface``. Every socket the job listens on is
-    bound to ``interface`` (pipeline.train.rendezvous): loopback for one node, so nothing is reachable from outside.
+    One node (``nnodes: 1``): the training task runs torchrun itself. Several: the pipeline's flow run starts one
+    run of the node flow per node (the deployment ``node_deployment``; on a Kubernetes pool, a pod per node), each
+    a torchrun agent with its node rank, joined at a rendezvous hosted by node 0 at ``rdzv_endpoint``; it waits for
+    them all and continues alone (averaging, evaluation and registration happen once). The rendezvous id is
+    derived from the flow run and its attempt, so a retry never joins a stale rendezvous. Every socket the job
+    listens on is bound to ``interface`` (pipeline.train.rendezvous): loopback unless set, which keeps every node
+    on this machine (the local process pool).
     """
 
     nproc_per_node: int | Literal["auto"] = "auto"  # auto: one per visible GPU, else 1
     nnodes: int = Field(default=1, ge=1)
-    node_rank: int = Field(default=0, ge=0)
+    # host:port where node 0 hosts the rendezvous; None: 127.0.0.1 and a free port (every node on this machine)
     rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
-    # The network interface (e.g. eth0) the nodes reach each other on; None: loopback (one node only).
+    # The network interface (e.g. eth0) the nodes reach each other on; None: loopback (one machine only).
     interface: str | None = None
+    rdzv_timeout_s: float = Field(default=600.0, gt=0)  # how long the nodes wait for each other to join
+    node_deployment: str = "train-node/local"  # the deployment of flows/nodes.py:train_node that runs a node
+    max_restarts: int = Field(default=0, ge=0)  # torchrun's elastic restarts of a node's failed worker group
+    # Reruns of the training stage after a failure (a node lost, a crash): every node resumes from the newest
+    # intact checkpoint. A refused config or input is never retried.
+    retries: int = Field(default=1, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "LaunchConfig":
         if isinstance(self.nproc_per_node, int) and self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node ({self.nproc_per_node}) must be >= 1 or 'auto'")
-        if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
-            raise ValueError(f"nnodes={self.nnodes} needs rdzv_endpoint (host:port of node 0) and rdzv_id "
-                             "(the same string on every node)")
-        if self.nnodes > 1 and not self.interface:
-            raise ValueError(f"nnodes={self.nnodes} needs interface: the network interface (e.g. eth0) the nodes "
-                             "reach each other on; training listens on that interface only")
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank ({self.node_rank}) must be < nnodes ({self.nnodes})")
+        host = (self.rdzv_endpoint or "").rpartition(":")[0]
+        if not (host and self.rdzv_endpoint.rpartition(":")[2].isdigit()) and self.rdzv_endpoint is not None:
+            raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} must be host:port (node 0's address)")
+        if host and not (host == "localhost" or host.startswith("127.")) and self.interface in (None, "lo"):
+            raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} is not on this machine: set interface to the "
+                             "network interface (e.g. eth0) the nodes reach each other on; training listens there only")
         return self
 
 

@@ -1,36 +1,69 @@
-"""The training task: torchrun in a subprocess, its output streamed into the Prefect logs, a progress artifact
-kept up to date; the trainer locks the run folder, so that two runs of one config never train side by side.
+"""The training stage: torchrun on this machine (one node), or one node flow run per node (several), with the
+run folder locked for the whole job, torchrun's output streamed into the Prefect logs and a progress artifact kept
+up to date.
 
-A rerun after a crash (of the worker, the machine or torchrun) uses the same run folder (named by the config
-hash) and so resumes from its newest intact checkpoint instead of starting over.
+Several nodes (``launch.nnodes > 1``): the stage starts one run of the node flow (``flows/nodes.py``, deployment
+``launch.node_deployment``) per node, each a torchrun agent, waits for all of them, and fails fast (cancelling
+the others) when one fails. Only this flow run locks the run folder and goes on to average, evaluate and
+register: once, whatever the number of nodes.
+
+A rerun after a crash (of a node, the worker, the machine or torchrun; ``launch.retries`` does it at once) uses
+the same run folder (named by the config hash) and so resumes every node from its newest intact checkpoint.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any, Iterator
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import FlowRun
+from prefect.deployments import run_deployment
+from prefect.runtime import flow_run, task_run
+from prefect.states import Cancelled, Cancelling
 
 from pipeline.config import LaunchConfig, RunConfig, write_resolved
+from pipeline.fsutil import exclusive
 from pipeline.proc import preexec_exit_with_parent
 from pipeline.train import trainer
-from pipeline.train.launch import torchrun_command
+from pipeline.train.launch import Rendezvous, rendezvous_for, torchrun_command
 from pipeline.workdir import run_dir
 from tasks.caching import stage_cache_key
 
 _PROGRESS_EVERY_S = 10.0
+_POLL_S = 2.0  # how often the stage looks at its node runs
+_REFUSED = 2  # the exit status of a refused config or input: retrying cannot help
+_FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 class TrainingFailed(RuntimeError):
-    """torchrun exited non-zero; the message carries the end of its output."""
+    """torchrun (or a node's flow run) failed; the message carries the end of its output."""
+
+
+class TrainingRefused(TrainingFailed):
+    """torchrun refused the config or input (exit status 2): a retry would fail the same way."""
+
+
+def _retry_unless_refused(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except TrainingRefused:
+        return False
+    except Exception:
+        return True
+    return False
 
 
 def _last_step(metrics: Path) -> int:
@@ -57,43 +90,38 @@ def _progress(cfg: RunConfig, step: int, started: float) -> float:
     return round(100 * min(done, 1.0), 1)
 
 
-@task(name="train", persist_result=True,
-      cache_key_fn=stage_cache_key(trainer.train, ignore=("launch", "tracking_run_id"),
-                                   content={"cfg": lambda c: c.section_hash("data", "tokenizer", "model", "train")}))
-def train_stage(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: str | None = None,
-          init_checkpoint: Path | None = None) -> Path:
-    """Train under torchrun until ``max_steps``/``max_minutes``; returns the run folder (checkpoints inside).
-    ``init_checkpoint``: start from its weights (``train.init_from``) instead of a random initialisation.
-
-    Only data, tokenizer, model and train settings (budgets included) and the initial weights' content key the
-    cache: the launch layout and the tracking run do not change what is trained.
-    """
-    logger = get_run_logger()
-    out = run_dir(cfg, shards, init_checkpoint)
-    # No lock here: the trainer's rank 0 holds the run folder's lock (every way in is covered, and its waiting
-    # message reaches this log through torchrun's output); this process holding it too would deadlock them.
-    out.mkdir(parents=True, exist_ok=True)
-    # The one hand-off: the resolved config, written once as the run folder's record, read by every rank as it is.
-    config_file = write_resolved(cfg, out / "config.yaml")
-    extra = ["--mlflow-run-id", tracking_run_id] if tracking_run_id else []
-    cmd = torchrun_command(launch, config_file, shards, out, extra, init_checkpoint=init_checkpoint)
-    logger.info("launching: %s", " ".join(cmd))
+@contextlib.contextmanager
+def _progress_artifact(cfg: RunConfig, out: Path) -> Iterator[None]:
+    """A ``training-progress`` artifact of this flow run, updated on its own clock (output may be silent for
+    minutes, and the nodes' output is in their own runs) from the run folder's metrics.jsonl; 100 on success."""
     progress_id = create_progress_artifact(progress=0.0, key="training-progress",
                                            description=f"training {cfg.name} in {out}")
-    started = time.monotonic()
+    started, stop = time.monotonic(), threading.Event()
+
+    def report() -> None:
+        while not stop.wait(_PROGRESS_EVERY_S):
+            update_progress_artifact(progress_id, _progress(cfg, _last_step(out / "metrics.jsonl"), started))
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        reporter.join()
+    update_progress_artifact(progress_id, 100.0)
+
+
+def run_torchrun(cmd: list[str], logger: logging.Logger | logging.LoggerAdapter) -> None:
+    """Run torchrun, its output streamed into ``logger``; :class:`TrainingFailed` with the end of its output when
+    it fails (:class:`TrainingRefused` for a refused config or input). Torchrun and its ranks go down with this
+    process: when the task is cancelled or crashes, and when it dies outright."""
+    logger.info("launching: %s", " ".join(cmd))
     tail: collections.deque[str] = collections.deque(maxlen=40)
     # Its own session, so that a cancellation can signal torchrun's whole process group; and SIGTERM when this
     # process dies outright, which nothing else would deliver to a separate session.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True, preexec_fn=preexec_exit_with_parent())
-    stop_progress = threading.Event()
-
-    def report_progress() -> None:  # on its own clock: output may be silent for minutes
-        while not stop_progress.wait(_PROGRESS_EVERY_S):
-            update_progress_artifact(progress_id, _progress(cfg, _last_step(out / "metrics.jsonl"), started))
-
-    reporter = threading.Thread(target=report_progress, daemon=True)
-    reporter.start()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True, preexec_fn=preexec_exit_with_parent())
     try:
         for line in proc.stdout:
             line = line.rstrip()
@@ -102,12 +130,118 @@ def train_stage(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run
                 logger.info(line)
         status = proc.wait()
     finally:
-        stop_progress.set()
         if proc.poll() is None:  # the task was cancelled or crashed: take torchrun and its ranks down too
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=60)
-    reporter.join()
     if status != 0:
-        raise TrainingFailed(f"torchrun exited with status {status}; last output:\n" + "\n".join(tail))
-    update_progress_artifact(progress_id, 100.0)
+        kind = TrainingRefused if status == _REFUSED else TrainingFailed
+        raise kind(f"torchrun exited with status {status}; last output:\n" + "\n".join(tail))
+
+
+@task(name="train", persist_result=True, retry_condition_fn=_retry_unless_refused,
+      cache_key_fn=stage_cache_key(trainer.train, ignore=("launch", "tracking_run_id"),
+                                   content={"cfg": lambda c: c.section_hash("data", "tokenizer", "model", "train")}))
+def train_stage(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: str | None = None,
+                init_checkpoint: Path | None = None) -> Path:
+    """Train under torchrun until ``max_steps``/``max_minutes`` on ``launch.nnodes`` nodes; returns the run folder
+    (checkpoints inside). ``init_checkpoint``: start from its weights (``train.init_from``) instead of a random
+    initialisation. Retried ``launch.retries`` times (set by the flow), resuming, unless the config was refused.
+
+    Only data, tokenizer, model and train settings (budgets included) and the initial weights' content key the
+    cache: the launch layout and the tracking run do not change what is trained.
+    """
+    logger = get_run_logger()
+    out = run_dir(cfg, shards, init_checkpoint)
+    # This flow run holds the run folder for the whole job, on every node: a second run of the same config waits
+    # here (and says so) instead of starting nodes that would train beside these.
+    with exclusive(out, "run folder"):
+        # The one hand-off: the resolved config, written once as the run folder's record, read by every rank as it is.
+        config_file = write_resolved(cfg, out / "config.yaml")
+        extra = ["--launcher-holds-lock", *(["--mlflow-run-id", tracking_run_id] if tracking_run_id else [])]
+        with _progress_artifact(cfg, out):
+            if launch.nnodes == 1:
+                run_torchrun(torchrun_command(launch, config_file, shards, out, extra, init_checkpoint), logger)
+            else:
+                attempt = f"{flow_run.get_id()}-{task_run.get_run_count()}"
+                _run_nodes(launch, rendezvous_for(launch, attempt),
+                           {"config_file": str(config_file), "shards": str(shards), "out": str(out), "extra": extra,
+                            "init_checkpoint": str(init_checkpoint) if init_checkpoint else None}, logger)
     return out
+
+
+def _run_nodes(launch: LaunchConfig, rendezvous: Rendezvous, job: dict[str, Any],
+               logger: logging.Logger | logging.LoggerAdapter) -> None:
+    """One flow run of ``launch.node_deployment`` per node (subflows of this run, tagged with it), watched until
+    all complete; the first that fails cancels the others and raises :class:`TrainingFailed` with its message."""
+    parent = str(flow_run.get_id())
+    logger.info("starting %d node runs of %s; rendezvous %s, id %s", launch.nnodes, launch.node_deployment,
+                rendezvous.endpoint, rendezvous.run_id)
+    runs: list[FlowRun] = []
+    try:
+        for rank in range(launch.nnodes):
+            runs.append(run_deployment(
+                launch.node_deployment, timeout=0, as_subflow=True, tags=[f"parent-flow-run:{parent}"],
+                flow_run_name=f"{flow_run.get_name()}-node-{rank}-of-{launch.nnodes}",
+                idempotency_key=f"{rendezvous.run_id}-node-{rank}",
+                job_variables={"labels": {"aiayn-node-rank": str(rank)}},  # e.g. for a Service selecting node 0
+                parameters={**job, "launch": launch.model_dump(mode="json"), "node_rank": rank,
+                            "rdzv_endpoint": rendezvous.endpoint, "rdzv_id": rendezvous.run_id}))
+        failed = _watch(runs, logger)
+    finally:
+        _cancel_unfinished(runs, "the training stage stopped")  # a no-op when every node finished
+    if failed:
+        with get_client(sync_client=True) as client:  # every node that failed by itself, not those cancelled
+            ended = [(rank, client.read_flow_run(run.id)) for rank, run in enumerate(runs)]
+        failures = [(rank, run) for rank, run in ended if run.state.type.value in ("FAILED", "CRASHED")] or failed
+        raise TrainingFailed("\n".join(f"node {rank} of {launch.nnodes} (flow run {run.name}, {run.id}) ended "
+                                       f"{run.state.type.value}: {run.state.message}" for rank, run in failures))
+
+
+def _watch(runs: list[FlowRun], logger: logging.Logger | logging.LoggerAdapter) -> list[tuple[int, FlowRun]]:
+    """Poll the node runs until all completed (``[]``) or one did not: ``[(its rank, the run)]``, the others
+    cancelled."""
+    seen: dict[UUID, str] = {}
+    with get_client(sync_client=True) as client:
+        while True:
+            current = [client.read_flow_run(r.id) for r in runs]
+            for rank, run in enumerate(current):
+                state = run.state.type.value if run.state else "SCHEDULED"
+                if seen.get(run.id) != state:
+                    logger.info("node %d (%s): %s", rank, run.name, state)
+                    seen[run.id] = state
+            bad = next(((rank, run) for rank, run in enumerate(current)
+                        if run.state and run.state.type.value in _FINAL - {"COMPLETED"}), None)
+            if bad is not None:
+                _cancel_unfinished(current, f"node {bad[0]} ended {bad[1].state.type.value}")
+                return [bad]
+            if all(run.state and run.state.type.value == "COMPLETED" for run in current):
+                return []
+            time.sleep(_POLL_S)
+
+
+def _cancel_unfinished(runs: list[FlowRun], why: str, wait_s: float = 120.0) -> None:
+    """Cancel the node runs that are not final and wait (up to ``wait_s``) until they are: their torchrun agents
+    must be gone before a retry starts new ones."""
+    if not runs:
+        return
+    with get_client(sync_client=True) as client:
+        pending = [r.id for r in runs if (s := client.read_flow_run(r.id).state) is None or s.type.value not in _FINAL]
+        for run_id in pending:
+            state = client.read_flow_run(run_id).state
+            # Not started: nothing to stop. Started: the worker stops its process. Not forced: a run that ended
+            # meanwhile (failed by itself) keeps its own final state.
+            new = Cancelled(message=why) if state and state.type.value == "SCHEDULED" else Cancelling(message=why)
+            client.set_flow_run_state(run_id, new)
+        deadline = time.monotonic() + wait_s
+        while pending and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            pending = [i for i in pending if client.read_flow_run(i).state.type.value not in _FINAL]
+
+
+@task(name="torchrun-node")
+def train_on_node(config_file: Path, shards: Path, out: Path, launch: LaunchConfig, node_rank: int,
+                  rendezvous: Rendezvous, extra: list[str], init_checkpoint: Path | None = None) -> None:
+    """One node of a multi-node training run: its torchrun agent, at ``rendezvous`` with node rank
+    ``node_rank`` (node 0 hosts the rendezvous and, through rank 0, writes the checkpoints)."""
+    run_torchrun(torchrun_command(launch, config_file, shards, out, extra, init_checkpoint, node_rank, rendezvous),
+                 get_run_logger())

@@ -156,6 +156,14 @@ class Prefect:
         run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
         return res.returncode, out, run_id
 
+    def start_deployment(self, name: str, params: dict) -> str:
+        """``prefect deployment run NAME --params JSON`` without waiting: the flow run id."""
+        res = subprocess.run([str(Path(sys.executable).with_name("prefect")), "deployment", "run", name,
+                              "--params", json.dumps(params)], cwd=REPO_ROOT, env=self.env, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return re.search(r"UUID: ([0-9a-f-]{36})", res.stdout + res.stderr).group(1)
+
     def flow_run(self, run_id: str) -> dict:
         return api(self.api, f"/flow_runs/{run_id}")
 

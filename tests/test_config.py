@@ -71,7 +71,8 @@ def test_exponent_floats_parse_as_floats(tmp_path: Path) -> None:
         ("data.train.0.format=xml", "data.train", "'text'"),
         ("data.cleaning.min_words=300", "data.cleaning", "must not exceed max_words"),
         ("launch.nproc_per_node=0", "launch", "nproc_per_node (0) must be >= 1"),
-        ("launch.nnodes=2", "launch", "needs rdzv_endpoint"),
+        ("launch.rdzv_endpoint=node0", "launch", "must be host:port"),
+        ("launch.rdzv_endpoint=node0:29500", "launch", "is not on this machine: set interface"),
     ],
 )
 def test_bad_values_fail_at_load_naming_the_field(override: str, field: str, words: str) -> None:

@@ -179,21 +179,30 @@ def test_cache_keys_follow_content_not_names(tmp_path: Path) -> None:
 
 def test_torchrun_command_from_launch_settings(tmp_path: Path) -> None:
     from pipeline.config import load_config
-    from pipeline.train.launch import torchrun_command
+    from pipeline.train.launch import Rendezvous, rendezvous_for, torchrun_command
 
     one = torchrun_command(load_config("multi30k-cpu").launch, tmp_path / "c.yaml", tmp_path / "s", tmp_path / "o")
     rdzv_id = one[one.index("--rdzv-id") + 1]
     assert one[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "1", "--nnodes", "1", "--rdzv-backend",
-                       "aiayn", "--rdzv-id", rdzv_id, "--rdzv-conf", "interface=lo", "-m", "pipeline.train",
-                       "--config", str(tmp_path / "c.yaml"), "--shards", str(tmp_path / "s"), "--out",
-                       str(tmp_path / "o")]
+                       "aiayn", "--max-restarts", "0", "--rdzv-id", rdzv_id, "--rdzv-conf",
+                       "interface=lo,join_timeout=600", "-m", "pipeline.train", "--config", str(tmp_path / "c.yaml"),
+                       "--shards", str(tmp_path / "s"), "--out", str(tmp_path / "o")]
     assert len(rdzv_id) == 32  # a private rendezvous per run, as --standalone makes
-    multi = load_config("multi30k-cpu", {"launch.nnodes": 2, "launch.node_rank": 1, "launch.nproc_per_node": 8,
-                                         "launch.rdzv_endpoint": "node0:29500", "launch.rdzv_id": "job",
-                                         "launch.interface": "eth0"}).launch
-    cmd = " ".join(torchrun_command(multi, tmp_path / "c.yaml", tmp_path / "s", tmp_path / "o"))
-    assert ("--nproc-per-node 8 --nnodes 2 --rdzv-backend aiayn --node-rank 1 --rdzv-endpoint node0:29500 "
-            "--rdzv-id job --rdzv-conf interface=eth0,is_host=false") in cmd
+    multi = load_config("multi30k-cpu", {"launch.nnodes": 2, "launch.nproc_per_node": 8, "launch.max_restarts": 3,
+                                         "launch.rdzv_endpoint": "node0:29500", "launch.interface": "eth0"}).launch
+    node1 = Rendezvous("node0:29500", "run-1")
+    cmd = " ".join(torchrun_command(multi, tmp_path / "c.yaml", tmp_path / "s", tmp_path / "o", node_rank=1,
+                                    rendezvous=node1))
+    assert ("--nproc-per-node 8 --nnodes 2 --rdzv-backend aiayn --max-restarts 3 --node-rank 1 --rdzv-endpoint "
+            "node0:29500 --rdzv-id run-1 --rdzv-conf interface=eth0,join_timeout=600,is_host=false") in cmd
+    assert "is_host=true" in " ".join(torchrun_command(multi, tmp_path / "c.yaml", tmp_path / "s", tmp_path / "o",
+                                                       node_rank=0, rendezvous=node1))
+    with pytest.raises(ValueError, match="needs its rendezvous"):
+        torchrun_command(multi, tmp_path / "c.yaml", tmp_path / "s", tmp_path / "o")
+    # Every node on this machine: the launcher picks a free port on loopback; each attempt names its own.
+    local = load_config("multi30k-cpu", {"launch.nnodes": 2}).launch
+    first, retry = rendezvous_for(local, "flow-1"), rendezvous_for(local, "flow-2")
+    assert first.endpoint.startswith("127.0.0.1:") and (first.run_id, retry.run_id) == ("flow-1", "flow-2")
 
 
 @pytest.mark.integration

@@ -503,11 +503,13 @@ def check_ranks_agree(out: Path, world: int, steps: int) -> None:
     assert final_state(out)["step"] == steps and len(final_state(out)["rng"]) == world
 
 
-def launched(launch, shared_data: Path, shards: Path, out: Path, *overrides: str) -> subprocess.Popen:
-    """torchrun as the flow starts it (``torchrun_command``), with the tiny test config's overrides."""
+def launched(launch, shared_data: Path, shards: Path, out: Path, *overrides: str, **node) -> subprocess.Popen:
+    """torchrun as the flow starts it (``torchrun_command``), with the tiny test config's overrides; ``node``:
+    ``node_rank`` and ``rendezvous`` of one node of several."""
     from pipeline.train.launch import torchrun_command
 
-    cmd = torchrun_command(launch, resolved_tiny_config(shared_data, Path(out).parent, *overrides), shards, out)
+    cmd = torchrun_command(launch, resolved_tiny_config(shared_data, Path(out).parent, *overrides), shards, out,
+                           **node)
     return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -562,11 +564,12 @@ def test_torchrun_two_processes_listen_on_loopback_only(shared_data, shards, tmp
 @pytest.mark.integration
 def test_torchrun_two_nodes_bind_the_configured_interface(shared_data, shards, tmp_path):
     from pipeline.config import LaunchConfig
+    from pipeline.train.launch import Rendezvous
 
     out, port = tmp_path / "run", free_port()
-    procs = [launched(LaunchConfig(nproc_per_node=1, nnodes=2, node_rank=node, rdzv_endpoint=f"127.0.0.1:{port}",
-                                   rdzv_id=f"test-{port}", interface="lo"),
-                      shared_data, shards, out, "train.max_steps=4", "train.update_tokens=1024")
+    rendezvous = Rendezvous(f"127.0.0.1:{port}", f"test-{port}")
+    procs = [launched(LaunchConfig(nproc_per_node=1, nnodes=2, interface="lo"), shared_data, shards, out,
+                      "train.max_steps=4", "train.update_tokens=1024", node_rank=node, rendezvous=rendezvous)
              for node in (0, 1)]
     addresses = listening_addresses(procs[0])
     results = [p.communicate(timeout=300) for p in procs]
@@ -695,3 +698,19 @@ def test_the_run_config_is_written_once(shared_data, shards, tmp_path):
     assert record.stat().st_ino == inode
     train(config(shared_data, "train.max_steps=2"), shards, out)
     assert load_resolved(record).train.max_steps == 2
+
+
+def test_a_node_names_the_rendezvous_it_cannot_reach():
+    from pipeline.train.rendezvous import EndpointUnreachable, check_hosts, wait_for_endpoint
+
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(EndpointUnreachable, match=rf"endpoint 127.0.0.1:{port} \(launch.rdzv_endpoint\) did not "
+                                                  r"answer within 1 s"):
+        wait_for_endpoint("127.0.0.1", port, 1.0)
+    assert time.monotonic() - started < 5
+    check_hosts("localhost", port, "lo", "127.0.0.1")  # node 0's own address: fine
+    with pytest.raises(EndpointUnreachable, match=r"resolves to \['127.0.0.2'\], but node 0 hosts the rendezvous "
+                                                  r"on 127.0.0.1, its address on interface lo"):
+        check_hosts("127.0.0.2", port, "lo", "127.0.0.1")
+

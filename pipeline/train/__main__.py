@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=Path, help="shard folder (default: build or reuse it from the config)")
     p.add_argument("--out", type=Path, help="run folder: checkpoints, metrics.jsonl, train_summary.json")
     p.add_argument("--mlflow-run-id", help="also log into this MLflow run (rank 0; server: MLFLOW_TRACKING_URI)")
+    p.add_argument("--launcher-holds-lock", action="store_true",
+                   help="the launcher holds the run folder's lock for the whole job (the pipeline's training stage "
+                        "does); without it rank 0 takes the lock itself")
     p.add_argument("--init-checkpoint", type=Path, metavar="PATH",
                    help="start from this checkpoint's weights (same model config and tokenizer) unless --out holds "
                         "a checkpoint to resume from; optimizer and step count start fresh")
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         sinks = mlflow_sinks(args.mlflow_run_id, info)  # fails here, before training, if the server is down
         shards = args.shards or ensure_shards(cfg, info)
         out = args.out or run_dir(cfg, shards)
-        out = train(cfg, shards, out, sinks=sinks, info=info, init_checkpoint=args.init_checkpoint)
+        out = train(cfg, shards, out, sinks=sinks, info=info, init_checkpoint=args.init_checkpoint,
+                    lock=not args.launcher_holds_lock)
         for s in sinks:
             s.close()  # raises TrackingError if buffered metrics cannot be sent
     except UserError as e:  # bad input or config (the tracking server down too): one line, exit status 2

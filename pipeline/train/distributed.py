@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline.proc import exit_with_parent
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -48,11 +50,14 @@ def _cpu_cores() -> int:
 def setup() -> DistInfo:
     """Read the torchrun environment, join the process group (if world > 1) and pick the device; idempotent.
 
-    CPU threads are split between the processes of a node (``cores // local_world_size``) so that N ranks on one
+    Under torchrun the process exits with its agent (a killed agent leaves no orphan rank training on). CPU
+    threads are split between the processes of a node (``cores // local_world_size``) so that N ranks on one
     machine do not oversubscribe its cores; ``AIAYN_CPU_THREADS`` sets the count per process instead.
     """
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: gone with its agent (kill -9 of a node's agent)
+        exit_with_parent(os.getppid())
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable
 
@@ -58,6 +59,44 @@ def bound_store(address: str, port: int, is_server: bool, timeout: timedelta) ->
                     wait_for_workers=False)
 
 
+class EndpointUnreachable(RuntimeError):
+    """A node could not reach the rendezvous that node 0 hosts."""
+
+
+def wait_for_endpoint(host: str, port: int, timeout_s: float) -> None:
+    """Wait until ``host:port`` (node 0's rendezvous) accepts a TCP connection; :class:`EndpointUnreachable`
+    naming it after ``timeout_s``. torchrun's store client would otherwise retry silently, then fail with a
+    socket error that does not say what to check."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, timeout_s)).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise EndpointUnreachable(
+                    f"the rendezvous endpoint {host}:{port} (launch.rdzv_endpoint) did not answer within "
+                    f"{timeout_s:.0f} s ({e.strerror or e}): node 0 hosts it there; check that node 0 runs and that "
+                    f"{host} is its address on launch.interface, reachable from this node") from None
+        time.sleep(0.5)
+
+
+def check_hosts(host: str, port: int, interface: str, address: str) -> None:
+    """Node 0 hosts the rendezvous on ``address`` (its ``interface``'s): the endpoint the other nodes are given must
+    lead there, else they would wait for nothing until their timeout. :class:`EndpointUnreachable` naming it."""
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)}
+    except socket.gaierror as e:
+        raise EndpointUnreachable(f"the rendezvous endpoint {host}:{port} (launch.rdzv_endpoint) does not resolve "
+                                  f"({e.strerror}): node 0 hosts the rendezvous there; point it at node 0") from None
+    if address not in resolved:
+        raise EndpointUnreachable(
+            f"the rendezvous endpoint {host}:{port} (launch.rdzv_endpoint) resolves to {sorted(resolved)}, but node 0 "
+            f"hosts the rendezvous on {address}, its address on interface {interface} (launch.interface): the other "
+            "nodes would never reach it; point launch.rdzv_endpoint at that address (on Kubernetes: a headless "
+            "Service, whose name resolves to the pod's own address)")
+
+
 @functools.cache
 def _handler_class() -> type:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
@@ -88,9 +127,14 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     host, port = parse_rendezvous_endpoint(params.endpoint or f"{address}:0", default_port=DEFAULT_PORT)
     is_host = params.get_as_bool("is_host", params.max_nodes == 1)
     read_timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    join_timeout = params.get_as_int("join_timeout", 600)
+    if not is_host:
+        wait_for_endpoint(host, port, join_timeout)
+    elif params.endpoint:
+        check_hosts(host, port, interface, address)
     # The host listens on its own interface's address; the others reach it at the endpoint.
     store = bound_store(address if is_host else host, port, is_host, read_timeout)
-    timeout = RendezvousTimeout(join=timedelta(seconds=params.get_as_int("join_timeout", 600)))
+    timeout = RendezvousTimeout(join=timedelta(seconds=join_timeout))
     return _handler_class().from_backend(params.run_id, store, C10dRendezvousBackend(store, params.run_id),
                                           params.min_nodes, params.max_nodes, address, timeout)
 

@@ -211,7 +211,7 @@ def preflight(cfg: RunConfig, train_ds: ShardDataset, world_size: int) -> None:
 
 
 def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[MetricsSink] = (),
-          info: DistInfo | None = None, init_checkpoint: Path | None = None) -> Path:
+          info: DistInfo | None = None, init_checkpoint: Path | None = None, lock: bool = True) -> Path:
     """Train ``cfg.model`` on the shards in ``shard_dir``; outputs (checkpoints, metrics, summary) in ``out_dir``.
 
     Resumes from the newest intact checkpoint in ``out_dir/checkpoints`` when there is one. Otherwise, with
@@ -221,7 +221,8 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
     Runs in one process, or in every process of a torchrun job (the process group is joined here if the caller
     has not). Rank 0 holds ``out_dir``'s lock for the whole run, whoever started it (CLI, torchrun, the flow): a
     second run of the same folder logs that it waits, then resumes where the first stopped, instead of training
-    beside it; its other ranks wait at the first collective. Temporary files left by a killed run are removed
+    beside it; its other ranks wait at the first collective. ``lock=False``: the launcher holds that lock for the
+    job (the pipeline's training stage does, for every node). Temporary files left by a killed run are removed
     first. ``sinks`` receive metrics in addition to the JSONL file and the console (rank 0 only). Returns
     ``out_dir``.
     """
@@ -234,7 +235,7 @@ def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[Metric
     preflight(cfg, train_ds, info.world_size)
     if not info.is_main:
         return _train(cfg, train_ds, shard_dir, out_dir, sinks, info, init_checkpoint, started)
-    with exclusive(out_dir, "run folder"):
+    with exclusive(out_dir, "run folder") if lock else contextlib.nullcontext():
         for folder in (out_dir, out_dir / "checkpoints"):
             remove_stale_temps(folder)
         return _train(cfg, train_ds, shard_dir, out_dir, sinks, info, init_checkpoint, started)
