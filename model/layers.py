@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
 from .cache import AttentionCache
+from .dropout import dropout
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -27,7 +28,7 @@ class PositionwiseFeedForward(nn.Module):
         # add a copy-and-zero-fill node (measured ~15 ms per layer per step on CPU at the tiny size).
         h = F.relu(self.w_1(x))  # (batch, len, d_ff)
         if self.activation_dropout:
-            h = F.dropout(h, self.activation_dropout, self.training)
+            h = dropout(h, self.activation_dropout, self.training)
         return self.w_2(h)
 
 
@@ -52,7 +53,7 @@ class ResidualConnection(nn.Module):
 
     def forward(self, x: Tensor, sublayer_output: Tensor) -> Tensor:
         """x, sublayer_output: (batch, len, d_model) -> (batch, len, d_model)."""
-        y = x + F.dropout(sublayer_output, self.dropout, self.training)
+        y = x + dropout(sublayer_output, self.dropout, self.training)
         return y if self.pre_norm else self.norm(y)
 
 

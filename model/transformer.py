@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .cache import DecoderCache, reorder_cache
+from .dropout import dropout
 from .embedding import ScaledEmbedding
 from .layers import DecoderLayer, EncoderLayer
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
@@ -38,7 +38,7 @@ class _Stack(nn.Module):
 
     def embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
         """tokens: (batch, len) -> Dropout(Embedding * sqrt(d_model) + PE): (batch, len, d_model)."""
-        return F.dropout(self.embed_positions(self.embed_tokens(tokens), offset), self.dropout, self.training)
+        return dropout(self.embed_positions(self.embed_tokens(tokens), offset), self.dropout, self.training)
 
 
 class Encoder(_Stack):

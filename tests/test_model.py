@@ -320,3 +320,23 @@ def test_pre_norm_stacks_end_in_a_layer_norm():
     assert tiny().encoder.final_norm is None and tiny().decoder.final_norm is None
     with pytest.raises(ValueError, match="norm"):
         tiny(norm="sandwich")
+
+
+def test_cpu_dropout_drops_p_and_scales_the_rest():
+    from model.dropout import dropout
+
+    torch.manual_seed(0)
+    x = torch.ones(1_000_000, requires_grad=True)
+    y = dropout(x, 0.1, training=True)
+    kept = y.detach() != 0
+    assert abs(1 - kept.float().mean().item() - 0.1) < 0.002  # drop probability 3277 / 32768 = 0.100006
+    scale = 32768 / (32768 - 3277)
+    assert torch.allclose(y.detach()[kept], torch.full((int(kept.sum()),), scale))
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d y / d x = mask x scale
+    assert dropout(x, 0.1, training=False) is x and dropout(x, 0.0, training=True) is x
+    torch.manual_seed(1)
+    a = dropout(x.detach(), 0.3, True)
+    torch.manual_seed(1)
+    assert torch.equal(a, dropout(x.detach(), 0.3, True))  # the global generator: seeded runs repeat exactly
+    assert dropout(torch.ones(3, dtype=torch.bfloat16), 0.5, True).dtype == torch.bfloat16

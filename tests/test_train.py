@@ -84,6 +84,9 @@ def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
     required = {"loss", "nll", "ppl", "lr", "grad_norm", "src_tokens_per_s", "tgt_tokens_per_s", "step_time_s",
                 "peak_memory_mb", "step"}
     assert all(required <= m.keys() for m in logged)
+    # MFU against this CPU's own matmul peak, measured at the model's feed-forward shape in the run's precision
+    assert params[0]["mfu_peak_source"].startswith("measured torch.mm 512x32x64 float32")
+    assert params[0]["mfu_peak_tflops"] > 0 and all(m["mfu"] > 0 for m in logged)
     assert [m["step"] for m in logged] == list(range(2, 31, 2))
     assert np.mean([m["loss"] for m in logged[-3:]]) < np.mean([m["loss"] for m in logged[:3]]) - 0.5
     dev = [m for m in lines if "dev_loss" in m]

@@ -131,6 +131,21 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
+def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 3) -> float:
+    """FLOP/s of ``torch.mm`` of (m x k) by (k x n) in ``dtype`` on the CPU with this process's threads, best of
+    ``repeats`` after a warm-up: the peak MFU is measured against where no datasheet applies (a CPU's matrix units
+    run at very different speeds in fp32 and bf16, and per shape)."""
+    # Constant operands: the speed does not depend on the values, and the RNG streams of training stay untouched.
+    a, b = torch.full((m, k), 0.5, dtype=dtype), torch.full((k, n), 0.25, dtype=dtype)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * k * n / best
+
+
 def perplexity(nll_per_token: float) -> float:
     """exp(nll), capped so that an early, huge loss logs as a large number rather than inf."""
     return math.exp(min(nll_per_token, 50.0))

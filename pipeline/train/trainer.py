@@ -41,7 +41,7 @@ from pipeline.fsutil import MANIFEST, exclusive, remove_stale_temps, sha256_file
 from pipeline.shards import ShardDataset, token_batches
 
 from .distributed import DistInfo, all_gather_object, all_reduce_sum, rng_state, seed_everything, setup
-from .metrics import ConsoleSink, JsonlSink, MetricsSink, peak_flops, peak_memory_mb, perplexity
+from .metrics import ConsoleSink, JsonlSink, MetricsSink, matmul_flops, peak_flops, peak_memory_mb, perplexity
 from .resume import resume
 
 log = logging.getLogger("aiayn.train")
@@ -166,6 +166,20 @@ def _rank0_decides(flags: list[bool], info: DistInfo) -> list[bool]:
     return [bool(v) for v in all_reduce_sum(t, info).tolist()]
 
 
+def _flops_peak(cfg: RunConfig, info: DistInfo, bf16: bool) -> tuple[float | None, str | None]:
+    """The peak FLOP/s that MFU is logged against, per process, and where it comes from: a GPU's dense bf16
+    datasheet figure; on a CPU, ``torch.mm`` measured here at the model's feed-forward shape (one update's tokens
+    x d_model -> d_ff) in the training precision, with this process's threads (the other ranks of the node wait
+    meanwhile)."""
+    if info.device.type == "cuda":
+        peak = peak_flops(info.device)
+        return peak, f"datasheet dense bf16, {torch.cuda.get_device_name(info.device)}" if peak else None
+    m, k, n = cfg.train.max_tokens, cfg.model.d_model, cfg.model.d_ff
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    source = f"measured torch.mm {m}x{k}x{n} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
+    return matmul_flops(m, k, n, dtype), source
+
+
 def _params_digest(model: torch.nn.Module) -> str:
     """sha256 over every parameter's bytes, in state-dict order."""
     h = hashlib.sha256()
@@ -263,6 +277,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     accum = accumulation_steps(t.update_tokens, t.max_tokens, info.world_size)
     group = accum * info.world_size
 
+    flops_peak, peak_source = _flops_peak(cfg, info, step_fn.bf16) if info.is_main else (None, None)
     all_sinks: list[MetricsSink] = []
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -274,7 +289,9 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         all_sinks = [JsonlSink(out_dir / "metrics.jsonl", resume_step=step), ConsoleSink(t.max_steps, step), *sinks]
         params = {**_flat(cfg.model_dump(mode="json")), "world_size": info.world_size, "accumulation_steps": accum,
                   "num_parameters": model.num_parameters(), "device": str(info.device),
-                  "precision": "bf16" if step_fn.bf16 else "fp32", "shards_fingerprint": shards["fingerprint"]}
+                  "precision": "bf16" if step_fn.bf16 else "fp32", "shards_fingerprint": shards["fingerprint"],
+                  "mfu_peak_tflops": round(flops_peak / 1e12, 3) if flops_peak else None,
+                  "mfu_peak_source": peak_source}
         for s in all_sinks:
             s.log_params(params)
 
@@ -300,7 +317,6 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         raise TrainConfigError(f"the train split has {len(batches)} batches of max_tokens={t.max_tokens}, fewer "
                                f"than one update needs ({accum} per rank x {info.world_size} ranks); lower "
                                "train.update_tokens")
-    flops_peak = peak_flops(info.device)
     saved_step = step if start.resumed else -1
     dev_step = step if last_dev else -1
     stopped_by = "max_steps"
