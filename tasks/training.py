@@ -172,11 +172,13 @@ def train_stage(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run
 def _run_nodes(launch: LaunchConfig, rendezvous: Rendezvous, job: dict[str, Any],
                logger: logging.Logger | logging.LoggerAdapter) -> None:
     """One flow run of ``launch.node_deployment`` per node (subflows of this run, tagged with it), watched until
-    all complete; the first that fails cancels the others and raises :class:`TrainingFailed` with its message."""
+    all complete; when one fails, the others are cancelled and :class:`TrainingFailed` names every node that
+    failed by itself, with its message."""
     parent = str(flow_run.get_id())
     logger.info("starting %d node runs of %s; rendezvous %s, id %s", launch.nnodes, launch.node_deployment,
                 rendezvous.endpoint, rendezvous.run_id)
     runs: list[FlowRun] = []
+    why = "the training stage stopped"
     try:
         for rank in range(launch.nnodes):
             runs.append(run_deployment(
@@ -187,19 +189,20 @@ def _run_nodes(launch: LaunchConfig, rendezvous: Rendezvous, job: dict[str, Any]
                 parameters={**job, "launch": launch.model_dump(mode="json"), "node_rank": rank,
                             "rdzv_endpoint": rendezvous.endpoint, "rdzv_id": rendezvous.run_id}))
         failed = _watch(runs, logger)
+        if failed is not None:
+            why = f"node {failed[0]} ended {failed[1].state.type.value}"
     finally:
-        _cancel_unfinished(runs, "the training stage stopped")  # a no-op when every node finished
-    if failed:
+        _cancel_unfinished(runs, why)  # a no-op when every node finished
+    if failed is not None:
         with get_client(sync_client=True) as client:  # every node that failed by itself, not those cancelled
             ended = [(rank, client.read_flow_run(run.id)) for rank, run in enumerate(runs)]
-        failures = [(rank, run) for rank, run in ended if run.state.type.value in ("FAILED", "CRASHED")] or failed
+        failures = [(rank, run) for rank, run in ended if run.state.type.value in ("FAILED", "CRASHED")] or [failed]
         raise TrainingFailed("\n".join(f"node {rank} of {launch.nnodes} (flow run {run.name}, {run.id}) ended "
                                        f"{run.state.type.value}: {run.state.message}" for rank, run in failures))
 
 
-def _watch(runs: list[FlowRun], logger: logging.Logger | logging.LoggerAdapter) -> list[tuple[int, FlowRun]]:
-    """Poll the node runs until all completed (``[]``) or one did not: ``[(its rank, the run)]``, the others
-    cancelled."""
+def _watch(runs: list[FlowRun], logger: logging.Logger | logging.LoggerAdapter) -> tuple[int, FlowRun] | None:
+    """Poll the node runs until all completed (None) or one did not: ``(its rank, the run)``."""
     seen: dict[UUID, str] = {}
     with get_client(sync_client=True) as client:
         while True:
@@ -212,10 +215,9 @@ def _watch(runs: list[FlowRun], logger: logging.Logger | logging.LoggerAdapter) 
             bad = next(((rank, run) for rank, run in enumerate(current)
                         if run.state and run.state.type.value in _FINAL - {"COMPLETED"}), None)
             if bad is not None:
-                _cancel_unfinished(current, f"node {bad[0]} ended {bad[1].state.type.value}")
-                return [bad]
+                return bad
             if all(run.state and run.state.type.value == "COMPLETED" for run in current):
-                return []
+                return None
             time.sleep(_POLL_S)
 
 
@@ -225,13 +227,13 @@ def _cancel_unfinished(runs: list[FlowRun], why: str, wait_s: float = 120.0) -> 
     if not runs:
         return
     with get_client(sync_client=True) as client:
-        pending = [r.id for r in runs if (s := client.read_flow_run(r.id).state) is None or s.type.value not in _FINAL]
+        states = {r.id: client.read_flow_run(r.id).state for r in runs}
+        pending = [i for i, state in states.items() if state is None or state.type.value not in _FINAL]
         for run_id in pending:
-            state = client.read_flow_run(run_id).state
             # Not started: nothing to stop. Started: the worker stops its process. Not forced: a run that ended
             # meanwhile (failed by itself) keeps its own final state.
-            new = Cancelled(message=why) if state and state.type.value == "SCHEDULED" else Cancelling(message=why)
-            client.set_flow_run_state(run_id, new)
+            scheduled = states[run_id] is None or states[run_id].type.value == "SCHEDULED"
+            client.set_flow_run_state(run_id, Cancelled(message=why) if scheduled else Cancelling(message=why))
         deadline = time.monotonic() + wait_s
         while pending and time.monotonic() < deadline:
             time.sleep(_POLL_S)
