@@ -1,17 +1,17 @@
 """Our trainer and beam search against fairseq (and CTranslate2), side by side on this CPU, data and model size.
 
-``train``: target tokens/s and peak RSS of ``python -m pipeline.train`` (fp32, the paper's precision, and bf16
-autocast, ``train.precision=bf16``) against ``fairseq-train`` on the same Multi30k training pairs, encoded with
-OUR sentencepiece model (fairseq binarizes the very same piece ids with an 8,000-entry dictionary), the same
-architecture (post-norm, sinusoidal positions, shared embeddings; tiny: d 256, 3+3 layers, ffn 1024, 4 heads;
-base: d 512, 6+6, ffn 2048, 8 heads), the same batching rule (``max_tokens`` 4096 of max(src, tgt) + 1 per
-batch, length-bucketed), Adam (0.9, 0.98, 1e-9), label smoothing 0.1, dropout 0.1 and the same learning rate
-schedule (fairseq's inverse_sqrt with ``--lr (d_model * warmup)^-0.5`` and a warm-up from 0 is the paper's
-formula; fairseq's update k uses the rate our update k - 1 does). Each run is a fresh process for a fixed
-number of updates; the implementations alternate (A B C A B C ...), and throughput is taken over the updates
-after ``--skip`` (start-up and allocator warm-up excluded) from each trainer's own interval logs: tokens of
-those updates / their wall time. Peak RSS is the child's ``ru_maxrss`` (``os.wait4``). The loss at equal update
-counts is reported for every run (fairseq logs base-2 bits; converted to nats).
+``train``: target tokens/s and peak RSS of ``python -m pipeline.train`` (fp32, the paper's precision, and bf16,
+``train.precision=bf16``: a bf16 working copy of the model with fp32 weights and Adam) against ``fairseq-train`` on
+the same Multi30k training pairs, encoded with OUR sentencepiece model (fairseq binarizes the very same piece ids
+with an 8,000-entry dictionary), the same architecture (post-norm, sinusoidal positions, shared embeddings; tiny: d
+256, 3+3 layers, ffn 1024, 4 heads; base: d 512, 6+6, ffn 2048, 8 heads), the same batching rule (``max_tokens``
+4096 of max(src, tgt) + 1 per batch, length-bucketed), Adam (0.9, 0.98, 1e-9), label smoothing 0.1, dropout 0.1 and
+the same learning rate schedule (fairseq's inverse_sqrt with ``--lr (d_model * warmup)^-0.5`` and a warm-up from 0
+is the paper's formula; fairseq's update k uses the rate our update k - 1 does). Each run is a fresh process for a
+fixed number of updates; the implementations alternate (A B C A B C ...), and throughput is taken over the updates
+after ``--skip`` (start-up and allocator warm-up excluded) from each trainer's own interval logs: tokens of those
+updates / their wall time. Peak RSS is the child's ``ru_maxrss`` (``os.wait4``). The loss at equal update counts is
+reported for every run (fairseq logs base-2 bits; converted to nats).
 
 ``decode``: sentences/s, target tokens/s and peak RSS of beam 4 and greedy on the 1,000 sentences of Multi30k
 test2016, batch 64, against ``fairseq-generate`` and CTranslate2 (converted from the fairseq checkpoint), on

@@ -1,9 +1,10 @@
 """Where a training update's time goes, next to what this CPU's matrix units deliver at the model's own shapes.
 
 For each preset (``tiny``: the CPU default; ``base``: the paper's base layers at the shards' 8,000-word vocabulary)
-and precision (fp32; bf16 autocast, as ``train.precision: bf16`` runs it), ``--warmup`` updates of our
-:class:`pipeline.train.TrainStep` run unprofiled, then ``--updates`` updates under ``torch.profiler``, each one
-micro-batch of ``--max-tokens`` tokens of real Multi30k shards (the tiny preset's). Printed per variant:
+and precision (fp32; bf16 as ``train.precision: bf16`` runs it on a CPU: a bf16 working copy, fp32 weights),
+``--warmup`` updates of our :class:`pipeline.train.TrainStep` run unprofiled, then ``--updates`` updates under
+``torch.profiler``, each one micro-batch of ``--max-tokens`` tokens of real Multi30k shards (the tiny preset's).
+Printed per variant:
 
 - the share of the update's self CPU time per category of operator (matrix products, attention, the loss,
   element-wise arithmetic, casts and copies, layer norm, dropout, embeddings, the optimizer, the rest) and the

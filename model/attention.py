@@ -37,16 +37,18 @@ def attention_with_weights(
 ) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention computed explicitly, returning the attention weights as well.
 
-    Same result as ``F.scaled_dot_product_attention`` (slower, more memory); used when weights are asked for,
-    e.g. for attention heat-maps. q: (batch, heads, tgt_len, d_k), k: (batch, heads, src_len, d_k),
-    v: (batch, heads, src_len, d_v), keep: broadcastable to (batch, heads, tgt_len, src_len), True = attend.
-    Returns (output (batch, heads, tgt_len, d_v), weights (batch, heads, tgt_len, src_len)); the weights are
-    those before attention dropout.
+    Same result as ``F.scaled_dot_product_attention`` (more memory: the weights are materialised); used when
+    weights are asked for (attention heat-maps), for one query per row (incremental decoding) and for bf16 on
+    the CPU (see :meth:`MultiHeadAttention.forward`). The softmax runs in float32 whatever the input precision.
+    q: (batch, heads, tgt_len, d_k), k: (batch, heads, src_len, d_k), v: (batch, heads, src_len, d_v),
+    keep: broadcastable to (batch, heads, tgt_len, src_len), True = attend.
+    Returns (output (batch, heads, tgt_len, d_v), weights (batch, heads, tgt_len, src_len), in v's dtype); the
+    weights are those before attention dropout.
     """
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (batch, heads, tgt_len, src_len)
+    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)  # (batch, heads, tgt_len, src_len)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
-    weights = scores.softmax(dim=-1)
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
     return F.dropout(weights, dropout_p) @ v, weights
 
 
@@ -56,8 +58,9 @@ class MultiHeadAttention(nn.Module):
     ``d_k = d_v = d_model / h``. A self-attention module holds W^Q, W^K, W^V as one fused (3 d_model, d_model)
     projection (one matrix product instead of three); an encoder-decoder attention module holds W^Q alone and
     W^K, W^V fused, because keys and values come from the encoder memory and are computed once per sentence
-    when decoding. Attention goes through ``F.scaled_dot_product_attention`` (fused kernels) unless the
-    weights are requested.
+    when decoding. Attention goes through ``F.scaled_dot_product_attention`` (fused kernels) except when the
+    weights are requested, for one query per row when decoding, and in bf16 on the CPU (explicit products: see
+    :meth:`forward`).
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, self_attention: bool = True) -> None:
@@ -121,12 +124,18 @@ class MultiHeadAttention(nn.Module):
                     v = torch.cat([cache.value, v], dim=2)
                 cache.key, cache.value = k, v
         else:
-            (q,) = self._split_heads(self.q_proj(query), 1)  # (batch, heads, tgt_len, d_k)
+            # A grouped cache (beam search): the `group` consecutive rows of one sentence query its memory row
+            # together, as one row of group * tgt_len queries.
+            group = 1 if cache is None else cache.group
+            q_in = self.q_proj(query).view(batch // group, group * tgt_len, self.d_model)
+            (q,) = self._split_heads(q_in, 1)  # (batch / group, heads, group * tgt_len, d_k)
             if cache is not None and cache.key is not None:
                 k, v = cache.key, cache.value
             else:
                 k, v = self._split_heads(self.kv_proj(memory), 2)  # each (batch, heads, src_len, d_k)
                 if cache is not None:
+                    # Contiguous once here: as strided views, every later step's batched products would copy them.
+                    k, v = k.contiguous(), v.contiguous()
                     cache.key, cache.value = k, v
         src_len = k.size(2)
 
@@ -146,17 +155,20 @@ class MultiHeadAttention(nn.Module):
             # per-call overhead (~3.5x at beam 4 x batch 64, measured); the weights are not returned.
             out, weights = attention_with_weights(q, k, v, keep)[0], None
         elif q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # In bf16 on the CPU (autocast, or a bf16 model), attention itself runs in float32: torch's CPU
-            # flash-attention kernel is slower in bf16 than in fp32 (fwd + bwd ~1.5x, measured on AVX512-BF16),
-            # and Q K^T, A V are a small share of the FLOPs at sentence lengths (the projections around them stay
-            # in bf16).
-            with torch.autocast("cpu", enabled=False):
-                out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep,
-                                                     dropout_p=dropout_p, is_causal=is_causal).to(q.dtype)
-            weights = None
+            # In bf16 on the CPU (autocast, or a bf16 model), the two products in bf16 on the matrix units with the
+            # softmax in float32 run forward + backward ~2x faster than torch's CPU flash-attention kernel, in
+            # fp32 or bf16 (that kernel is slower in bf16 than in fp32), at sentence lengths (16-128 tokens,
+            # measured). The weights it materialises are batch x heads x tgt_len x src_len, small at these lengths.
+            if is_causal:
+                keep = causal_keep_mask(tgt_len, src_len, query.device)  # (tgt_len, src_len)
+            out, weights = attention_with_weights(q, k, v, keep, dropout_p)[0], None
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal)
             weights = None
-        # (batch, heads, tgt_len, d_v) -> (batch, tgt_len, heads * d_v): the concatenation of the heads
+        # (batch, heads, tgt_len, d_v) -> (batch, tgt_len, heads * d_v): the concatenation of the heads (grouped:
+        # (batch / group, heads, group * tgt_len, d_v) -> (batch / group, group * tgt_len, ...), the same rows)
         out = out.transpose(1, 2).reshape(batch, tgt_len, self.d_model)
+        if weights is not None and q.size(0) != batch:  # grouped: back to one row per decoder row
+            weights = weights.view(q.size(0), self.n_heads, batch // q.size(0), tgt_len, src_len)
+            weights = weights.transpose(1, 2).reshape(batch, self.n_heads, tgt_len, src_len)
         return self.out_proj(out), weights

@@ -80,9 +80,12 @@ def beam_search(
     max_lp = length_penalty(max_lens.double(), alpha)  # (batch,) largest penalty a sentence can reach
 
     memory, src_pad_mask = model.encode(src_tokens)  # (batch, src_len, d_model), (batch, src_len)
-    memory = memory.repeat_interleave(k, dim=0)  # (batch * k, src_len, d_model)
-    src_pad_mask = src_pad_mask.repeat_interleave(k, dim=0)  # (batch * k, src_len)
-    cache = model.new_cache() if use_cache else None
+    if use_cache:  # the k beams of a sentence read its one memory row (a grouped cache)
+        cache = model.new_cache(group=k)
+    else:
+        cache = None
+        memory = memory.repeat_interleave(k, dim=0)  # (batch * k, src_len, d_model)
+        src_pad_mask = src_pad_mask.repeat_interleave(k, dim=0)  # (batch * k, src_len)
 
     active = torch.arange(batch, device=device)  # (n,) original sentence index of each row group
     prefixes = torch.full((batch * k, 1), bos_id, dtype=torch.long, device=device)  # (n * k, t)

@@ -226,9 +226,11 @@ class Transformer(nn.Module):
 
     # -------------------------------------------------------------------------------- incremental decoding
 
-    def new_cache(self) -> DecoderCache:
-        """An empty cache for step-by-step decoding with :meth:`decode`."""
-        return DecoderCache.empty(len(self.decoder.layers))
+    def new_cache(self, group: int = 1) -> DecoderCache:
+        """An empty cache for step-by-step decoding with :meth:`decode`. ``group`` > 1: every ``group``
+        consecutive target rows belong to one source sentence, whose memory and mask are passed once (one row
+        per sentence) on the first call (beam search; see :class:`model.cache.DecoderCache`)."""
+        return DecoderCache.empty(len(self.decoder.layers), group)
 
     reorder_cache = staticmethod(reorder_cache)
 

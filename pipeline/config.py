@@ -266,8 +266,9 @@ class TrainConfig(_Strict):
     dev_every_steps: int = Field(default=1000, ge=1)
     dev_max_sentences: int | None = Field(default=None, ge=1)  # dev loss on the first N dev pairs; None = all
     log_every_steps: int = Field(default=100, ge=1)
-    # auto: bf16 autocast on GPU, fp32 (paper) on CPU. bf16 on a CPU with AVX512-BF16 trained the tiny and base
-    # models ~1.7-1.9x faster than fp32 at the same loss (bench/bench_vs_fairseq.py); weights and Adam stay fp32.
+    # auto: bf16 autocast on GPU, fp32 (paper) on CPU. bf16 on a CPU (a bf16 working copy of the model, fp32 weights
+    # and Adam: TrainStep) trained the tiny model ~2.1x and base ~2.1x faster than fp32 on the AMX machine at the
+    # same loss (bench/bench_vs_fairseq.py).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # champion: start from the weights of the registered model's current champion instead of a random
     # initialisation (not the paper, which trains from scratch); the run then reuses the champion's tokenizer so

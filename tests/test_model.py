@@ -248,6 +248,25 @@ def test_reorder_cache_follows_the_selected_rows():
     assert torch.allclose(torch.cat(steps, dim=1), expected, atol=1e-5)
 
 
+def test_a_grouped_cache_reads_one_memory_row_per_sentence():
+    model, g = tiny(), 3  # three beams per sentence, as beam search decodes with a grouped cache
+    src, tgt = batch([5, 7], seed=17), batch([5] * 6, seed=18)
+    rows = src.repeat_interleave(g, dim=0)  # what an ungrouped cache would hold: the memory once per row
+    with torch.no_grad():
+        expected = model(rows, tgt)
+        memory, src_pad_mask = model.encode(src)  # one row per sentence
+        cache = model.new_cache(group=g)
+        steps = [model.decode(tgt[:, :1], memory, src_pad_mask, cache)]
+        steps += [model.decode(tgt[:, i : i + 1], None, None, cache) for i in range(1, 4)]
+        assert torch.allclose(torch.cat(steps, dim=1), expected[:, :4], atol=1e-5)
+        assert cache.cross_attn[0].key.size(0) == 2 and cache.self_attn[0].key.size(0) == 6
+        new_order = torch.tensor([5, 3, 3])  # sentence 0 leaves, sentence 1's beams fork (whole groups kept)
+        reorder_cache(cache, new_order)
+        assert cache.cross_attn[0].key.size(0) == 1 and cache.src_pad_mask.size(0) == 1
+        last = model.decode(tgt[new_order, 4:5], None, None, cache)
+        assert torch.allclose(last, model(rows[new_order], tgt[new_order])[:, 4:5], atol=1e-5)
+
+
 def test_reorder_without_memory_keeps_the_encoder_decoder_keys_when_rows_stay_in_their_sentence():
     model = tiny()
     src = batch([5, 5, 7, 7], seed=15)
@@ -330,6 +349,9 @@ def test_cpu_dropout_drops_p_and_scales_the_rest():
     y = dropout(x, 0.1, training=True)
     kept = y.detach() != 0
     assert abs(1 - kept.float().mean().item() - 0.1) < 0.002  # drop probability 3277 / 32768 = 0.100006
+    # Every int16 lane of the int64 draws (position mod 4: three of 16 bits, one of 15) drops with that probability.
+    for lane in range(4):
+        assert abs(1 - kept[lane::4].float().mean().item() - 0.1) < 0.003, lane
     scale = 32768 / (32768 - 3277)
     assert torch.allclose(y.detach()[kept], torch.full((int(kept.sum()),), scale))
     y.sum().backward()
@@ -340,3 +362,5 @@ def test_cpu_dropout_drops_p_and_scales_the_rest():
     torch.manual_seed(1)
     assert torch.equal(a, dropout(x.detach(), 0.3, True))  # the global generator: seeded runs repeat exactly
     assert dropout(torch.ones(3, dtype=torch.bfloat16), 0.5, True).dtype == torch.bfloat16
+    odd = dropout(torch.ones(7, 301), 0.5, True)  # a size that is not a multiple of 4 keeps its shape
+    assert odd.shape == (7, 301) and 0.4 < (odd == 0).float().mean().item() < 0.6

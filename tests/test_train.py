@@ -98,9 +98,11 @@ def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
 
 
 @pytest.mark.integration
-def test_exact_resume_bitwise(shared_data, shards, tmp_path):
-    # Dropout on, accumulation 2: the resumed run must replay data order, RNG and optimizer state exactly.
-    extra = ["train.update_tokens=1024", "model.dropout=0.1"]
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_exact_resume_bitwise(shared_data, shards, tmp_path, precision):
+    # Dropout on, accumulation 2: the resumed run must replay data order, RNG and optimizer state exactly (bf16:
+    # the bf16 working copy is rebuilt from the checkpoint's fp32 weights).
+    extra = ["train.update_tokens=1024", "model.dropout=0.1", f"train.precision={precision}"]
     whole = train(config(shared_data, "train.max_steps=8", *extra), shards, tmp_path / "whole")
     split = tmp_path / "split"
     train(config(shared_data, "train.max_steps=4", *extra), shards, split)
@@ -467,6 +469,36 @@ def test_accumulation_equals_one_big_batch(shared_data, shards):
         torch.testing.assert_close(p.grad, one[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.integration
+def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared_data, shards):
+    cfg = config(shared_data, "model.dropout=0.0", "train.precision=bf16")
+    ds = ShardDataset(shards, "train")
+    info = setup()
+    torch.manual_seed(0)
+    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
+    a, b = usable_batches(ds, 512, 1024, seed=1, epoch=0)[:2]
+    micro = [make_batch(ds, a, info.device), make_batch(ds, b, info.device)]
+    step = TrainStep(copy.deepcopy(model), cfg, info, ds.special.pad)
+    work = step.work
+    assert {p.dtype for p in work.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in step.model.parameters()} == {torch.float32}
+    assert work.output_projection.weight is work.encoder.embed_tokens.weight  # still shared in the copy
+
+    step.accumulate(micro)  # two micro-batches: their bf16 gradients summed into fp32 ones
+    assert all(p.grad is None for p in work.parameters())
+    ref = TrainStep(copy.deepcopy(model), config(shared_data, "model.dropout=0.0"), info, ds.special.pad)
+    ref.accumulate(micro)
+    for (name, p), r in zip(step.model.named_parameters(), ref.model.parameters()):
+        assert p.grad.dtype == torch.float32, name
+        assert float((p.grad - r.grad).norm()) <= 0.05 * float(r.grad.norm()) + 1e-6, name  # bf16 rounding only
+
+    before = [p.detach().clone() for p in step.model.parameters()]
+    step.apply(want_norm=False)
+    for p, w, old in zip(step.model.parameters(), work.parameters(), before):
+        assert p.dtype == torch.float32 and not torch.equal(p, old)  # Adam stepped the fp32 weights...
+        assert torch.equal(w, p.detach().to(torch.bfloat16))  # ...and the bf16 copy follows them
+
+
 def test_accumulation_steps():
     assert accumulation_steps(25_000, 4096, 1) == 6
     assert accumulation_steps(25_000, 4096, 8) == 1
@@ -562,6 +594,21 @@ def test_torchrun_two_processes_listen_on_loopback_only(shared_data, shards, tmp
         elif name.endswith("kv_proj.bias"):
             a, b = a.view(2, -1)[1], b.view(2, -1)[1]
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.integration
+def test_torchrun_two_processes_train_bf16_on_a_cpu(shared_data, shards, tmp_path):
+    from pipeline.config import LaunchConfig
+
+    # DDP over the bf16 working copies: gradients all-reduced in bf16, Adam on each rank's fp32 weights.
+    out = tmp_path / "run"
+    proc = launched(LaunchConfig(nproc_per_node=2), shared_data, shards, out, "train.max_steps=3",
+                    "train.update_tokens=2048", "train.precision=bf16")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    check_ranks_agree(out, world=2, steps=3)  # the same fp32 weights on both ranks
+    state = final_state(out)
+    assert {t.dtype for t in state["model"].values()} == {torch.float32}
 
 
 @pytest.mark.integration
@@ -717,3 +764,12 @@ def test_a_node_names_the_rendezvous_it_cannot_reach():
                                                   r"on 127.0.0.1, its address on interface lo"):
         check_hosts("127.0.0.2", port, "lo", "127.0.0.1")
 
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_the_heap_keeps_freed_memory_once_per_process():
+    from pipeline.allocator import SETTINGS, keep_freed_memory
+
+    applied = keep_freed_memory()
+    assert applied == {name: value for name, (_, value) in SETTINGS.items()}  # glibc took every setting
+    assert keep_freed_memory() is applied  # once per process

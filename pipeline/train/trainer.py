@@ -21,6 +21,7 @@ clock, whichever comes first; a final checkpoint is always written. Time-based d
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import logging
 import math
@@ -84,16 +85,28 @@ def accumulation_steps(update_tokens: int, max_tokens: int, world_size: int) -> 
 
 
 class TrainStep:
-    """One optimizer update over a rank's micro-batches: model (DDP-wrapped when world > 1), Adam, schedule."""
+    """One optimizer update over a rank's micro-batches: model (DDP-wrapped when world > 1), Adam, schedule.
+
+    Precision. fp32: the model as it is. bf16 on CUDA: autocast. bf16 on a CPU: forward and backward run a bf16
+    copy of the model (``work``), and Adam updates the fp32 weights (``model``, what checkpoints hold), which are
+    copied into the bf16 copy after every update; each micro-batch's bf16 gradients are added to fp32 gradients
+    of ``model`` (under DDP, once per update, after the all-reduce). Autocast instead casts every weight at every
+    use and every activation around each product: the bf16 copy was 7-9% faster for the base model and 2-3% for
+    the tiny one (side by side, 2 threads), at a training loss within 0.01 nats of autocast's (README).
+    """
 
     def __init__(self, model: Transformer, cfg: RunConfig, info: DistInfo, pad_id: int):
         t = cfg.train
         self.model, self.info = model, info
-        self.ddp = (DistributedDataParallel(model, device_ids=[info.device] if info.device.type == "cuda" else None)
-                    if info.distributed else None)
-        net = self.ddp if self.ddp is not None else model
-        self.net = torch.compile(net) if t.compile else net
         self.bf16 = t.precision == "bf16" or (t.precision == "auto" and info.device.type == "cuda")
+        self.master_weights = self.bf16 and info.device.type == "cpu"
+        # The module forward and backward run: a bf16 copy (shared embeddings stay shared) or the model itself.
+        self.work = copy.deepcopy(model).to(torch.bfloat16) if self.master_weights else model
+        self.ddp = (DistributedDataParallel(self.work,
+                                            device_ids=[info.device] if info.device.type == "cuda" else None)
+                    if info.distributed else None)
+        net = self.ddp if self.ddp is not None else self.work
+        self.net = torch.compile(net) if t.compile else net
         self.criterion = LabelSmoothedCrossEntropy(t.label_smoothing, pad_id)
         self.optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(t.adam_beta1, t.adam_beta2),
                                           eps=t.adam_eps, foreach=True)
@@ -101,7 +114,25 @@ class TrainStep:
         self.clip_norm = t.clip_norm
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.info.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        """bf16 autocast where training runs that way (CUDA); a no-op otherwise."""
+        return torch.autocast(self.info.device.type, dtype=torch.bfloat16,
+                              enabled=self.bf16 and not self.master_weights)
+
+    def refresh_work(self) -> None:
+        """Copy ``model``'s weights into the bf16 working copy (after an update, or after loading weights)."""
+        if self.master_weights:
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.work.parameters()), list(self.model.parameters()))
+
+    def _gradients_to_master(self) -> None:
+        # bf16 gradients of the working copy, added to the fp32 gradients of the model and cleared
+        for p, w in zip(self.model.parameters(), self.work.parameters()):
+            if w.grad is not None:
+                if p.grad is None:
+                    p.grad = w.grad.float()
+                else:
+                    p.grad.add_(w.grad)
+                w.grad = None
 
     def accumulate(self, batches: Sequence[Batch]) -> tuple[Tensor, Tensor]:
         """Forward and backward over ``batches``, leaving the update's gradient in ``.grad``.
@@ -125,6 +156,8 @@ class TrainStep:
                     logits = self.net(b.src, b.tgt_in)  # [B, T, V]
                 loss, nll, _ = self.criterion(logits, b.tgt_out)
                 (loss * scale).backward()
+            if self.master_weights and (self.ddp is None or last):
+                self._gradients_to_master()
             sums += torch.stack([loss.detach(), nll.detach()]).double()
         return sums, counts
 
@@ -138,13 +171,14 @@ class TrainStep:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.refresh_work()
         return lr, norm
 
 
 @torch.no_grad()
 def dev_loss(step_fn: TrainStep, ds: ShardDataset, batches: list[np.ndarray]) -> dict[str, float]:
     """Label-smoothed loss, nll and perplexity per target token on ``batches``; every rank takes a share."""
-    info, model = step_fn.info, step_fn.model
+    info, model = step_fn.info, step_fn.work  # in the training precision
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss, nll, tokens
     for idx in batches[info.rank :: info.world_size]:
@@ -272,6 +306,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
 
     start = resume(ckpt_dir, model, step_fn.optimizer, step_fn.scheduler, t.seed, shards["fingerprint"],
                    tokenizer_sha256, info, init_checkpoint)
+    step_fn.refresh_work()  # the weights resumed or initialised from
     step, epoch, batch_pos, last_dev, init = start.step, start.epoch, start.batch_pos, start.dev, start.init
     totals = torch.tensor(start.totals, dtype=torch.float64, device=info.device)  # [3]: tgt, src tokens, sentences
     accum = accumulation_steps(t.update_tokens, t.max_tokens, info.world_size)
