@@ -25,7 +25,7 @@ CTranslate2 (both fp32) read pre-tokenized ids.
 Peer environment (outside the repo; fairseq pins numpy < 2; pip warns about torchaudio, which is not used)::
 
     python3 -m venv /work/peers/fairseq-venv
-    /work/peers/fairseq-venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    /work/peers/fairseq-venv/bin/pip install torch==2.13.0   # the CPU build on this machine's disk (see env notes)
     /work/peers/fairseq-venv/bin/pip install fairseq-fixed==0.12.3.1 "numpy<2"
     /work/peers/fairseq-venv/bin/pip install ctranslate2==4.8.5
 
