@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,8 @@ from pipeline.average import average_checkpoints
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.evaluate import evaluate_checkpoint
-from pipeline.parsing.evalb import COLLINS, UNLABELED, brackets, score_corpus, score_sentence
+from pipeline.parsing.evalb import (COLLINS, UNLABELED, PrmError, brackets, read_prm, score_corpus, score_files,
+                                    score_sentence)
 from pipeline.parsing.trees import (PLACEHOLDER, Tree, TreeError, clean, is_well_formed, linearize, parse_tree,
                                     read_trees, repair, right_branching, strip_root, target_symbols)
 from pipeline.shards import build_shards
@@ -237,6 +240,74 @@ def test_errors_skips_cutoff_and_summed_totals() -> None:
         t("(S (NP (PRP He)) (VP (VBD left)))"), t("(X (Y (PRP He)) (Z (VBD left)))"), COLLINS).complete
 
 
+# --------------------------------------------------------------------------------- EVALB itself as the judge
+
+
+@pytest.fixture(scope="session")
+def evalb(shared_data, tmp_path_factory) -> Path:
+    """The reference EVALB program, built from ../shared/tools/evalb/evalb.c with the machine's C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler (cc or gcc) on PATH to build the reference EVALB: install one (e.g. gcc)")
+    program = tmp_path_factory.mktemp("evalb") / "evalb"
+    subprocess.run([compiler, "-O2", "-o", str(program), str(shared_data.parent / "tools" / "evalb" / "evalb.c")],
+                   check=True, capture_output=True, timeout=120)
+    return program
+
+
+def run_evalb(program: Path, prm: Path, gold: Path, test: Path) -> dict[str, dict[str, float]]:
+    """EVALB's summary blocks (``all``, ``len<=40``): counts, recall, precision, F-measure (None where EVALB
+    prints nan) and complete match."""
+    out = subprocess.run([str(program), "-p", str(prm), str(gold), str(test)], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    blocks = {}
+    for name, body in re.findall(r"-- (All|len<=40) --\n(.*?)(?:\n\n|\Z)", out, re.S):
+        values = dict(re.findall(r"^(.+?)\s+=\s+(\S+)$", body, re.M))
+        number = lambda key: None if "nan" in values[key] else float(values[key])  # noqa: E731
+        blocks["all" if name == "All" else name] = {
+            "sentences": int(values["Number of sentence"]), "errors": int(values["Number of Error sentence"]),
+            "skipped": int(values["Number of Skip  sentence"]), "valid": int(values["Number of Valid sentence"]),
+            "recall": number("Bracketing Recall"), "precision": number("Bracketing Precision"),
+            "f1": number("Bracketing FMeasure"), "exact_match": number("Complete match")}
+    return blocks
+
+
+def assert_same_as_evalb(ours: dict, evalb_blocks: dict) -> None:
+    assert sorted(ours) == sorted(evalb_blocks)
+    for block, expected in evalb_blocks.items():
+        got = ours[block].as_dict() if hasattr(ours[block], "as_dict") else ours[block]
+        for key, value in expected.items():
+            if value is not None:  # EVALB prints nan for F with no valid sentence
+                assert got[key] == value, (block, key, got[key], value)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("case, gold, test, prm", [
+    ("sample", "sample/sample.gld", "sample/sample.tst", "sample/sample.prm"),  # every rule EVALB tests itself
+    ("bug", "bug/bug.gld", "bug/bug.tst", "COLLINS.prm"),
+])
+def test_our_scorer_gives_exactly_evalbs_numbers_on_its_own_cases(evalb, shared_data, case, gold, test, prm):
+    folder = shared_data.parent / "tools" / "evalb"
+    expected = run_evalb(evalb, folder / prm, folder / gold, folder / test)
+    assert expected["all"]["sentences"] > 0
+    assert_same_as_evalb(score_files(folder / gold, folder / test, read_prm(folder / prm)), expected)
+
+
+@pytest.mark.integration
+def test_collins_prm_is_the_default_parameter_set(shared_data):
+    assert read_prm(shared_data.parent / "tools" / "evalb" / "COLLINS.prm") == COLLINS
+
+
+def test_a_parameter_file_we_cannot_read_names_the_line(tmp_path):
+    prm = tmp_path / "odd.prm"
+    prm.write_text("LABELED 1\nDELETE_LABEL TOP\nEQ_LABEL ADVP\n")
+    with pytest.raises(PrmError, match=r"odd.prm:3: EQ_LABEL needs two values"):
+        read_prm(prm)
+    prm.write_text("LABELED 1\nTIME_LIMIT 5\n")
+    with pytest.raises(PrmError, match=r"odd.prm:2: unknown EVALB parameter 'TIME_LIMIT'"):
+        read_prm(prm)
+
+
 # ------------------------------------------------------------------------------------------- configs, data
 
 
@@ -308,7 +379,7 @@ def test_missing_treebank_files_are_named(shared_data, tmp_path) -> None:
 
 
 @pytest.mark.integration
-def test_evaluate_checkpoint_parsing_scores_repaired_trees(ptb_stack, tmp_path) -> None:
+def test_evaluate_checkpoint_parsing_scores_repaired_trees(ptb_stack, evalb, shared_data, tmp_path) -> None:
     """The flow's evaluation entry on a barely trained model: EVALB scores over trees with the gold words."""
     cfg, work, corpus, tok_dir = ptb_stack
     cfg = load_config("ptb-sample-cpu", [("data.root", cfg.data.root), ("work_dir", str(work)), *TINY_MODEL,
@@ -338,6 +409,12 @@ def test_evaluate_checkpoint_parsing_scores_repaired_trees(ptb_stack, tmp_path) 
     baseline = score_corpus((t(g), right_branching(clean(t(g)).tagged_words())) for g in golds)["all"]
     assert baseline.f1 == split["right_branching_f1"]
     assert len(json.loads((out / "dev.samples.json").read_text())) == 20
+    # EVALB itself, on every split's files as written, gives the scores reported
+    collins = shared_data.parent / "tools" / "evalb" / "COLLINS.prm"
+    for name, split_scores in scores["splits"].items():
+        expected = run_evalb(evalb, collins, out / f"{name}.gold", out / f"{name}.hyp")
+        assert_same_as_evalb(split_scores["evalb"]["labeled"], expected)
+        assert expected["all"]["f1"] == split_scores["f1"]
 
 
 @pytest.mark.slow

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from sacrebleu.metrics.base import Metric, Score
 
-from pipeline.parsing.trees import Tree, base_label, parse_tree
+from pipeline.parsing.trees import Tree, base_label, parse_evalb_line, parse_tree
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,48 @@ class EvalbParams:
     delete_labels: frozenset[str] = frozenset({"TOP", "-NONE-", ",", ":", "``", "''", "."})
     delete_labels_for_length: frozenset[str] = frozenset({"-NONE-"})
     equal_labels: tuple[tuple[str, str], ...] = (("ADVP", "PRT"),)
+    equal_words: tuple[tuple[str, str], ...] = ()  # EQ_WORD: words that compare equal (e.g. This, this)
     cutoff_len: int = 40
+
+
+class PrmError(ValueError):
+    """An EVALB parameter file this scorer cannot read (names the file, the line and the key)."""
+
+
+def read_prm(path: Path) -> EvalbParams:
+    """The scoring parameters of an EVALB ``.prm`` file: ``LABELED``, ``CUTOFF_LEN``, ``DELETE_LABEL``,
+    ``DELETE_LABEL_FOR_LENGTH``, ``EQ_LABEL`` and ``EQ_WORD``; ``DEBUG`` and ``MAX_ERROR`` (EVALB's printing and
+    its stop after that many error sentences) do not change the totals and are read and ignored."""
+    path = Path(path)
+    fields: dict = {"delete_labels": set(), "delete_labels_for_length": set(), "equal_labels": [], "equal_words": []}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        key, args = parts[0], parts[1:]
+        try:
+            if key in ("DEBUG", "MAX_ERROR"):
+                int(args[0])
+            elif key == "LABELED":
+                fields["labeled"] = bool(int(args[0]))
+            elif key == "CUTOFF_LEN":
+                fields["cutoff_len"] = int(args[0])
+            elif key == "DELETE_LABEL":
+                fields["delete_labels"].add(args[0])
+            elif key == "DELETE_LABEL_FOR_LENGTH":
+                fields["delete_labels_for_length"].add(args[0])
+            elif key in ("EQ_LABEL", "EQ_WORD"):
+                fields["equal_labels" if key == "EQ_LABEL" else "equal_words"].append((args[0], args[1]))
+            else:
+                raise PrmError(f"{path}:{number}: unknown EVALB parameter {key!r}")
+        except (IndexError, ValueError) as e:
+            if isinstance(e, PrmError):
+                raise
+            raise PrmError(f"{path}:{number}: {key} needs {'two values' if key.startswith('EQ_') else 'a value'}"
+                           f" ({line.strip()!r})") from None
+    return EvalbParams(**{**fields, "delete_labels": frozenset(fields["delete_labels"]),
+                          "delete_labels_for_length": frozenset(fields["delete_labels_for_length"]),
+                          "equal_labels": tuple(fields["equal_labels"]), "equal_words": tuple(fields["equal_words"])})
 
 
 COLLINS = EvalbParams()  # COLLINS.prm, the parameters the paper's F1 (and every WSJ parsing paper's) uses
@@ -67,6 +109,7 @@ def brackets(tree: Tree, params: EvalbParams = COLLINS) -> tuple[list[str], int,
     ``params.labeled`` is off.
     """
     canon = {b: a for a, b in params.equal_labels}
+    same_word = {b: a for a, b in params.equal_words}
     words: list[str] = []
     length = 0
     found: Counter = Counter()
@@ -77,7 +120,7 @@ def brackets(tree: Tree, params: EvalbParams = COLLINS) -> tuple[list[str], int,
             if node.label not in params.delete_labels_for_length:
                 length += 1
             if node.label not in params.delete_labels:
-                words.append(node.children[0])
+                words.append(same_word.get(node.children[0], node.children[0]))
             return
         start = len(words)
         for child in node.children:
@@ -92,10 +135,10 @@ def brackets(tree: Tree, params: EvalbParams = COLLINS) -> tuple[list[str], int,
     return words, length, found
 
 
-def score_sentence(gold: Tree, test: Tree, params: EvalbParams = COLLINS) -> SentenceScore:
-    """EVALB's counts for one (gold, test) pair of root-stripped trees."""
+def score_sentence(gold: Tree, test: Tree | None, params: EvalbParams = COLLINS) -> SentenceScore:
+    """EVALB's counts for one (gold, test) pair of root-stripped trees; ``test`` None: an empty test line."""
     gold_words, length, gold_brackets = brackets(gold, params)
-    test_words, _, test_brackets = brackets(test, params)
+    test_words, _, test_brackets = brackets(test, params) if test is not None else ([], 0, Counter())
     if not test_words:
         return SentenceScore(status=2, length=length)
     if gold_words != test_words:
@@ -146,7 +189,7 @@ class Summary:
         return asdict(self)
 
 
-def score_corpus(pairs: Iterable[tuple[Tree, Tree]], params: EvalbParams = COLLINS) -> dict[str, Summary]:
+def score_corpus(pairs: Iterable[tuple[Tree, Tree | None]], params: EvalbParams = COLLINS) -> dict[str, Summary]:
     """EVALB's two summaries over (gold, test) pairs: ``all`` and ``len<=<cutoff_len>``."""
     everything, short = Summary(), Summary()
     for gold, test in pairs:
@@ -155,6 +198,23 @@ def score_corpus(pairs: Iterable[tuple[Tree, Tree]], params: EvalbParams = COLLI
         if s.length <= params.cutoff_len:
             short.add(s)
     return {"all": everything.finish(), f"len<={params.cutoff_len}": short.finish()}
+
+
+def score_files(gold: Path, test: Path, params: EvalbParams = COLLINS) -> dict[str, Summary]:
+    """EVALB's two summaries for a gold and a test file of one bracketed tree per line (``evalb -p PRM GOLD
+    TEST``): line i of each is sentence i; an empty test line is a skipped sentence."""
+    gold_lines = Path(gold).read_text(encoding="utf-8").splitlines()
+    test_lines = Path(test).read_text(encoding="utf-8").splitlines()
+    if len(gold_lines) != len(test_lines):
+        raise ValueError(f"{gold} has {len(gold_lines)} lines but {test} has {len(test_lines)}: one tree per line "
+                         "in each, the same sentences in the same order")
+    pairs = []
+    for number, (g, t) in enumerate(zip(gold_lines, test_lines), 1):
+        gold_tree = parse_evalb_line(g)
+        if gold_tree is None:
+            raise ValueError(f"{gold}:{number}: empty gold line (every sentence needs its gold tree)")
+        pairs.append((gold_tree, parse_evalb_line(t)))
+    return score_corpus(pairs, params)
 
 
 class EvalbF1(Metric):

@@ -155,6 +155,16 @@ def parse_tree(text: str) -> Tree:
     return trees[0][1]
 
 
+def parse_evalb_line(text: str) -> Tree | None:
+    """One line of an EVALB input file, read as EVALB reads it: None for an empty line (in a test file, a
+    skipped sentence); several top-level brackets go under a ``TOP`` root, which is no bracket (EVALB counts
+    none for a line like ``(P this) (Q is)``)."""
+    trees = [tree for _, tree in _read(_tokens_with_lines([text]), "tree")]
+    if not trees:
+        return None
+    return trees[0] if len(trees) == 1 else Tree(TOP, trees)
+
+
 # ------------------------------------------------------------------------------------------------ cleaning
 
 
