@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,7 @@ def beam_search(
     nbest: int = 1,
     use_cache: bool = True,
     min_len: int = 1,
+    allowed: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode ``src_tokens`` (batch, src_len), right-padded with ``model.pad_id``; returns, per sentence, its
     ``nbest`` best hypotheses, best first. ``model`` is a :class:`model.Transformer` (encode / decode with a
@@ -66,6 +68,12 @@ def beam_search(
     re-runs the decoder over each whole prefix (O(T^2)): the reference the cached path is tested against.
     ``min_len``: eos is blocked until an output would hold this many tokens, eos included (fairseq's
     ``--min-len``; benchmarks force equal output lengths with it); the maximum length still wins.
+    ``allowed(prefixes, sentences, room)``: a constraint on the output language, e.g. well-formed trees. It gets
+    every open beam's prefix (rows, t), bos first, the index in ``src_tokens`` of each row's sentence (rows,) and
+    how many tokens may still follow the next one, eos included (rows,), and returns which tokens may come next,
+    bool (rows, vocab); the others get probability 0 (log-probability -inf after the log-softmax: the model's
+    distribution is not renormalised over the allowed ones). The maximum length still wins. None: no constraint
+    and no cost.
     """
     if beam_size < 1 or not 1 <= nbest <= beam_size:
         raise ValueError(f"need beam_size >= 1 and 1 <= nbest <= beam_size, got {beam_size}, {nbest}")
@@ -106,12 +114,17 @@ def beam_search(
         # log-softmax in float32 (half the time of float64 here); scores accumulate in float64
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (n * k, vocab)
         vocab = lprobs.size(-1)
+        length = step + 1  # tokens generated once this step's token is chosen, eos included
+        must_end = length >= max_lens[active]  # (n,)
+        if allowed is not None:
+            room = (max_lens[active] - length).repeat_interleave(k)  # (n * k,) tokens after this one
+            ok = allowed(prefixes, active.repeat_interleave(k), room)  # (n * k, vocab)
+            ok[:, eos_id] |= must_end.repeat_interleave(k)  # the maximum length wins over the constraint
+            lprobs.masked_fill_(~ok, -math.inf)
         lprobs[:, pad_id] = -math.inf
         lprobs[:, bos_id] = -math.inf
-        length = step + 1  # tokens generated once this step's token is chosen, eos included
         if length < min_len:
             lprobs[:, eos_id] = -math.inf
-        must_end = length >= max_lens[active]  # (n,)
         if must_end.any():
             rows = must_end.repeat_interleave(k)  # (n * k,)
             eos_col = lprobs[rows, eos_id]

@@ -311,6 +311,10 @@ class DecodeConfig(_Strict):
     batch_sentences: int = Field(default=64, ge=1)
     # bf16: decode with a bf16 copy of the model (log-softmax float32, scores float64); fp32 = paper.
     precision: Literal["fp32", "bf16"] = "fp32"
+    # Parsing only: beam search may write only well-formed trees over the input's words (brackets balance, n
+    # leaves, no empty constituent, one root; pipeline/parsing/constraint.py). Not in the paper, which does not
+    # say how ill-formed outputs were handled; false = free decoding, every output repaired afterwards.
+    tree_constraint: bool = True
 
 
 class TrackingConfig(_Strict):

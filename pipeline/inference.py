@@ -65,13 +65,16 @@ def encode_sources(tokenizer: Tokenizer, sentences: Sequence[str], max_positions
 
 def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
               progress: Callable[[int], None] | None = None, *, source: str = "input",
-              truncated: list[int] | None = None) -> list[str]:
+              truncated: list[int] | None = None,
+              constraint: Callable[[Sequence[str]], Callable] | None = None) -> list[str]:
     """Detokenized translations of normalised ``sentences``, in their order.
 
     Sentences are decoded in batches of ``decode.batch_sentences`` sorted by length (less padding, and a batch's
     sentences finish at similar steps); ``progress`` is called with the number of sentences done per batch.
     A sentence longer than the model's ``max_positions`` is cut to fit (see :func:`encode_sources`: a warning
-    naming ``source`` and the line, and the line appended to ``truncated``).
+    naming ``source`` and the line, and the line appended to ``truncated``). ``constraint``: given a batch's
+    sentences, the ``allowed`` hook of :func:`model.decoding.beam_search` for that batch (e.g. trees only, for
+    parsing); None decodes freely.
     """
     model = decoding_model(model, decode.precision)
     device = next(model.parameters()).device
@@ -84,9 +87,10 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str]
         src = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_id, dtype=torch.long)  # (batch, src_len)
         for r, row in enumerate(rows):
             src[r, : len(row)] = torch.tensor(row)
+        allowed = constraint([sentences[i] for i in chunk]) if constraint is not None else None
         hyps = beam_search(model, src.to(device), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
                            beam_size=decode.beam_size, alpha=decode.length_penalty, max_len_a=decode.max_len_a,
-                           max_len_b=decode.max_len_b, min_len=decode.min_len)
+                           max_len_b=decode.max_len_b, min_len=decode.min_len, allowed=allowed)
         for i, text in zip(chunk, tokenizer.decode_batch([h[0].tokens for h in hyps])):
             out[i] = text
         if progress:

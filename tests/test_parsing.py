@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
+from model import Transformer
+from model.decoding import beam_search
 from pipeline.average import average_checkpoints
 from pipeline.config import ConfigError, load_config
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.evaluate import evaluate_checkpoint
+from pipeline.parsing.constraint import CLOSE, LEAF, OPEN, TreeConstraint
 from pipeline.parsing.evalb import (COLLINS, UNLABELED, PrmError, brackets, read_prm, score_corpus, score_files,
                                     score_sentence)
 from pipeline.parsing.trees import (PLACEHOLDER, Tree, TreeError, clean, is_well_formed, linearize, parse_tree,
@@ -240,6 +244,60 @@ def test_errors_skips_cutoff_and_summed_totals() -> None:
         t("(S (NP (PRP He)) (VP (VBD left)))"), t("(X (Y (PRP He)) (Z (VBD left)))"), COLLINS).complete
 
 
+# ---------------------------------------------------------------------------------------- constrained decoding
+
+# A toy vocabulary: pad, unk, bos, eos, three labels, ')', XX, three words
+KINDS = torch.tensor([0, 0, 0, 0, OPEN, OPEN, OPEN, CLOSE, LEAF, 0, 0, 0], dtype=torch.int8)
+
+
+def tree_tokens_ok(tokens: list[int], n: int, words: list[int] | None = None) -> bool:
+    """Whether ``tokens`` (no bos/eos) is one well-formed linearised tree with n leaves (those words, in order)."""
+    depth, leaves, last = 0, [], None
+    for i, tok in enumerate(tokens):
+        kind = int(KINDS[tok]) if words is None or tok not in words else LEAF
+        if kind == OPEN:
+            if depth == 0 and i > 0:
+                return False  # a second root
+            depth += 1
+        elif kind == CLOSE:
+            if depth == 0 or last == OPEN:
+                return False  # unbalanced, or an empty constituent
+            depth -= 1
+        elif kind == LEAF:
+            if depth == 0:
+                return False
+            leaves.append(tok)
+        else:
+            return False
+        last = kind
+    return depth == 0 and len(leaves) == n and (words is None or leaves == words)
+
+
+@pytest.mark.parametrize("room", ["plenty", "exact"])
+@pytest.mark.parametrize("leaves", ["XX", "words"])
+def test_constrained_beam_search_writes_only_trees_over_the_input(room, leaves) -> None:
+    torch.manual_seed(3)
+    model = Transformer(12, 0, encoder_layers=1, decoder_layers=1, d_model=16, d_ff=32, n_heads=2).eval()
+    sources = [[9, 10, 11, 9], [10], [11, 9, 9, 10, 11, 10, 9]]
+    src = torch.zeros(len(sources), max(map(len, sources)) + 1, dtype=torch.long)
+    for r, ids in enumerate(sources):
+        src[r, : len(ids) + 1] = torch.tensor(ids + [3])
+    kinds = KINDS.clone()
+    if leaves == "words":
+        kinds[9:] = LEAF
+    words = sources if leaves == "words" else None
+    constraint = TreeConstraint(kinds, eos_id=3, lengths=[len(s) for s in sources], words=words)
+    # "exact": the longest output allowed is the shortest tree (root, n leaves, close) plus eos
+    limits = dict(max_len_a=3.0, max_len_b=10) if room == "plenty" else dict(max_len_a=1.0, max_len_b=2)
+    hyps = beam_search(model, src, bos_id=2, eos_id=3, beam_size=3, nbest=3, allowed=constraint, **limits)
+    for r, ids in enumerate(sources):
+        assert hyps[r], r
+        for h in hyps[r]:
+            assert tree_tokens_ok(h.tokens, len(ids), ids if leaves == "words" else None), (r, h.tokens)
+    free = beam_search(model, src, bos_id=2, eos_id=3, beam_size=3, **limits)  # unconstrained: not trees
+    assert not all(tree_tokens_ok(h[0].tokens, len(ids)) for h, ids in zip(free, sources))
+
+
 # --------------------------------------------------------------------------------- EVALB itself as the judge
 
 
@@ -409,6 +467,13 @@ def test_evaluate_checkpoint_parsing_scores_repaired_trees(ptb_stack, evalb, sha
     baseline = score_corpus((t(g), right_branching(clean(t(g)).tagged_words())) for g in golds)["all"]
     assert baseline.f1 == split["right_branching_f1"]
     assert len(json.loads((out / "dev.samples.json").read_text())) == 20
+    # With room for the shortest tree (max length 2 x source + 5 >= words + 3: consecutive unknown words share
+    # one source <unk>), constrained decoding writes only trees: nothing needs repair, from a barely trained model
+    roomy = cfg.model_copy(update={"decode": cfg.decode.model_copy(update={"max_len_a": 2.0})})
+    roomy_scores = json.loads(evaluate_checkpoint(roomy, checkpoint, corpus, tok_dir).read_text())
+    for split_scores in roomy_scores["splits"].values():
+        assert split_scores["well_formed_before_repair_rate"] == 1.0, split_scores["repairs"]
+        assert split_scores["repaired_rate"] == 0.0
     # EVALB itself, on every split's files as written, gives the scores reported
     collins = shared_data.parent / "tools" / "evalb" / "COLLINS.prm"
     for name, split_scores in scores["splits"].items():

@@ -29,6 +29,7 @@ from pipeline.data import DataError
 from pipeline.evalsets import SAMPLE_ROWS, Evaluator, eval_setup, samples_markdown
 from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.inference import translate, truncation_summary
+from pipeline.parsing.constraint import tree_constraint
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
 from pipeline.parsing.trees import (PLACEHOLDER, Repair, Tree, parse_tree, remove_empty, repair, right_branching,
                                     strip_root)
@@ -46,7 +47,9 @@ def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], de
     preterminals; without them every tag is ``XX``. ``leaves``: how the model writes preterminals
     (``data.tree_leaves``). A sentence longer than the model's positions is cut, warned about (naming ``source``)
     and its line appended to ``truncated``, as :func:`pipeline.inference.translate` does."""
-    outputs = translate(model, tokenizer, sentences, decode, progress, source=source, truncated=truncated)
+    constraint = tree_constraint(tokenizer, leaves) if decode.tree_constraint else None
+    outputs = translate(model, tokenizer, sentences, decode, progress, source=source, truncated=truncated,
+                        constraint=constraint)
     trees = [repair(out, sent.split(), tags[i] if tags is not None else None, leaves)
              for i, (out, sent) in enumerate(zip(outputs, sentences))]
     return outputs, trees
