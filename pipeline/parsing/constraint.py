@@ -57,8 +57,8 @@ class TreeConstraint:
     def __init__(self, kinds: Tensor, eos_id: int, lengths: Sequence[int],
                  words: Sequence[Sequence[int]] | None = None):
         self.kinds, self.eos_id = kinds, eos_id
+        self.kind_index = kinds.long()  # (vocab,), for the per-row lookup of each token's verdict
         self.lengths = torch.tensor(list(lengths), dtype=torch.long)  # (batch,)
-        self.leaf_ids = torch.nonzero(kinds == LEAF).squeeze(1)  # the leaf tokens (XX mode: one)
         self.words = None
         if words is not None:  # (batch, max words + 1), padded with -1 (index max words: no word left)
             width = max((len(w) for w in words), default=0) + 1
@@ -86,14 +86,11 @@ class TreeConstraint:
         leaf_ok = (depth > 0) & more & (left + depth <= room)
         close_ok = (depth > 0) & (last != OPEN) & ((depth > 1) | ~more) & (left + depth <= room)
         eos_ok = root_done | (n == 0)
-        vocab = self.kinds.numel()
-        allowed = torch.zeros(prefixes.size(0), vocab, dtype=torch.bool, device=prefixes.device)
-        token_kinds = self.kinds.to(prefixes.device)[None, :]  # (1, vocab)
-        allowed |= (token_kinds == OPEN) & open_ok[:, None]
-        allowed |= (token_kinds == CLOSE) & close_ok[:, None]
-        if self.words is None:
-            allowed |= (token_kinds == LEAF) & leaf_ok[:, None]
-        else:  # the next input word, and only it
+        # one lookup per (row, token): the row's verdict for the token's kind (OTHER: never)
+        never = torch.zeros_like(open_ok)
+        verdicts = torch.stack([never, open_ok, close_ok, leaf_ok if self.words is None else never], 1)  # (rows, 4)
+        allowed = verdicts[:, self.kind_index.to(prefixes.device)]  # (rows, vocab)
+        if self.words is not None:  # the next input word, and only it
             words = self.words.to(prefixes.device)[sentences]  # (rows, width)
             nxt = words.gather(1, leaves.clamp(max=words.size(1) - 1)[:, None]).squeeze(1)  # (rows,)
             rows = torch.nonzero(leaf_ok & (nxt >= 0)).squeeze(1)
