@@ -47,6 +47,10 @@ class PrmError(ValueError):
     """An EVALB parameter file this scorer cannot read (names the file, the line and the key)."""
 
 
+_PRM_KEYS = {"DEBUG", "MAX_ERROR", "LABELED", "CUTOFF_LEN", "DELETE_LABEL", "DELETE_LABEL_FOR_LENGTH", "EQ_LABEL",
+             "EQ_WORD"}
+
+
 def read_prm(path: Path) -> EvalbParams:
     """The scoring parameters of an EVALB ``.prm`` file: ``LABELED``, ``CUTOFF_LEN``, ``DELETE_LABEL``,
     ``DELETE_LABEL_FOR_LENGTH``, ``EQ_LABEL`` and ``EQ_WORD``; ``DEBUG`` and ``MAX_ERROR`` (EVALB's printing and
@@ -58,24 +62,20 @@ def read_prm(path: Path) -> EvalbParams:
         if not parts or parts[0].startswith("#"):
             continue
         key, args = parts[0], parts[1:]
+        if key not in _PRM_KEYS:
+            raise PrmError(f"{path}:{number}: unknown EVALB parameter {key!r}")
         try:
-            if key in ("DEBUG", "MAX_ERROR"):
-                int(args[0])
-            elif key == "LABELED":
+            if key == "LABELED":
                 fields["labeled"] = bool(int(args[0]))
             elif key == "CUTOFF_LEN":
                 fields["cutoff_len"] = int(args[0])
-            elif key == "DELETE_LABEL":
-                fields["delete_labels"].add(args[0])
-            elif key == "DELETE_LABEL_FOR_LENGTH":
-                fields["delete_labels_for_length"].add(args[0])
+            elif key in ("DELETE_LABEL", "DELETE_LABEL_FOR_LENGTH"):
+                fields["delete_labels" if key == "DELETE_LABEL" else "delete_labels_for_length"].add(args[0])
             elif key in ("EQ_LABEL", "EQ_WORD"):
                 fields["equal_labels" if key == "EQ_LABEL" else "equal_words"].append((args[0], args[1]))
-            else:
-                raise PrmError(f"{path}:{number}: unknown EVALB parameter {key!r}")
-        except (IndexError, ValueError) as e:
-            if isinstance(e, PrmError):
-                raise
+            else:  # DEBUG, MAX_ERROR: checked, not used
+                int(args[0])
+        except (IndexError, ValueError):
             raise PrmError(f"{path}:{number}: {key} needs {'two values' if key.startswith('EQ_') else 'a value'}"
                            f" ({line.strip()!r})") from None
     return EvalbParams(**{**fields, "delete_labels": frozenset(fields["delete_labels"]),
