@@ -37,7 +37,6 @@ class DecoderCache:
     self_attn: list[AttentionCache]
     cross_attn: list[AttentionCache]
     src_pad_mask: Tensor | None = None  # (batch / group, src_len), True at padding
-    group: int = 1
 
     @classmethod
     def empty(cls, num_layers: int, group: int = 1) -> "DecoderCache":
@@ -47,8 +46,12 @@ class DecoderCache:
         return cls(
             self_attn=[AttentionCache() for _ in range(num_layers)],
             cross_attn=[AttentionCache(group=group) for _ in range(num_layers)],
-            group=group,
         )
+
+    @property
+    def group(self) -> int:
+        """Decoder rows per source sentence (held by the encoder-decoder caches, which use it)."""
+        return self.cross_attn[0].group if self.cross_attn else 1
 
     @property
     def length(self) -> int:
