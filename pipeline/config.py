@@ -200,6 +200,11 @@ class TokenizerConfig(_Strict):
     # Characters outside the vocabulary become byte pieces instead of <unk>: encoding is lossless, as with the
     # paper's invertible subword encoder, also on test text with characters the training split never had.
     byte_fallback: bool = True
+    # Word model only: a word outside the vocabulary becomes the unknown token of its class (its shape:
+    # lower-case, capitalised, all capitals, with a digit, other; a hyphen; a suffix such as -ing, -ed, -s) instead
+    # of the one <unk>, as parsers of small treebanks do (Petrov et al., 2006). Not in the paper (subword text
+    # has no unknown words).
+    unknown_word_classes: bool = False
     shard_rows: int = Field(default=1_000_000, ge=1)
     num_workers: int = Field(default=2, ge=1)
     special: SpecialIds = SpecialIds()
@@ -209,6 +214,9 @@ class TokenizerConfig(_Strict):
         # sentencepiece's word model cannot hold byte pieces (its trainer fails with a bare assertion)
         if self.model_type == "word" and self.byte_fallback:
             raise ValueError("model_type 'word' needs byte_fallback: false (unknown words become <unk>)")
+        if self.unknown_word_classes and self.model_type != "word":
+            raise ValueError(f"unknown_word_classes needs model_type 'word' (model_type {self.model_type!r} splits "
+                             "unknown words into pieces)")
         return self
 
 
@@ -315,6 +323,11 @@ class DecodeConfig(_Strict):
     # leaves, no empty constituent, one root; pipeline/parsing/constraint.py). Not in the paper, which does not
     # say how ill-formed outputs were handled; false = free decoding, every output repaired afterwards.
     tree_constraint: bool = True
+    # Parsing only, with tree_constraint: shape limits (pipeline/parsing/constraint.py) against an undertrained
+    # model's runs of brackets over one word. At most this many brackets opened in a row, and at most this many
+    # brackets over the same words (1 = no unary chains). Not in the paper; None = no limit.
+    tree_max_open_run: int | None = Field(default=None, ge=1)
+    tree_max_unary_chain: int | None = Field(default=None, ge=1)
 
 
 class TrackingConfig(_Strict):

@@ -9,6 +9,11 @@ byte-identical model.
 Text is encoded exactly as the data stage wrote it (NFC, whitespace collapsed): sentencepiece's own
 normalisation is off and characters missing from the vocabulary fall back to byte pieces, so
 ``decode(encode(x)) == x`` for every normalised sentence, also for test sets whose characters training never saw.
+
+The word model (parsing) is the exception: a text is encoded one whitespace-separated token per id, looked up
+in the vocabulary, so a token is never split and two unknown words in a row stay two ids (sentencepiece's own
+encoder merges them into one ``<unk>``, and the constrained decoder needs one leaf per word). An unknown word
+is ``<unk>``, or with ``unknown_word_classes`` the unknown token of its class (:func:`word_class`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,33 @@ TRAINER_OPTIONS = {
     "input_sentence_size": 0,  # train on every sentence it is given
 }
 _READ_ROWS = 65_536  # Parquet rows per read while feeding the trainer
+# Suffixes that mark a word's part of speech in English (verb forms, adverbs, nouns, adjectives), longest match
+# first among those that apply; the classes of unknown words for unknown_word_classes.
+_SUFFIXES = ("ing", "ed", "ly", "ion", "ity", "er", "est", "al", "ive", "able", "ic", "ous", "s", "y")
+_SHAPES = ("low", "cap", "caps", "num", "sym")
+
+
+def word_class(word: str) -> str:
+    """The unknown token of ``word``'s class: its shape (lower-case, capitalised, all capitals, with a digit,
+    other), whether it has a hyphen, and for lower-case and capitalised words a part-of-speech suffix, e.g.
+    ``<unk:low:ing>`` for "refinancing", ``<unk:cap->`` for "Ohio-based", ``<unk:num>`` for "8.5"."""
+    if any(c.isdigit() for c in word):
+        shape = "num"
+    elif word[:1].isalpha():
+        shape = "caps" if word.isupper() and len(word) > 1 else "cap" if word[0].isupper() else "low"
+    else:
+        shape = "sym"
+    hyphen = "-" if "-" in word[1:] else ""
+    lowered = word.lower()
+    suffix = next((x for x in _SUFFIXES if lowered.endswith(x) and len(word) > len(x) + 1), None) \
+        if shape in ("low", "cap") else None
+    return f"<unk:{shape}{hyphen}{':' + suffix if suffix else ''}>"
+
+
+def word_classes() -> list[str]:
+    """Every token :func:`word_class` can return (reserved as pieces when ``unknown_word_classes`` is on)."""
+    return [f"<unk:{shape}{hyphen}{':' + suffix if suffix else ''}>" for shape in _SHAPES for hyphen in ("", "-")
+            for suffix in ((None, *_SUFFIXES) if shape in ("low", "cap") else (None,))]
 
 
 class TokenizerError(UserError, ValueError):
@@ -75,7 +107,7 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
     train = corpus["splits"]["train"]
     # A parsing corpus lists its closed target vocabulary (bracket labels, ')', XX): each is reserved as one
     # piece, so every symbol the training trees use is in the vocabulary whatever vocab_size is.
-    symbols = corpus.get("target_symbols", [])
+    symbols = corpus.get("target_symbols", []) + (word_classes() if cfg.unknown_word_classes else [])
     identity = {"format": TOKENIZER_FORMAT, "code": code_hash(Path(__file__)), "settings": model_settings(cfg),
                 "trainer": TRAINER_OPTIONS, "train_sha256": train["sha256"], "user_defined_symbols": symbols}
     out, fingerprint, done = stage_folder(work_dir, "tokenizer", identity)
@@ -210,6 +242,19 @@ class Tokenizer:
                                  f"in {manifest_path}; {fix}")
         self.vocab_size: int = self.sp.get_piece_size()
         self.dtype = token_dtype(self.vocab_size)
+        self.words: dict[str, int] | None = None  # word model: token -> id (see the module docstring)
+        self.classes = bool(self.manifest["settings"].get("unknown_word_classes", False))
+        if self.manifest["model_type"] == "word":
+            # a trained word piece is "▁word"; a reserved symbol that training never made a word is bare
+            pieces = [(i, self.sp.id_to_piece(i)) for i in range(self.vocab_size)
+                      if not (self.sp.is_control(i) or self.sp.is_unknown(i))]
+            self.words = {p: i for i, p in pieces if not p.startswith("▁")}
+            self.words.update((p[1:], i) for i, p in pieces if p.startswith("▁"))
+        # bool (vocab,): the ids of unknown words (<unk> and, with unknown_word_classes, the class tokens)
+        self.is_unknown = np.zeros(self.vocab_size, dtype=bool)
+        self.is_unknown[self.unk_id] = True
+        if self.classes:
+            self.is_unknown[[self.sp.piece_to_id(c) for c in word_classes()]] = True
 
     @property
     def pad_id(self) -> int:
@@ -229,18 +274,29 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Piece ids of one normalised sentence, without bos/eos."""
-        return self.sp.encode(text)
+        return self.encode_batch([text])[0]
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Piece ids of each sentence, without bos/eos."""
-        return self.sp.encode(list(texts))
+    def encode_batch(self, texts: Sequence[str], num_threads: int | None = None) -> list[list[int]]:
+        """Piece ids of each sentence, without bos/eos (``num_threads``: sentencepiece's; None: its default)."""
+        if self.words is None:
+            return self.sp.encode(list(texts), num_threads=num_threads)
+        return [[self._word_id(w) for w in text.split()] for text in texts]
+
+    def _word_id(self, word: str) -> int:
+        found = self.words.get(word)
+        if found is not None:
+            return found
+        return self.sp.piece_to_id(word_class(word)) if self.classes else self.unk_id
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Detokenized text of one id sequence: stops at the first eos, drops pad and bos."""
         return self.decode_batch([ids])[0]
 
     def decode_batch(self, rows: Iterable[Sequence[int] | np.ndarray]) -> list[str]:
-        """:meth:`decode` of each row (e.g. each row of a padded [batch, length] array of hypotheses)."""
+        """:meth:`decode` of each row (e.g. each row of a padded [batch, length] array of hypotheses). The word
+        model writes one token per id, separated by spaces (a reserved symbol has no word-boundary mark)."""
+        if self.words is not None:
+            return [" ".join(self.sp.id_to_piece(i).removeprefix("\u2581") for i in self._content(r)) for r in rows]
         return self.sp.decode([self._content(r) for r in rows])
 
     def _content(self, ids: Sequence[int] | np.ndarray) -> list[int]:

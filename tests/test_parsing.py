@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 import json
 import random
 import re
@@ -298,6 +299,68 @@ def test_constrained_beam_search_writes_only_trees_over_the_input(room, leaves) 
     assert not all(tree_tokens_ok(h[0].tokens, len(ids)) for h, ids in zip(free, sources))
 
 
+def shape_of(tokens: list[int]) -> tuple[int, dict[tuple[int, int], int], int]:
+    """(longest run of opens, brackets per (start, end) leaf span, leaves) of a linearised tree's tokens."""
+    run = longest = leaves = 0
+    stack, spans = [], Counter()
+    for tok in tokens:
+        kind = int(KINDS[tok])
+        if kind == OPEN:
+            run += 1
+            longest = max(longest, run)
+            stack.append(leaves)
+        else:
+            run = 0
+            if kind == CLOSE:
+                spans[(stack.pop(), leaves)] += 1
+            else:
+                leaves += 1
+    return longest, spans, leaves
+
+
+@pytest.mark.parametrize("policy", ["opens first", "closes first", "random"])
+@pytest.mark.parametrize("open_run, unary", [(1, 1), (2, 1), (3, 2), (None, 2), (2, None)])
+def test_shape_limits_hold_and_never_leave_a_prefix_without_continuation(policy, open_run, unary) -> None:
+    """Rollouts that pick among the allowed tokens (preferring opens, or closes, or at random): each ends as a
+    tree over the input, opens at most `open_run` brackets in a row, and puts at most `unary` brackets over the
+    same words wherever a word followed them (after the last word, closes are forced)."""
+    gen = torch.Generator().manual_seed(5)
+    n_words, rollouts = [1, 2, 5, 9], 20 if policy == "random" else 1
+    constraint = TreeConstraint(KINDS, eos_id=3, lengths=n_words, max_open_run=open_run, max_unary_chain=unary)
+    order = {"opens first": [OPEN, LEAF, CLOSE], "closes first": [CLOSE, OPEN, LEAF]}.get(policy)
+    for _ in range(rollouts):
+        rows = torch.arange(len(n_words))
+        prefixes = torch.full((len(n_words), 1), 2, dtype=torch.long)  # bos
+        done = torch.zeros(len(n_words), dtype=torch.bool)
+        while not done.all():
+            room = torch.tensor([4 * n + 6 for n in n_words]) - prefixes.size(1)  # tokens after the next one
+            allowed = constraint(prefixes, rows, room)
+            if order is None:
+                choice = torch.multinomial(allowed.float(), 1, generator=gen).squeeze(1)
+            else:  # the first allowed kind in the order; labels 4-6 open, 7 closes, 8 is the leaf
+                first = {OPEN: 4, CLOSE: 7, LEAF: 8}
+                choice = torch.full((len(n_words),), 3)
+                for kind in reversed(order):
+                    choice = torch.where(allowed[:, first[kind]], first[kind], choice)
+            choice = torch.where(done, 0, choice)  # pad after eos
+            done |= choice == 3
+            prefixes = torch.cat([prefixes, choice[:, None]], 1)
+        for r, n in enumerate(n_words):
+            tokens = [int(x) for x in prefixes[r, 1:]]
+            tokens = tokens[: tokens.index(3)]
+            assert tree_tokens_ok(tokens, n), (policy, tokens)
+            longest, spans, _ = shape_of(tokens)
+            if open_run is not None:
+                assert longest <= open_run, (policy, tokens)
+            if unary is not None:
+                assert all(c <= unary for (a, b), c in spans.items() if b < n), (policy, tokens, spans)
+
+
+def test_shape_limits_are_at_least_one() -> None:
+    with pytest.raises(ValueError, match="max_unary_chain must be at least 1"):
+        TreeConstraint(KINDS, eos_id=3, lengths=[2], max_unary_chain=0)
+
+
 # --------------------------------------------------------------------------------- EVALB itself as the judge
 
 
@@ -379,6 +442,8 @@ def test_parsing_configs_and_their_validation(tmp_path) -> None:
         4, 1024, 16, 16000)
     assert wsj.data.test[0].include == ["23/*.mrg"] and wsj.data.dev.include == ["22/*.mrg"]
     assert (wsj.data.tree_leaves, cpu.data.tree_leaves) == (PLACEHOLDER, "words")  # the paper's form; CPU's
+    assert (wsj.decode.tree_max_open_run, wsj.decode.tree_max_unary_chain) == (None, None)  # the paper: no limits
+    assert (cpu.decode.tree_max_open_run, cpu.decode.tree_max_unary_chain) == (3, 1)  # chosen on dev
     assert load_config("multi30k-cpu").task == "translation"
     with pytest.raises(ConfigError, match="every source needs format 'ptb'"):
         load_config("ptb-sample-cpu", ["data.test=[{name: t, format: text, path: x}]"])
@@ -427,6 +492,21 @@ def test_tokenizer_keeps_every_target_symbol_one_piece(ptb_stack) -> None:
     target = "(S (NP the company ) (VP said (NP it ) ) . )"
     assert len(tok.encode(target)) == len(target.split()) and tok.decode(tok.encode(target)) == target
     assert tok.encode("Pierre Vinken qzxqzx")[-1] == tok.unk_id  # words: one piece each, unknown ones <unk>
+    # one id per word also for unknown words in a row (sentencepiece's encoder merges them into one <unk>)
+    assert tok.encode("(NP Qzxq Zqxz qzxq )")[1:4] == [tok.unk_id] * 3
+    assert tok.sp.encode("(NP Qzxq Zqxz qzxq )").count(tok.unk_id) == 1
+
+
+@pytest.mark.integration
+def test_unknown_word_classes(ptb_stack, tmp_path) -> None:
+    cfg, _, corpus, _ = ptb_stack
+    tok = Tokenizer(train_tokenizer(corpus, cfg.tokenizer.model_copy(update={"unknown_word_classes": True}),
+                                    tmp_path))
+    ids = tok.encode("Qzxq-zq qzxqing 12,345 QZXQ said")
+    assert [tok.sp.id_to_piece(i) for i in ids[:4]] == ["<unk:cap->", "<unk:low:ing>", "<unk:num>", "<unk:caps>"]
+    assert tok.decode(ids) == "<unk:cap-> <unk:low:ing> <unk:num> <unk:caps> said"
+    assert tok.is_unknown[ids[:4]].all() and not tok.is_unknown[ids[4]] and tok.unk_id not in ids
+    assert tok.vocab_size == cfg.tokenizer.vocab_size  # the classes take pieces from the vocabulary's words
 
 
 @pytest.mark.integration

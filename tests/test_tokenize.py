@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import CleaningConfig, SpecialIds, TokenizerConfig, load_config
 from pipeline.data import prepare_corpus
 from pipeline.data.clean import Normalizer
-from pipeline.tokenize import Tokenizer, TokenizerError, token_dtype, train_tokenizer
+from pipeline.tokenize import Tokenizer, TokenizerError, token_dtype, train_tokenizer, word_class, word_classes
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = TokenizerConfig(vocab_size=4000)
@@ -175,3 +175,11 @@ def test_replaced_or_damaged_model_is_refused(corpus: Path, tokenizer_dir: Path,
     (copy / "manifest.json").unlink()
     with pytest.raises(TokenizerError, match="not a finished tokenizer folder"):
         Tokenizer(copy)
+
+
+def test_word_classes_of_unknown_words() -> None:
+    cases = {"refinancing": "<unk:low:ing>", "Ohio-based": "<unk:cap-:ed>", "8.5": "<unk:num>", "IBM": "<unk:caps>",
+             "A": "<unk:cap>", "-LRB-": "<unk:sym->", ",": "<unk:sym>", "Quickly": "<unk:cap:ly>", "is": "<unk:low>",
+             "mr": "<unk:low>", "": "<unk:sym>"}
+    assert {w: word_class(w) for w in cases} == cases
+    assert len(set(word_classes())) == len(word_classes()) and set(cases.values()) <= set(word_classes())

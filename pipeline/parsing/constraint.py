@@ -11,9 +11,18 @@ constraint allows exactly the continuations that can still end as a well-formed 
 - ``)`` never directly follows ``(LABEL`` (no empty constituent), and the root closes only after the n-th leaf.
 
 Every output that ends before the maximum length is then a tree over exactly the input's words; repair stays as
-a guard (its rate is reported; outputs cut by the maximum length are what it still sees). The state of a prefix
-(depth, leaves so far, last token) is recomputed from the prefix at each step, vectorised over the beams: a
-few operations on (beams, length) integers, small next to a decoder step.
+a guard (its rate is reported; outputs cut by the maximum length are what it still sees).
+
+Two optional limits on the tree's shape keep an undertrained model from its typical failure, a run of brackets
+opened over one word (``(NP (NP (SBAR (S (NP (NP ...`` until the maximum length), which costs precision:
+
+- ``max_open_run``: at most this many brackets opened in a row (the constituents that start at one word);
+- ``max_unary_chain``: at most this many brackets over the same words (a constituent and its unary parents);
+  a close that would exceed it is refused while words remain (after the last word closes are forced).
+
+The state of a prefix (depth, leaves so far, last token, the brackets open at each level) is recomputed from
+the prefix at each step, vectorised over the beams: a few operations on (beams, length) integers, small next
+to a decoder step.
 """
 
 from __future__ import annotations
@@ -51,12 +60,18 @@ class TreeConstraint:
     """The ``allowed`` hook of :func:`model.decoding.beam_search` for one batch of sentences.
 
     ``kinds``: :func:`token_kinds`; ``lengths``: words per sentence of the batch; ``words``: with word leaves,
-    each sentence's token ids (the only leaf allowed next is the next of these), else None.
+    each sentence's token ids (the only leaf allowed next is the next of these), else None. ``max_open_run`` and
+    ``max_unary_chain``: the shape limits of the module's docstring (None: no limit).
     """
 
     def __init__(self, kinds: Tensor, eos_id: int, lengths: Sequence[int],
-                 words: Sequence[Sequence[int]] | None = None):
+                 words: Sequence[Sequence[int]] | None = None, *, max_open_run: int | None = None,
+                 max_unary_chain: int | None = None):
+        for name, limit in (("max_open_run", max_open_run), ("max_unary_chain", max_unary_chain)):
+            if limit is not None and limit < 1:
+                raise ValueError(f"{name} must be at least 1 (or None for no limit), got {limit}")
         self.kinds, self.eos_id = kinds, eos_id
+        self.max_open_run, self.max_unary_chain = max_open_run, max_unary_chain
         self.kind_index = kinds.long()  # (vocab,), for the per-row lookup of each token's verdict
         self.lengths = torch.tensor(list(lengths), dtype=torch.long)  # (batch,)
         self.words = None
@@ -85,6 +100,12 @@ class TreeConstraint:
         open_ok = ~root_done & more & (left + depth + 2 <= room)
         leaf_ok = (depth > 0) & more & (left + depth <= room)
         close_ok = (depth > 0) & (last != OPEN) & ((depth > 1) | ~more) & (left + depth <= room)
+        # Each limit refuses an open or a close only where depth > 0 and words remain, so the next word (a leaf)
+        # is still allowed under the same room condition: no prefix is left without a continuation.
+        if self.max_open_run is not None:
+            open_ok &= _trailing(kinds, OPEN) < self.max_open_run
+        if self.max_unary_chain is not None:
+            close_ok &= ~more | (_chain_if_closed(kinds, depth, self.max_unary_chain) <= self.max_unary_chain)
         eos_ok = root_done | (n == 0)
         # one lookup per (row, token): the row's verdict for the token's kind (OTHER: never)
         never = torch.zeros_like(open_ok)
@@ -100,17 +121,50 @@ class TreeConstraint:
         return allowed
 
 
-def tree_constraint(tokenizer: Tokenizer, leaves: str = PLACEHOLDER) -> Callable[[Sequence[str]], TreeConstraint]:
+def _trailing(kinds: Tensor, kind: int) -> Tensor:
+    """(rows,): how many tokens of ``kind`` end each prefix of ``kinds`` (rows, t)."""
+    t = kinds.size(1)
+    steps = torch.arange(t, device=kinds.device)
+    last_other = torch.where(kinds != kind, steps, -1).amax(1) if t else kinds.new_full((kinds.size(0),), -1)
+    return t - 1 - last_other
+
+
+def _chain_if_closed(kinds: Tensor, depth: Tensor, cap: int) -> Tensor:
+    """(rows,): how many brackets would span the same words as the innermost open bracket if it closed next
+    (counted up to ``cap + 1``). Its content is one bracket exactly when that child opened right after it and
+    closed last; the chain goes on down while the closes at the end of the prefix last."""
+    t = kinds.size(1)
+    if t == 0:
+        return torch.ones_like(depth)
+    steps = torch.arange(t, device=kinds.device)
+    opens = kinds == OPEN
+    level = opens.long().cumsum(1) - (kinds == CLOSE).long().cumsum(1)  # (rows, t): depth after each token
+
+    def last_open(at: Tensor) -> Tensor:  # (rows,): where the last bracket reaching depth `at` opened, or -1
+        return torch.where(opens & (level == at[:, None]), steps, -1).amax(1)
+
+    closes = _trailing(kinds, CLOSE)
+    chain = torch.ones_like(depth)
+    parent, unary = last_open(depth), torch.ones_like(depth, dtype=torch.bool)
+    for k in range(1, cap + 1):  # the bracket k levels down that the k-th last close closed
+        child = last_open(depth + k)
+        unary &= (closes >= k) & (parent >= 0) & (child == parent + 1)
+        chain += unary.long()
+        parent = child
+    return chain
+
+
+def tree_constraint(tokenizer: Tokenizer, leaves: str = PLACEHOLDER, max_open_run: int | None = None,
+                    max_unary_chain: int | None = None) -> Callable[[Sequence[str]], TreeConstraint]:
     """For :func:`pipeline.inference.translate`: given a batch of tokenized sentences (words separated by
-    spaces), the constraint that makes beam search write trees over exactly their words."""
+    spaces), the constraint that makes beam search write trees over exactly their words (within the shape
+    limits, when given)."""
     kinds = token_kinds(tokenizer, leaves)
 
     def for_batch(sentences: Sequence[str]) -> TreeConstraint:
-        split = [s.split() for s in sentences]
-        words = None
-        if leaves != PLACEHOLDER:  # one piece per word (the parsing tokenizer is word-level)
-            words = [[ids[0] if len(ids) == 1 else tokenizer.unk_id for ids in tokenizer.encode_batch(ws)]
-                     if ws else [] for ws in split]
-        return TreeConstraint(kinds, tokenizer.eos_id, [len(ws) for ws in split], words)
+        # the parsing tokenizer is word-level: one id per word (an unknown word's is <unk> or its class)
+        words = tokenizer.encode_batch(sentences) if leaves != PLACEHOLDER else None
+        return TreeConstraint(kinds, tokenizer.eos_id, [len(s.split()) for s in sentences], words,
+                              max_open_run=max_open_run, max_unary_chain=max_unary_chain)
 
     return for_batch

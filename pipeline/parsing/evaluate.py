@@ -47,7 +47,8 @@ def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], de
     preterminals; without them every tag is ``XX``. ``leaves``: how the model writes preterminals
     (``data.tree_leaves``). A sentence longer than the model's positions is cut, warned about (naming ``source``)
     and its line appended to ``truncated``, as :func:`pipeline.inference.translate` does."""
-    constraint = tree_constraint(tokenizer, leaves) if decode.tree_constraint else None
+    constraint = (tree_constraint(tokenizer, leaves, decode.tree_max_open_run, decode.tree_max_unary_chain)
+                  if decode.tree_constraint else None)
     outputs = translate(model, tokenizer, sentences, decode, progress, source=source, truncated=truncated,
                         constraint=constraint)
     trees = [repair(out, sent.split(), tags[i] if tags is not None else None, leaves)

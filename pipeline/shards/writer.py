@@ -25,7 +25,6 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import sentencepiece as spm
 
 from pipeline.config import TokenizerConfig
 from pipeline.data import read_manifest
@@ -71,11 +70,11 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])  # bool [vocab]
     entries = {}
     ctx = multiprocessing.get_context("spawn")  # no fork: callers (Prefect, torch) may hold threads and locks
-    init = (str(tok.model_path), tok.dtype.str, os.getpid())
+    init = (str(tok.dir), tok.dtype.str, os.getpid())
     with atomic_dir(out) as tmp, ProcessPoolExecutor(cfg.num_workers, mp_context=ctx, initializer=_init_worker,
                                                      initargs=init) as pool:
         for key, s in splits.items():
-            writer = _ShardSplitWriter(tmp, key, schema, tok.unk_id, is_byte)
+            writer = _ShardSplitWriter(tmp, key, schema, tok.is_unknown, is_byte)
             plan = _plan(s["rows"], cfg.shard_rows)
             chunks = _read_chunks(corpus_dir / s["file"], [stop - start for _, start, stop in plan])
             results = _ordered(pool, _encode_chunk, chunks, _IN_FLIGHT_PER_WORKER * cfg.num_workers)
@@ -157,16 +156,16 @@ def _ordered(pool: ProcessPoolExecutor, fn: Callable, items: Iterable, window: i
         yield pending.popleft().result()
 
 
-_worker_sp: spm.SentencePieceProcessor | None = None
+_worker_tok: Tokenizer | None = None
 _worker_dtype: np.dtype | None = None
 
 
-def _init_worker(model_path: str, dtype: str, parent: int) -> None:
+def _init_worker(tokenizer_dir: str, dtype: str, parent: int) -> None:
     """Worker start: die with the parent (pid ``parent``) even if it is killed outright, which a pool worker
-    otherwise outlives; load the model once per process, not once per task."""
-    global _worker_sp, _worker_dtype
+    otherwise outlives; load the tokenizer once per process, not once per task."""
+    global _worker_tok, _worker_dtype
     exit_with_parent(parent)
-    _worker_sp = spm.SentencePieceProcessor(model_file=model_path)
+    _worker_tok = Tokenizer(Path(tokenizer_dir))
     _worker_dtype = np.dtype(dtype)
 
 
@@ -178,7 +177,7 @@ def _encode_chunk(payload: pa.Buffer) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def _encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Worker: texts -> (offsets int32 [n+1], concatenated ids [tokens]), the Arrow list layout."""
-    ids = _worker_sp.encode(texts, num_threads=1)  # the worker processes are the parallelism
+    ids = _worker_tok.encode_batch(texts, num_threads=1)  # the worker processes are the parallelism
     offsets = np.zeros(len(ids) + 1, np.int32)  # [n+1]
     np.cumsum(np.fromiter(map(len, ids), np.int32, count=len(ids)), out=offsets[1:])
     flat = np.fromiter(chain.from_iterable(ids), _worker_dtype, count=int(offsets[-1]))  # [tokens]
@@ -188,8 +187,8 @@ def _encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 class _ShardSplitWriter:
     """Writes one split's chunks, in order, into shard files and keeps the split's token statistics."""
 
-    def __init__(self, folder: Path, key: str, schema: pa.Schema, unk_id: int, is_byte: np.ndarray):
-        self.folder, self.key, self.schema, self.unk_id, self.is_byte = folder, key, schema, unk_id, is_byte
+    def __init__(self, folder: Path, key: str, schema: pa.Schema, is_unknown: np.ndarray, is_byte: np.ndarray):
+        self.folder, self.key, self.schema, self.is_unknown, self.is_byte = folder, key, schema, is_unknown, is_byte
         self.shards: list[dict] = []
         self.writer: pa.ipc.RecordBatchFileWriter | None = None
         self.stats = {side: {"tokens": 0, "max_len": 0, "unk": 0, "byte_fallback": 0} for side in ("src", "tgt")}
@@ -214,7 +213,7 @@ class _ShardSplitWriter:
             st = self.stats[side]
             st["tokens"] += len(ids)
             st["max_len"] = max(st["max_len"], int(length.max(initial=0)))
-            st["unk"] += int(np.count_nonzero(ids == self.unk_id))
+            st["unk"] += int(np.count_nonzero(self.is_unknown[ids]))
             st["byte_fallback"] += int(np.count_nonzero(self.is_byte[ids]))
         self.shards[-1]["rows"] += n
         self.rows += n
