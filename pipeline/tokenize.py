@@ -71,13 +71,17 @@ def word_class(word: str) -> str:
     lowered = word.lower()
     suffix = next((x for x in _SUFFIXES if lowered.endswith(x) and len(word) > len(x) + 1), None) \
         if shape in ("low", "cap") else None
-    return f"<unk:{shape}{hyphen}{':' + suffix if suffix else ''}>"
+    return _class_token(shape, hyphen, suffix)
 
 
 def word_classes() -> list[str]:
     """Every token :func:`word_class` can return (reserved as pieces when ``unknown_word_classes`` is on)."""
-    return [f"<unk:{shape}{hyphen}{':' + suffix if suffix else ''}>" for shape in _SHAPES for hyphen in ("", "-")
+    return [_class_token(shape, hyphen, suffix) for shape in _SHAPES for hyphen in ("", "-")
             for suffix in ((None, *_SUFFIXES) if shape in ("low", "cap") else (None,))]
+
+
+def _class_token(shape: str, hyphen: str, suffix: str | None) -> str:
+    return f"<unk:{shape}{hyphen}{':' + suffix if suffix else ''}>"
 
 
 class TokenizerError(UserError, ValueError):
