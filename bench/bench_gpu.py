@@ -116,10 +116,11 @@ def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argpa
 # --------------------------------------------------------------------------------------------- training
 
 
-def bench_train(preset: str, max_tokens: int, compiled: bool, args: argparse.Namespace) -> dict:
-    """``warmup`` untimed updates of our TrainStep, then ``args.steps`` updates twice (first pass: new shapes;
-    second pass, timed: the same shapes again); one result row."""
-    overrides = [f"train.max_tokens={max_tokens}", f"train.compile={str(compiled).lower()}", "train.precision=bf16"]
+def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, args: argparse.Namespace) -> dict:
+    """``warmup`` untimed updates of our TrainStep in ``precision`` (bf16 autocast or fp32), then ``args.steps``
+    updates twice (first pass: new shapes; second pass, timed: the same shapes again); one result row."""
+    overrides = [f"train.max_tokens={max_tokens}", f"train.compile={str(compiled).lower()}",
+                 f"train.precision={precision}"]
     cfg = load_config(f"wmt14-en-de-{preset}", overrides)
     info = setup()
     if compiled:
@@ -175,7 +176,8 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, args: argparse.Nam
     fpt = model.flops_per_token(n_src / n_sent, n_tgt / n_sent)  # the trainer's MFU formula
     peak = peak_flops(dev)
     row = {
-        "preset": preset, "variant": "compile" if compiled else "eager", "max_tokens": max_tokens,
+        "preset": preset, "variant": "compile" if compiled else "eager", "precision": precision,
+        "max_tokens": max_tokens,
         "accumulation": len(timed[0]), "updates": len(timed), "params": model.num_parameters(),
         "tgt_tokens_per_update": n_tgt / len(timed), "src_tokens_per_update": n_src / len(timed),
         "padding_share": 1 - (n_src + n_tgt) / padded, "mean_src_len": n_src / n_sent, "mean_tgt_len": n_tgt / n_sent,
@@ -261,13 +263,15 @@ def markdown(res: dict) -> str:
              f"- GPU: {env['gpu']}, {env['gpu_memory_gib']:.0f} GiB; dense bf16 peak used for MFU: "
              f"{_f(env['peak_tflops'], '.0f')} TFLOP/s", ""]
     if res["train"]:
-        lines += ["## Training (bf16 autocast, forward + backward + Adam step, synthetic WMT-shaped batches)", "",
-                  "| preset | variant | max_tokens x accum | tgt tok/update | padding | updates/s | s/update (median) "
-                  "| tgt tok/s | src tok/s | model TFLOP/s | MFU | peak mem GiB | 1st pass s/update | warm-up s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Training (forward + backward + Adam step, synthetic WMT-shaped batches; MFU against the dense "
+                  "bf16 peak for fp32 rows too)", "",
+                  "| preset | precision | variant | max_tokens x accum | tgt tok/update | padding | updates/s "
+                  "| s/update (median) | tgt tok/s | src tok/s | model TFLOP/s | MFU | peak mem GiB "
+                  "| 1st pass s/update | warm-up s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["train"]:
             lines.append(
-                f"| {r['preset']} | {r['variant']} | {r['max_tokens']} x {r['accumulation']} "
+                f"| {r['preset']} | {r['precision']} | {r['variant']} | {r['max_tokens']} x {r['accumulation']} "
                 f"| {r['tgt_tokens_per_update']:.0f} | {r['padding_share']:.1%} | {r['updates_per_s']:.2f} "
                 f"| {r['s_per_update']:.3f} ({r['update_s_median']:.3f}) | {r['tgt_tokens_per_s']:,.0f} "
                 f"| {r['src_tokens_per_s']:,.0f} | {r['tflops']:.1f} | {_f(r['mfu'], '.1%')} "
@@ -284,7 +288,8 @@ def markdown(res: dict) -> str:
             ours_step = PAPER_TOKENS_PER_STEP / best["tgt_tokens_per_s"]
             run_h = ours_step * PAPER[preset]["steps"] / 3600 if preset in PAPER else None
             lines.append(
-                f"| {preset} | {_f(step, '.3f')} | {_f(paper_tok, ',.0f')} | {best['variant']}, max_tokens "
+                f"| {preset} | {_f(step, '.3f')} | {_f(paper_tok, ',.0f')} | {best['precision']} {best['variant']}, "
+                f"max_tokens "
                 f"{best['max_tokens']} | {best['tgt_tokens_per_s']:,.0f} | {ours_step:.3f} "
                 f"| {_f(best['tgt_tokens_per_s'] / paper_tok if paper_tok else None, '.2f')} "
                 f"| {_f(run_h, '.1f')} h ({_f(PAPER.get(preset, {}).get('steps'), ',')} steps) |")
@@ -316,6 +321,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed updates first (eager)")
     p.add_argument("--max-tokens", type=int, nargs="+",
                    help="train.max_tokens values to run (default: the config's, and train.update_tokens)")
+    p.add_argument("--train-precisions", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
+                   help="train.precision values to run (bf16 autocast; fp32, the paper's)")
     p.add_argument("--compile", action="store_true", help="also run each variant with train.compile=true (last)")
     p.add_argument("--compile-warmup", type=int, default=8, help="untimed updates for compiled variants")
     p.add_argument("--time-budget", type=float, help="seconds after which compiled variants not yet started are "
@@ -368,7 +375,9 @@ def main() -> None:
         for mt in args.max_tokens or sorted({t.max_tokens, t.update_tokens}):
             variants.append((preset, mt))
     for preset, mt in variants:
-        attempt("train", f"train {preset} eager max_tokens={mt}", bench_train, preset, mt, False, args)
+        for precision in args.train_precisions:
+            attempt("train", f"train {preset} {precision} eager max_tokens={mt}", bench_train, preset, mt, False,
+                    precision, args)
     if not args.no_decode:
         for precision in ("fp32", "bf16"):
             attempt("decode", f"decode {args.decode_preset} {precision}", bench_decode, args.decode_preset,
@@ -376,10 +385,11 @@ def main() -> None:
     if args.compile:  # largest batches first: the GPU's setting matters most if the time budget runs out
         for preset, mt in sorted(variants, key=lambda v: (-v[1], args.presets.index(v[0]))):
             if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
-                res["errors"].append(f"train {preset} compile max_tokens={mt}: skipped (--time-budget)")
+                res["errors"].append(f"train {preset} bf16 compile max_tokens={mt}: skipped (--time-budget)")
                 continue
-            attempt("train", f"train {preset} compile max_tokens={mt}", bench_train, preset, mt, True, args)
-    res["train"].sort(key=lambda r: (args.presets.index(r["preset"]), r["max_tokens"], r["variant"]))
+            attempt("train", f"train {preset} bf16 compile max_tokens={mt}", bench_train, preset, mt, True, "bf16",
+                    args)
+    res["train"].sort(key=lambda r: (args.presets.index(r["preset"]), r["max_tokens"], r["precision"], r["variant"]))
     write(res, args.out)
     print()
     print(markdown(res))

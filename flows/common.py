@@ -1,6 +1,7 @@
 """The stage sequence every pipeline flow composes (translation and parsing differ only in their configs):
 
-    data -> tokenizer -> shards -> train (torchrun) -> average -> evaluate -> register (+ champion) -> report
+    data -> tokenizer -> shards -> train (torchrun) -> average -> evaluate -> export (CTranslate2 + its quality
+    gate; translation) -> register (+ champion) -> report
 
 Each stage task is cached across runs on the content of its inputs, its config and its code; each stage also
 gets a child run in MLflow under the pipeline's parent run, reused stages included.
@@ -22,7 +23,7 @@ from pipeline import tracking
 from pipeline.config import DevDomainWarning, RunConfig, ensure_work_dir, resolve_config
 from tasks.caching import run_cached
 from tasks.report import publish_report
-from tasks.stages import average_stage, data_stage, evaluate_stage, shards_stage, tokenizer_stage
+from tasks.stages import average_stage, data_stage, evaluate_stage, export_stage, shards_stage, tokenizer_stage
 from tasks.tracking import fetch_champion, finish_tracking, log_stage, open_stage, register, start_tracking
 from tasks.training import train_stage
 
@@ -82,7 +83,12 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
                                                       tokenizer_dir=tokenizer, corpus=corpus)
         log_stage(parent, "evaluate", hit, {"checkpoint": averaged, "tokenizer": tokenizer, "scores": scores},
                   attention_sentences=cfg.tracking.attention_sentences)
-        decision = register(cfg, parent, averaged, tokenizer, scores) if register_model else None
+        export = None
+        if cfg.task == "translation" and cfg.export.engine == "ctranslate2":
+            export, hit = stages["export"] = run_cached(export_stage, cfg=cfg, checkpoint=averaged,
+                                                        tokenizer_dir=tokenizer, corpus=corpus, scores=scores)
+            log_stage(parent, "export", hit, {"export": export})
+        decision = register(cfg, parent, averaged, tokenizer, scores, export) if register_model else None
         publish_report(cfg, stages, decision, parent)
     except BaseException as e:
         # Interrupted (cancelled: SIGTERM, Ctrl-C) is not failed: MLflow's KILLED says so.

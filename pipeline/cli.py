@@ -20,7 +20,8 @@ from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.data.clean import Normalizer
 from pipeline.errors import UserError
-from pipeline.evaluate import EVALUATORS, evaluate_checkpoint
+from pipeline.evaluate import EVALUATORS, eval_dir, evaluate_checkpoint
+from pipeline.export import GATE, export_model
 from pipeline.inference import load_model, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
@@ -116,6 +117,34 @@ def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
     _evaluate(cfg, inputs, checkpoint)
 
 
+def _export(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
+    """Export ``checkpoint`` and gate it; the PyTorch model's dev translations come from its evaluation when there
+    is one, else dev is decoded first."""
+    scores = eval_dir(cfg, checkpoint) / "scores.json"
+    if not (scores.is_file() and (scores.parent / "dev.hyp").is_file()):
+        dev_only = eval_dir(cfg, checkpoint).with_name(f"dev-{eval_dir(cfg, checkpoint).name}")
+        scores = evaluate_checkpoint(cfg, checkpoint, inputs.corpus, inputs.tokenizer, splits=["dev"], out_dir=dev_only)
+    out = export_model(cfg, checkpoint, inputs.tokenizer, inputs.corpus, scores)
+    gate = json.loads((out / GATE).read_text(encoding="utf-8"))
+    print(f"export: {out}")
+    print(f"  gate ({gate['quantization']}, dev {gate['sentences']} sentences): PyTorch {gate['torch_bleu']:.2f}, "
+          f"CTranslate2 {gate['export_bleu']:.2f} sacreBLEU, drop {gate['drop']:+.2f} "
+          f"(max {gate['max_bleu_drop']:.2f}, "
+          f"p = {gate['p_value']:.3f}), {gate['identical']:.1%} identical: {'passed' if gate['passed'] else 'refused'}")
+
+
+def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> None:
+    """The averaged checkpoint (or ``--checkpoint``) as a CTranslate2 model, and its quality gate on dev."""
+    if cfg.task != "translation":
+        raise ConfigError(f"export: task {cfg.task!r}; only translation models are exported (parsing decodes under "
+                          "a tree constraint that CTranslate2 cannot apply)")
+    inputs = build_inputs(cfg)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg, inputs.shards))
+    if not checkpoint.is_file():
+        raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
+    _export(cfg, inputs, checkpoint)
+
+
 def read_lines(data: bytes, name: str) -> list[str]:
     """``data`` (a file's or stdin's bytes) as text lines without their ends; a :class:`DataError` naming ``name``,
     the line and the byte offset for a line that is not UTF-8 text or holds a NUL byte (binary or compressed input)."""
@@ -174,10 +203,14 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
 def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
     """The pipeline's stages in order on this machine, without an orchestrator: data, tokenizer and shards
     (resolved once: each check hashes every input file), training (one process), averaging of the last
-    ``average.last_n`` checkpoints (or the best on dev of ``average.choose_from``), evaluation."""
+    ``average.last_n`` checkpoints (or the best on dev of ``average.choose_from``), evaluation, and for translation
+    the CTranslate2 export with its gate (unless ``export.engine: none``)."""
     inputs = build_inputs(cfg)
     _print_corpus(inputs.corpus)
-    _evaluate(cfg, inputs, _average(cfg, _train(cfg, inputs.shards), inputs))
+    averaged = _average(cfg, _train(cfg, inputs.shards), inputs)
+    _evaluate(cfg, inputs, averaged)
+    if cfg.task == "translation" and cfg.export.engine == "ctranslate2":
+        _export(cfg, inputs, averaged)
 
 
 COMMANDS = {
@@ -189,6 +222,8 @@ COMMANDS = {
                              "average.choose_from)"),
     "evaluate": (cmd_evaluate, "decode dev and test sets and score them (translation: sacreBLEU, chrF, "
                                "tokenized BLEU; parsing: EVALB F1)"),
+    "export": (cmd_export, "the averaged model as a CTranslate2 model (export.quantization) and its quality gate on "
+                           "dev (export.max_bleu_drop)"),
     "translate": (cmd_translate, "translate (parsing: parse) raw text from stdin or --input to stdout"),
     "run": (cmd_run, "every stage in order on this machine"),
 }
@@ -205,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "config":
             p.add_argument("--out", help="write the resolved config to this file (for python -m pipeline.train "
                                          "--config FILE) instead of printing it")
-        if name in ("evaluate", "translate"):
+        if name in ("evaluate", "export", "translate"):
             p.add_argument("--checkpoint", help="a training or averaged checkpoint (.pt)")
         if name == "translate":
             p.add_argument("--tokenizer", help="the tokenizer folder the checkpoint was trained with")

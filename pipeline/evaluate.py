@@ -18,11 +18,17 @@ from pipeline.translation.evaluate import EVALUATOR as TRANSLATION
 EVALUATORS: dict[Task, Evaluator] = {"translation": TRANSLATION, "parsing": PARSING}
 
 
+def eval_dir(cfg: RunConfig, checkpoint: Path) -> Path:
+    """Where :func:`evaluate_checkpoint` writes by default: ``<checkpoint folder>/eval-<checkpoint stem>-<hash of
+    task and decoding settings>``."""
+    return Path(checkpoint).parent / f"eval-{Path(checkpoint).stem}-{cfg.section_hash('task', 'decode')[:8]}"
+
+
 def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path, corpus: Path, tokenizer: Path, out_dir: Path | None = None,
                         splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
     """Evaluate ``checkpoint`` on ``splits`` (default: every dev/test split) of ``corpus`` as ``cfg.task`` demands;
-    returns ``scores.json``. ``out_dir`` defaults to ``<checkpoint folder>/eval-<checkpoint stem>-<hash of task and
-    decoding settings>``, so that runs that differ only in how they decode never write into the same folder."""
+    returns ``scores.json``. ``out_dir`` defaults to :func:`eval_dir`, so that runs that differ only in how they
+    decode never write into the same folder."""
     if out_dir is None:
-        out_dir = Path(checkpoint).parent / f"eval-{Path(checkpoint).stem}-{cfg.section_hash('task', 'decode')[:8]}"
+        out_dir = eval_dir(cfg, checkpoint)
     return EVALUATORS[cfg.task].evaluate(cfg, checkpoint, tokenizer, corpus, out_dir, splits, device)

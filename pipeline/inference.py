@@ -7,7 +7,6 @@ task's evaluator (``pipeline.translation.evaluate``, ``pipeline.parsing.evaluate
 from __future__ import annotations
 
 import copy
-import logging
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -18,9 +17,8 @@ from model.decoding import beam_search
 from pipeline.allocator import keep_freed_memory
 from pipeline.checkpoint import load_checkpoint
 from pipeline.config import DecodeConfig
+from pipeline.encoding import encode_sources
 from pipeline.tokenize import Tokenizer
-
-log = logging.getLogger("aiayn.inference")
 
 
 def load_model(checkpoint: Path, device: torch.device | str = "cpu") -> Transformer:
@@ -43,31 +41,21 @@ def decoding_model(model: Transformer, precision: str) -> Transformer:
     return copy.deepcopy(model).to(torch.bfloat16)
 
 
-def encode_sources(tokenizer: Tokenizer, sentences: Sequence[str], max_positions: int, source: str = "input",
-                   truncated: list[int] | None = None) -> list[list[int]]:
-    """Each sentence's token ids with eos, cut to the model's ``max_positions`` (eos included).
-
-    A cut sentence is logged as a warning naming ``source`` and its line (from 1), and its line is appended to
-    ``truncated`` when given: the model cannot read past its positions, but the user must know it did not.
-    """
-    limit = max_positions - 1  # leave room for eos
-    rows = []
-    for line, ids in enumerate(tokenizer.encode_batch(sentences), start=1):
-        if len(ids) > limit:
-            log.warning("%s: line %d has %d tokens, more than the model's %d positions hold (%d tokens and "
-                        "end-of-sentence); only its first %d tokens are translated", source, line, len(ids),
-                        max_positions, limit, limit)
-            if truncated is not None:
-                truncated.append(line)
-        rows.append(ids[:limit] + [tokenizer.eos_id])
-    return rows
-
-
 def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
               progress: Callable[[int], None] | None = None, *, source: str = "input",
               truncated: list[int] | None = None,
               constraint: Callable[[Sequence[str]], Callable] | None = None) -> list[str]:
-    """Detokenized translations of normalised ``sentences``, in their order.
+    """Detokenized translations of normalised ``sentences``, in their order: the best of
+    :func:`translate_nbest` for each."""
+    return [best[0] for best in translate_nbest(model, tokenizer, sentences, decode, progress, source=source,
+                                                truncated=truncated, constraint=constraint)]
+
+
+def translate_nbest(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
+                    progress: Callable[[int], None] | None = None, *, nbest: int = 1, source: str = "input",
+                    truncated: list[int] | None = None,
+                    constraint: Callable[[Sequence[str]], Callable] | None = None) -> list[list[str]]:
+    """Each normalised sentence's ``nbest`` best detokenized translations, best first, in the sentences' order.
 
     Sentences are decoded in batches of ``decode.batch_sentences`` sorted by length (less padding, and a batch's
     sentences finish at similar steps); ``progress`` is called with the number of sentences done per batch.
@@ -80,7 +68,7 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str]
     device = next(model.parameters()).device
     ids = encode_sources(tokenizer, sentences, model.config["max_positions"], source, truncated)
     order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-    out: list[str] = [""] * len(ids)
+    out: list[list[str]] = [[] for _ in ids]
     for start in range(0, len(order), decode.batch_sentences):
         chunk = order[start : start + decode.batch_sentences]
         rows = [ids[i] for i in chunk]
@@ -90,9 +78,9 @@ def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str]
         allowed = constraint([sentences[i] for i in chunk]) if constraint is not None else None
         hyps = beam_search(model, src.to(device), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
                            beam_size=decode.beam_size, alpha=decode.length_penalty, max_len_a=decode.max_len_a,
-                           max_len_b=decode.max_len_b, min_len=decode.min_len, allowed=allowed)
-        for i, text in zip(chunk, tokenizer.decode_batch([h[0].tokens for h in hyps])):
-            out[i] = text
+                           max_len_b=decode.max_len_b, min_len=decode.min_len, nbest=nbest, allowed=allowed)
+        for i, best in zip(chunk, hyps):
+            out[i] = tokenizer.decode_batch([h.tokens for h in best])
         if progress:
             progress(len(chunk))
     return out

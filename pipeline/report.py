@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline.average import CHOICE
 from pipeline.config import RunConfig
+from pipeline.engines import GATE
 
 
 def _read(path: Path) -> dict:
@@ -63,6 +64,8 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
         out += [f"| {r['n']} | {r['steps'][0]}-{r['steps'][-1]} | {r['dev']:.2f} |" for r in c["candidates"]]
         out += [""]
     out += ["## Scores", "", "| split | score | value | what |", "|---|---|---|---|", *_scores_rows(scores), ""]
+    if "export" in stages:
+        out += _export_rows(_read(stages["export"][0] / GATE))
     if decision:
         verdict = {"promoted": "promoted to **champion**", "not promoted": "**not promoted**",
                    "no decision": "no decision"}[decision["decision"]]
@@ -72,6 +75,22 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
             cell = lambda v: v.replace("|", "\\|")  # noqa: E731  (sacreBLEU signatures hold |)
             out += ["| evidence | value |", "|---|---|", *(f"| {k} | {cell(v)} |" for k, v in rows), ""]
     return "\n".join(out)
+
+
+def _export_rows(gate: dict) -> list[str]:
+    """The export's quality gate: what serves, and the numbers that decided it."""
+    verdict = ("**passed**: the registered model serves with CTranslate2" if gate["passed"] else
+               "**refused**: the registered model serves with PyTorch")
+    return ["## Serving export", "",
+            f"CTranslate2, {gate['quantization']} weights: {verdict} (a drop of at most {gate['max_bleu_drop']:.2f} "
+            f"sacreBLEU on {gate['split']}, {gate['sentences']:,} sentences, is allowed).", "",
+            "| | value |", "|---|---|",
+            f"| PyTorch sacreBLEU | {gate['torch_bleu']:.2f} |",
+            f"| CTranslate2 sacreBLEU | {gate['export_bleu']:.2f} |",
+            f"| drop (95% CI) | {gate['drop']:+.2f} [{gate['drop_ci95'][0]:+.2f}, {gate['drop_ci95'][1]:+.2f}] |",
+            f"| p-value (paired bootstrap) | {gate['p_value']:.4f} |",
+            f"| identical translations | {gate['identical']:.1%} |",
+            f"| CTranslate2 speed on {gate['split']} | {gate['export_sentences_per_s']:.1f} sentences/s |", ""]
 
 
 def evidence_rows(decision: dict) -> list[tuple[str, str]]:

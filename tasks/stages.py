@@ -14,6 +14,7 @@ from pipeline.config import DataConfig, RunConfig, TokenizerConfig
 from pipeline.data import DataError, corpus_fingerprint, prepare_corpus
 from pipeline.data.sources import HubUnavailable
 from pipeline.evaluate import evaluate_checkpoint
+from pipeline.export import export_model
 from pipeline.shards import build_shards
 from pipeline.tokenize import train_tokenizer
 from tasks.caching import stage_cache_key
@@ -73,3 +74,11 @@ def evaluate_stage(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus
     """Decode dev and every test split and score them as the task demands (translation: every BLEU variant
     and chrF; parsing: EVALB F1); returns ``scores.json``."""
     return evaluate_checkpoint(cfg, checkpoint, corpus, tokenizer_dir)
+
+
+@task(name="export-ctranslate2", persist_result=True,
+      cache_key_fn=stage_cache_key(export_model, content={"cfg": lambda c: c.section_hash("export", "decode")}))
+def export_stage(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path, scores: Path) -> Path:
+    """The averaged model as a CTranslate2 model (``export.quantization``) and its quality gate on dev against
+    the PyTorch model's translations (``gate.json``: passed when it loses at most ``export.max_bleu_drop``)."""
+    return export_model(cfg, checkpoint, tokenizer_dir, corpus, scores)

@@ -15,6 +15,7 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from pipeline import tracking
 from pipeline.config import RunConfig
+from pipeline.engines import GATE
 from pipeline.promotion import Decision, Policy, lock_name, read_promotion_set
 
 
@@ -72,6 +73,8 @@ def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, P
         tracking.log_training(run_id, outputs["run"])
     elif stage == "average":
         tracking.log_averaging(run_id, outputs["checkpoint"])
+    elif stage == "export":
+        tracking.log_export(run_id, outputs["export"])
     elif stage == "evaluate":
         tracking.log_evaluation(run_id, outputs["checkpoint"], outputs["tokenizer"], outputs["scores"],
                                 attention_sentences=attention_sentences)
@@ -114,11 +117,13 @@ def promote_locked(name: str, version: str, policy: Policy, run_id: str | None =
 
 
 @task(name="register-model")
-def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir: Path, scores: Path) -> dict:
+def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir: Path, scores: Path,
+             export: Path | None = None) -> dict:
     """Register the averaged model (in a ``register`` child run) with its scores, checkpoint sha256, corpus
-    fingerprint and promotion set, then decide on the champion alias under the model's lock; returns the
-    decision with its evidence. A model already registered (same checkpoint: no new data, no changed setting)
-    is not registered again and nothing is decided."""
+    fingerprint and promotion set, and its CTranslate2 ``export`` when that passed its quality gate (a refused
+    export is left out: the version serves with PyTorch, and says why in its tags), then decide on the champion
+    alias under the model's lock; returns the decision with its evidence. A model already registered (same
+    checkpoint: no new data, no changed setting) is not registered again and nothing is decided."""
     logger = get_run_logger()
     name = cfg.registered_model_name
     scores_data = json.loads(scores.read_text(encoding="utf-8"))
@@ -131,10 +136,20 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
         logger.info(decision.reason)
         return decision.as_dict()
     policy = Policy.of(cfg)
+    tags = {"corpus_fingerprint": scores_data["corpus_fingerprint"]}
+    if export is not None:
+        gate = json.loads((export / GATE).read_text(encoding="utf-8"))
+        tags |= {"export.gate": "passed" if gate["passed"] else "refused", "export.quantization": gate["quantization"],
+                 "export.dev_bleu_drop": str(gate["drop"])}
+        if not gate["passed"]:
+            logger.warning("the %s CTranslate2 export loses %.2f dev BLEU (more than export.max_bleu_drop %.2f): not "
+                           "registered; the model serves with PyTorch", gate["quantization"], gate["drop"],
+                           gate["max_bleu_drop"])
+            export = None
     run_id = tracking.start_stage_run(parent_run_id, "register")
     version = tracking.register_model(run_id, checkpoint, tokenizer_dir, cfg.decode, name,
                                       tracking.flat_scores(scores_data), read_promotion_set(policy, scores.parent),
-                                      tags={"corpus_fingerprint": scores_data["corpus_fingerprint"]})
+                                      tags=tags, export=export)
     decision = promote_locked(name, version, policy, parent_run_id)
     tracking.finish_run(run_id)
     logger.info("version %s of %s: %s. %s", version, name, decision.decision, decision.reason)

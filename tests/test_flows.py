@@ -20,7 +20,8 @@ from tests.conftest import QUICK
 from tests.conftest import REPO_ROOT as REPO
 from tests.conftest import api as _api
 
-STAGES = ["prepare-data", "train-tokenizer", "write-shards", "train", "average-checkpoints", "evaluate"]
+STAGES = ["prepare-data", "train-tokenizer", "write-shards", "train", "average-checkpoints", "evaluate",
+          "export-ctranslate2"]
 
 
 @pytest.mark.slow
@@ -58,7 +59,7 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     keys = {a["key"]: a for a in prefect.artifacts(first)}
     report = keys["multi30k-cpu-hub-report"]["data"]
     for needle in ("## Data", "| test.test2016 (test2016) | sacrebleu |", "tok_bleu_compound_split", "## Registry",
-                   stack["mlflow"] + "/#/experiments/"):
+                   "## Serving export", "| CTranslate2 sacreBLEU |", stack["mlflow"] + "/#/experiments/"):
         assert needle in report, needle
     assert keys["training-progress"]["type"] == "progress" and keys["training-progress"]["data"] == 100.0
     # The MLflow side of the same run: a parent tagged with the flow run, a child per stage, and the trainer's
@@ -71,7 +72,13 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     assert parent.info.status == "FINISHED" and parent.data.tags["prefect.flow"] == "train-en-de"
     children = {r.data.tags["stage"]: r for r in mlflow.search_runs(
         [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
-    assert sorted(children) == ["average", "data", "evaluate", "register", "tokenize", "train"]
+    assert sorted(children) == ["average", "data", "evaluate", "export", "register", "tokenize", "train"]
+    gate = children["export"].data
+    assert gate.params["export.quantization"] == "int8" and {"export.torch_bleu", "export.drop"} <= set(gate.metrics)
+    # The registered version serves with CTranslate2 when the gate passed, else with PyTorch, and says which.
+    (version,) = mlflow.search_model_versions(f"run_id = '{children['register'].info.run_id}'")
+    assert version.tags["serving.engine"] == ("ctranslate2" if gate.params["export.passed"] == "True" else "torch")
+    assert version.tags["export.gate"] == ("passed" if gate.params["export.passed"] == "True" else "refused")
     assert children["average"].data.params["average.steps"] == "5,10"
     assert [m.step for m in mlflow.get_metric_history(children["train"].info.run_id, "loss")] == [2, 4, 6, 8, 10]
     assert "test2016.sacrebleu" in children["evaluate"].data.metrics
@@ -89,7 +96,7 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     status, out, third = prefect.run_deployment("train-en-de/multi30k-cpu", choose)
     assert status == 0, out[-4000:]
     states = prefect.task_states(third)
-    assert [states[s] for s in STAGES] == ["Cached"] * 3 + ["Completed"] * 3, states
+    assert [states[s] for s in STAGES] == ["Cached"] * 3 + ["Completed"] * 4, states
     logs = prefect.logs(third)
     assert re.search(r"resuming from \S+: step 10", logs) and "training stopped (max_steps) at step 14" in logs
     (parent,) = mlflow.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{third}'")

@@ -268,3 +268,26 @@ def test_pipeline_report_imports_neither_prefect_nor_mlflow() -> None:
     names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not {m for m in names if m.split(".")[0] in ("prefect", "mlflow")}, names
     assert not {m for m in names if m in ("pipeline.tracking",) or m.startswith("pipeline.tracking.")}, names
+
+
+def gate_json(passed: bool) -> dict:
+    """gate.json as pipeline.export.gate writes it."""
+    return {"split": "dev", "sentences": 1014, "metric": "sacrebleu", "torch_bleu": 36.12, "export_bleu": 35.9 if
+            passed else 34.0, "drop": 0.22 if passed else 2.12, "drop_ci95": [-0.1, 0.55] if passed else [1.5, 2.8],
+            "p_value": 0.08 if passed else 0.001, "max_bleu_drop": 0.5, "identical": 0.873,
+            "export_sentences_per_s": 260.4, "passed": passed, "quantization": "int8"}
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_export_gate_section(tmp_path: Path, cfg: RunConfig, passed: bool) -> None:
+    stages = stage_files(tmp_path)
+    stages["export"] = (write(tmp_path / "export" / "gate.json", gate_json(passed)).parent, False)
+    lines = render_report(cfg, stages, None, URL).splitlines()
+    assert "## Serving export" in lines
+    verdict = ("**passed**: the registered model serves with CTranslate2" if passed else
+               "**refused**: the registered model serves with PyTorch")
+    assert any(line.startswith(f"CTranslate2, int8 weights: {verdict}") for line in lines)
+    assert "| PyTorch sacreBLEU | 36.12 |" in lines and "| identical translations | 87.3% |" in lines
+    assert ("| drop (95% CI) | +0.22 [-0.10, +0.55] |" if passed else
+            "| drop (95% CI) | +2.12 [+1.50, +2.80] |") in lines
+    assert "## Serving export" not in render_report(cfg, stage_files(tmp_path / "other"), None, URL)

@@ -10,18 +10,21 @@ import random
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import mlflow
 import pandas as pd
 import pytest
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from ops.localstack import free_port, start_mlflow
 from pipeline import tracking
 from pipeline.average import average_checkpoints
-from pipeline.config import DecodeConfig
+from pipeline.config import DecodeConfig, ExportConfig
+from pipeline.export import export_model
 from pipeline.fsutil import sha256_file
 from pipeline.inference import load_model, translate
 from pipeline.promotion import Policy, PromotionSet, read_promotion_set
@@ -34,7 +37,7 @@ pytestmark = pytest.mark.integration  # every test talks to a real MLflow server
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_DECODE = DecodeConfig(beam_size=2, max_len_a=0.5, max_len_b=4, batch_sentences=256)
-STAGES = ("data", "tokenizer", "train", "evaluate", "register")
+STAGES = ("data", "tokenizer", "train", "evaluate", "export", "register")
 # The default rule (dev sacreBLEU, p < 0.05, 1,000 resamples, chrF guard 1.0 on both test sets), margin 0.
 POLICY = Policy(set_name="multi30k-val", split="dev", metric="sacrebleu", margin=0.0, p_threshold=0.05,
                 resamples=1000, guard_metric="chrf", guard_margin=1.0, guard_sets=("test2016", "newstest2014"))
@@ -76,7 +79,8 @@ def checkpoint(shared_data, tiny_stack, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tracked(mlflow_server, shared_data, tiny_stack, tmp_path_factory) -> dict:
     """A whole tiny pipeline run tracked as the flow tracks it: training through the torchrun entry
-    (``python -m pipeline.train --mlflow-run-id``), averaging, evaluation, registration, promotion."""
+    (``python -m pipeline.train --mlflow-run-id``), averaging, evaluation, a float32 CTranslate2 export and its
+    gate, registration (with the export), promotion."""
     name = f"transformer-en-de-{free_port()}"  # fresh per test session: its first version becomes champion
     steps = ("train.max_steps=6", "train.checkpoint_every_steps=3")
     cfg = tiny_config(shared_data, *steps, "average.last_n=2", "tracking.experiment=test-tracking",
@@ -95,13 +99,18 @@ def tracked(mlflow_server, shared_data, tiny_stack, tmp_path_factory) -> dict:
     scores_json = evaluate_translation(ckpt, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE,
                                        out / "averaged" / "eval", splits=["dev", "test.newstest2014"])
     scores = tracking.log_evaluation(runs["evaluate"], ckpt, tiny_stack.tokenizer, scores_json, attention_sentences=2)
+    export_cfg = cfg.model_copy(update={"decode": FAST_DECODE, "export": ExportConfig(quantization="float32")})
+    export = export_model(export_cfg, ckpt, tiny_stack.tokenizer, tiny_stack.corpus, scores_json)
+    gate = tracking.log_export(runs["export"], export)
     policy = Policy.of(cfg)
     version = tracking.register_model(runs["register"], ckpt, tiny_stack.tokenizer, FAST_DECODE,
-                                      cfg.registered_model_name, scores, read_promotion_set(policy, scores_json.parent))
+                                      cfg.registered_model_name, scores, read_promotion_set(policy, scores_json.parent),
+                                      export=export)
     promotion = tracking.promote(cfg.registered_model_name, version, policy, run_id=run["parent"])
     for run_id in (*runs.values(), run["parent"]):
         tracking.finish_run(run_id)
-    return {**run, "name": name, "version": version, "scores": scores, "ckpt": ckpt, "promotion": promotion}
+    return {**run, "name": name, "version": version, "scores": scores, "ckpt": ckpt, "promotion": promotion,
+            "gate": gate}
 
 
 def _artifacts(c: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
@@ -224,6 +233,37 @@ def test_champion_loads_and_translates_like_the_checkpoint(mlflow_server, checkp
     assert model.predict([" Two  dogs play\tin the snow. "]) == want[1:]
 
 
+def test_export_gate_is_logged_and_the_champion_serves_with_the_export(tracked) -> None:
+    c, gate = MlflowClient(tracked["uri"]), tracked["gate"]
+    export_run = c.get_run(tracked["runs"]["export"]).data
+    assert export_run.params["export.quantization"] == "float32" and export_run.params["export.passed"] == "True"
+    assert export_run.metrics["export.drop"] == gate["drop"] and export_run.metrics["export.model_mb"] > 0
+    assert gate["passed"] and abs(gate["drop"]) <= gate["max_bleu_drop"] and gate["sentences"] == 1014
+    assert {"export/gate.json", "export/export.json"} <= _artifacts(c, tracked["runs"]["export"])
+    assert c.get_model_version(tracked["name"], tracked["version"]).tags["serving.engine"] == "ctranslate2"
+
+    served = mlflow.pyfunc.load_model(f"models:/{tracked['name']}@champion")
+    eager = mlflow.pyfunc.load_model(f"models:/{tracked['name']}@champion", model_config={"engine": "torch"})
+    assert served.unwrap_python_model().engine.name == "ctranslate2"
+    assert eager.unwrap_python_model().engine.name == "torch"
+    # Per-request decoding: greedy without length penalty is the same search in both engines.
+    greedy = {"beam_size": 1, "alpha": 0.0}
+    assert served.predict(SENTENCES, params=greedy) == eager.predict(SENTENCES, params=greedy)
+    for model in (served, eager):
+        nbest = model.predict(SENTENCES, params={"beam_size": 3, "nbest": 2, "max_len_b": 2})
+        assert [len(n) for n in nbest] == [2, 2] and all(isinstance(t, str) for n in nbest for t in n)
+        assert model.predict(["", " \t", SENTENCES[0]])[:2] == ["", ""]  # empty in, empty out
+        with pytest.raises(MlflowException, match=r"nbest=3 must be in \[1, beam_size=2\]"):
+            model.predict(SENTENCES, params={"beam_size": 2, "nbest": 3})
+        with pytest.raises(MlflowException, match=r"beam_size=0 is out of range"):
+            model.predict(SENTENCES, params={"beam_size": 0})
+    # The logged model has its input example and the params schema with the registered settings as defaults.
+    info = mlflow.models.get_model_info(f"models:/{tracked['name']}@champion")
+    assert {p.name: p.default for p in info.signature.params.params} == \
+        {"beam_size": 2, "alpha": 0.6, "max_len_b": 4, "nbest": 1}
+    assert info.saved_input_example_info is not None
+
+
 def _corrupt(lines: list[str], rate: float, seed: int) -> list[str]:
     """Each word replaced by a wrong one with probability ``rate``: a system of known, controllable quality."""
     rng = random.Random(seed)
@@ -344,8 +384,19 @@ def test_resumed_training_logs_each_step_once(mlflow_server) -> None:
     assert [m.step for m in c.get_metric_history(run_id, "dev_loss")] == [6, 8]  # a key new to the run: all kept
 
 
+def _post(port: int, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 @pytest.mark.slow
-def test_models_serve_answers_invocations_with_translations(tracked, tiny_stack, tmp_path) -> None:
+def test_models_serve_answers_invocations_and_refuses_bad_requests(tracked, tmp_path) -> None:
+    """`mlflow models serve` of the champion: translations as the loaded model gives them, per-request params,
+    and for each bad request a 4xx with a clear message or a defined output; the server survives them all."""
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m",
@@ -357,12 +408,28 @@ def test_models_serve_answers_invocations_with_translations(tracked, tiny_stack,
         while not _ok(f"http://127.0.0.1:{port}/ping"):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.5)
-        want = translate(load_model(tracked["ckpt"]), Tokenizer(tiny_stack.tokenizer), SENTENCES, FAST_DECODE)
+        model = mlflow.pyfunc.load_model(f"models:/{tracked['name']}@champion")
+        want = model.predict(SENTENCES)
         for body in ({"inputs": SENTENCES}, {"dataframe_records": [{"source": s} for s in SENTENCES]}):
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=60) as r:
-                assert json.loads(r.read()) == {"predictions": want}, body
+            assert _post(port, json.dumps(body).encode()) == (200, {"predictions": want}), body
+        greedy = {"beam_size": 1, "alpha": 0.0, "nbest": 1}
+        assert _post(port, json.dumps({"inputs": SENTENCES, "params": greedy}).encode()) == \
+            (200, {"predictions": model.predict(SENTENCES, params=greedy)})
+        assert _post(port, json.dumps({"inputs": [""]}).encode()) == (200, {"predictions": [""]})
+        status, out = _post(port, json.dumps({"inputs": ["house " * 5000]}).encode())  # cut to the positions
+        assert status == 200 and isinstance(out["predictions"][0], str)
+        # MLflow's schema enforcement turns JSON numbers into their text before the model sees them.
+        assert _post(port, b'{"inputs": [1, 2]}') == _post(port, b'{"inputs": ["1", "2"]}')
+        with_params = lambda p: json.dumps({"inputs": SENTENCES, "params": p}).encode()  # noqa: E731
+        refused = {b'{"inputs": []}': "missing inputs", b'{"inputs": [{"text": "a"}]}': "not a string",
+                   b'{"inputs": ["\xff\xfe bad bytes"]}': "",
+                   with_params({"beam_size": 0}): "beam_size=0 is out of range",
+                   with_params({"beam_size": "wide"}): "beam_size", with_params({"nbest": 9}): "nbest=9"}
+        for body, message in refused.items():
+            status, out = _post(port, body)
+            assert 400 <= status < 500 and message in out["message"], (body, status, out)
+        assert proc.poll() is None and _ok(f"http://127.0.0.1:{port}/ping")
+        assert "serving with CTranslate2" in (tmp_path / "serve.log").read_text()
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)

@@ -3,23 +3,40 @@
 The Prefect flow drives it by run id (:func:`connect` first, fail fast), the trainer reaches it only through
 :class:`MlflowSink`, its ``MetricsSink`` (``python -m pipeline.train --mlflow-run-id``). Layout of a pipeline run:
 a parent run (resolved config as params and ``config.yaml``; git commit, config hash, preset, language pair and
-the Prefect flow run as tags) with one child run per stage (data, tokenize, train, average, evaluate, register),
+the Prefect flow run as tags) with one child run per stage (data, tokenize, train, average, evaluate, export,
+register),
 dataset inputs for the raw sources, the cleaned corpus and the token shards, and the registered model
 ``transformer-<src>-<tgt>`` whose ``champion`` alias serving follows.
 """
 
-from .lineage import log_corpus, log_tokenizer
-from .pyfunc import Translator
-from .registry import (CHAMPION, champion, champion_artifacts, promote, promotion_set, register_model, version_tags,
-                       version_with_checkpoint)
-from .results import flat_scores, log_averaging, log_evaluation, log_training
-from .runs import (TrackingError, check_reachable, close_flow_run, close_stale_runs, connect, finish_run, flatten,
-                   log_metrics, log_params, run_url, set_tags, start_pipeline_run, start_stage_run)
-from .sink import MlflowSink
+from __future__ import annotations
 
-__all__ = ["CHAMPION", "MlflowSink", "TrackingError", "Translator", "champion", "champion_artifacts", "check_reachable",
-           "close_flow_run", "close_stale_runs", "connect",
-           "finish_run", "flat_scores", "flatten", "log_averaging", "log_corpus", "log_evaluation", "log_metrics",
-           "log_params", "log_tokenizer", "log_training", "promote", "promotion_set", "register_model", "run_url",
-           "set_tags",
-           "start_pipeline_run", "start_stage_run", "version_tags", "version_with_checkpoint"]
+import importlib
+from typing import Any
+
+# Names are imported from their module on first use (PEP 562): a server that loads the pyfunc imports this package
+# but needs only .pyfunc, and the others pull in torch (checkpoints, plots, evaluation), most of a served
+# CTranslate2 model's memory.
+_SOURCES = {
+    "lineage": ("log_corpus", "log_tokenizer"),
+    "pyfunc": ("Translator",),
+    "registry": ("CHAMPION", "champion", "champion_artifacts", "promote", "promotion_set", "register_model",
+                 "version_tags", "version_with_checkpoint"),
+    "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training"),
+    "runs": ("TrackingError", "check_reachable", "close_flow_run", "close_stale_runs", "connect", "finish_run",
+             "flatten", "log_metrics", "log_params", "run_url", "set_tags", "start_pipeline_run", "start_stage_run"),
+    "sink": ("MlflowSink",),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_MODULE_OF)

@@ -1,40 +1,80 @@
 """The served model: an MLflow pyfunc that takes raw source sentences and returns translations.
 
-It bundles the averaged checkpoint, the tokenizer folder, the decoding settings and the text normalisation the
-data stage applied (both in the model config), and the code of ``model/`` and ``pipeline/``, so that
-``mlflow models serve -m models:/transformer-en-de@champion`` needs only the pinned requirements.
+It bundles the averaged checkpoint, the tokenizer folder, the CTranslate2 export when it passed the export gate
+(``pipeline.export``), the decoding settings and the text normalisation the data stage applied (both in the model
+config), and the code of ``model/`` and ``pipeline/``, so that ``mlflow models serve -m
+models:/transformer-en-de@champion`` needs only the pinned requirements.
+
+Engine: CTranslate2 when the model carries an export and ``ctranslate2`` imports, else PyTorch; the environment
+variable ``AIAYN_SERVING_ENGINE`` (``torch`` / ``ctranslate2``) or the model config's ``engine`` (e.g.
+``mlflow.pyfunc.load_model(uri, model_config={"engine": "torch"})``) picks one; which one serves is logged
+at load and is the model's ``engine`` attribute. ``AIAYN_SERVING_THREADS``: CTranslate2's threads (0: one per
+core).
+
+Per request, through the params schema (``{"inputs": [...], "params": {"beam_size": 1}}``): ``beam_size``,
+``alpha`` (length penalty), ``max_len_b`` (output length = source length + max_len_b at most) and ``nbest``
+(> 1: each sentence's list of its nbest translations, best first, instead of one string).
+
+Bad requests, through ``mlflow models serve``: a param out of range or of the wrong type, an empty list, an item
+that is an object, and a body that is not UTF-8 JSON get a 400 that says what is wrong; the server goes on. An
+empty sentence translates to an empty string without decoding; a sentence longer than the model's positions is
+cut to them (logged). MLflow's schema enforcement turns JSON numbers, booleans and null into their text ("1",
+"True", "None") before the model sees them; those are translated as text.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import Counter
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import mlflow
 import pandas as pd
+from mlflow.exceptions import MlflowException
 from mlflow.models import ModelSignature
-from mlflow.types import ColSpec, DataType, Schema
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
 
 from pipeline.config import REPO_ROOT, CleaningConfig, DecodeConfig
 from pipeline.data.clean import Normalizer
-from pipeline.inference import load_model, translate
+from pipeline.engines import Engine, open_engine
 from pipeline.tokenize import Tokenizer
 
-# One unnamed string column: pyfunc then accepts a list of strings, a single string, or a DataFrame whose first
-# column holds the sentences (whatever its name), and so does the REST server ({"inputs": [...]},
-# {"dataframe_records": [{"source": ...}]}).
-SIGNATURE = ModelSignature(inputs=Schema([ColSpec(DataType.string)]), outputs=Schema([ColSpec(DataType.string)]))
+ENGINE_ENV = "AIAYN_SERVING_ENGINE"
+THREADS_ENV = "AIAYN_SERVING_THREADS"
 # What the model's code imports at inference, pinned to the versions it was logged with. Explicit requirements
-# also spare MLflow inferring them (which loads the model in a subprocess: seconds per log).
+# also spare MLflow inferring them (which loads the model in a subprocess: seconds per log). ctranslate2 is
+# optional at serving time: without it the PyTorch engine serves.
 REQUIREMENTS = ("torch", "numpy", "pyarrow", "pydantic", "PyYAML", "sentencepiece", "sacrebleu", "sacremoses",
-                "tqdm", "pandas", "mlflow")
+                "tqdm", "pandas", "mlflow", "ctranslate2")
+INPUT_EXAMPLE = ["A man in a blue shirt is riding a bicycle.", "Two dogs play in the snow."]
+MAX_BEAM = 64  # a request's beam_size at most: a larger beam costs memory and time in proportion
+
+
+def signature(decode: DecodeConfig) -> ModelSignature:
+    """One unnamed string column in (pyfunc then accepts a list of strings, a single string, or a DataFrame whose
+    first column holds the sentences, and so does the REST server), one string out, and the per-request decoding
+    params with the registered settings as defaults."""
+    params = ParamSchema([ParamSpec("beam_size", DataType.long, decode.beam_size),
+                          ParamSpec("alpha", DataType.double, decode.length_penalty),
+                          ParamSpec("max_len_b", DataType.long, decode.max_len_b),
+                          ParamSpec("nbest", DataType.long, 1)])
+    return ModelSignature(inputs=Schema([ColSpec(DataType.string)]), outputs=Schema([ColSpec(DataType.string)]),
+                          params=params)
 
 
 def pip_requirements() -> list[str]:
-    """``name==version`` for each of :data:`REQUIREMENTS` as installed here."""
-    return [f"{name}=={version(name)}" for name in REQUIREMENTS]
+    """``name==version`` for each of :data:`REQUIREMENTS` installed here."""
+    pins = []
+    for name in REQUIREMENTS:
+        try:
+            pins.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            continue
+    return pins
 
 
 def code_paths() -> list[str]:
@@ -42,27 +82,89 @@ def code_paths() -> list[str]:
     return [str(REPO_ROOT / "model"), str(REPO_ROOT / "pipeline")]
 
 
+def model_arguments(checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, cleaning: dict,
+                    export: Path | None = None) -> dict[str, Any]:
+    """What logging (or saving) the translator pyfunc takes: the artifacts (checkpoint, tokenizer and the
+    CTranslate2 ``export`` when given, which then is the engine it serves with), model config, code,
+    requirements, signature and input example."""
+    artifacts = {"checkpoint": str(checkpoint), "tokenizer": str(tokenizer_dir)}
+    if export is not None:
+        artifacts["ctranslate2"] = str(export)
+    engine = "torch" if export is None else "ctranslate2"
+    return {"python_model": Translator(), "artifacts": artifacts,
+            "model_config": {"decode": decode.model_dump(mode="json"), "cleaning": cleaning, "engine": engine},
+            "code_paths": code_paths(), "pip_requirements": pip_requirements(), "signature": signature(decode),
+            "input_example": INPUT_EXAMPLE}
+
+
+def _bad_request(message: str) -> MlflowException:
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)  # the scoring server answers 400
+
+
 def source_sentences(model_input: Any) -> list[str]:
-    """Raw sentences from what pyfunc passes: a DataFrame (first column), a list or a single string."""
+    """Raw sentences from what pyfunc passes: a DataFrame (first column), a list or a single string; anything
+    that is not a string is refused (a 400 from the server) rather than translated as its repr."""
     if isinstance(model_input, pd.DataFrame):
-        return [str(s) for s in model_input.iloc[:, 0]]
-    if isinstance(model_input, str):
-        return [model_input]
-    return [str(s) for s in model_input]
+        items = list(model_input.iloc[:, 0]) if model_input.shape[1] else []
+    elif isinstance(model_input, str):
+        items = [model_input]
+    else:
+        items = list(model_input)
+    wrong = [(i, item) for i, item in enumerate(items) if not isinstance(item, str)]
+    if wrong:
+        i, item = wrong[0]
+        raise _bad_request(f"input item {i} is {type(item).__name__} {item!r}, not a string: send sentences as "
+                           'strings, e.g. {"inputs": ["A man is riding a bicycle."]}')
+    return items
+
+
+def request_decoding(decode: DecodeConfig, params: dict[str, Any] | None,
+                     max_positions: int) -> tuple[DecodeConfig, int]:
+    """The registered decoding settings with a request's params applied, and its nbest; a clear 400 for a
+    value out of range."""
+    params = dict(params or {})
+    nbest = int(params.pop("nbest", 1))
+    beam = int(params.get("beam_size", decode.beam_size))
+    limits = {"beam_size": (1, MAX_BEAM), "max_len_b": (0, max_positions - 1), "alpha": (0.0, 10.0)}
+    for key, value in params.items():
+        if key not in limits:
+            raise _bad_request(f"unknown param {key!r}: the model takes beam_size, alpha, max_len_b and nbest")
+        low, high = limits[key]
+        if not low <= value <= high:
+            raise _bad_request(f"param {key}={value!r} is out of range: it must be in [{low}, {high}]")
+    if not 1 <= nbest <= beam:
+        raise _bad_request(f"param nbest={nbest} must be in [1, beam_size={beam}]: a beam of {beam} finds at most "
+                           f"{beam} translations")
+    fields = {"beam_size": "beam_size", "alpha": "length_penalty", "max_len_b": "max_len_b"}
+    return decode.model_copy(update={fields[k]: v for k, v in params.items()}), nbest
 
 
 class Translator(mlflow.pyfunc.PythonModel):
-    """Raw source sentences in, detokenized translations out (beam search with the logged decoding settings)."""
+    """Raw source sentences in, detokenized translations out, with the engine chosen at load (see the module
+    docstring)."""
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
-        self.model = load_model(Path(context.artifacts["checkpoint"]))
-        self.tokenizer = Tokenizer(Path(context.artifacts["tokenizer"]))
-        self.decode = DecodeConfig.model_validate(context.model_config["decode"], strict=False)
+        if not logging.getLogger("aiayn").hasHandlers():  # a bare server (mlflow models serve): log to stderr
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logging.getLogger("aiayn").addHandler(handler)
+            logging.getLogger("aiayn").setLevel(logging.INFO)
+        config = context.model_config
+        tokenizer = Tokenizer(Path(context.artifacts["tokenizer"]))
+        self.decode = DecodeConfig.model_validate(config["decode"], strict=False)
         # The normalisation the training data had (NFC, whitespace), so that raw input matches it.
-        self.normalize = Normalizer(CleaningConfig.model_validate(context.model_config["cleaning"], strict=False),
-                                    Counter())
+        self.normalize = Normalizer(CleaningConfig.model_validate(config["cleaning"], strict=False), Counter())
+        export = context.artifacts.get("ctranslate2")
+        self.engine: Engine = open_engine(os.environ.get(ENGINE_ENV) or config.get("engine", "torch"),
+                                          Path(context.artifacts["checkpoint"]), tokenizer,
+                                          Path(export) if export else None, int(os.environ.get(THREADS_ENV, "0")))
 
     # model_input is left unannotated: MLflow would read a type hint as a schema that overrides the signature.
     def predict(self, context: mlflow.pyfunc.PythonModelContext, model_input, params: dict[str, Any] | None = None):
+        decode, nbest = request_decoding(self.decode, params, self.engine.max_positions)
         sentences = [self.normalize(s) for s in source_sentences(model_input)]
-        return translate(self.model, self.tokenizer, sentences, self.decode)
+        out: list[list[str]] = [[""] for _ in sentences]  # empty in, empty out: nothing to decode
+        todo = [i for i, s in enumerate(sentences) if s]
+        for i, best in zip(todo, self.engine.translate([sentences[i] for i in todo], decode, nbest)):
+            out[i] = best
+        return [best[0] for best in out] if nbest == 1 else out

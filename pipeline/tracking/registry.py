@@ -22,7 +22,7 @@ from pipeline.config import DecodeConfig
 from pipeline.fsutil import sha256_file
 from pipeline.promotion import Decision, Policy, PromotionSet, decide, guards, paired_bootstrap
 
-from .pyfunc import SIGNATURE, Translator, code_paths, pip_requirements
+from .pyfunc import model_arguments
 from .runs import client, set_tags
 
 CHAMPION = "champion"
@@ -63,21 +63,19 @@ def promotion_set(name: str, version: str) -> PromotionSet | None:
 
 def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, name: str,
                    scores: dict[str, float], promotion: PromotionSet | None = None,
-                   tags: dict[str, str] | None = None) -> str:
-    """Log the translator pyfunc (checkpoint + tokenizer + decoding settings) and the promotion set in
-    ``run_id``, register it as a new version of ``name`` tagged with ``scores``, the checkpoint's sha256 and
-    ``tags``, and return the version number. The promotion set is logged first: no version exists without it."""
+                   tags: dict[str, str] | None = None, export: Path | None = None) -> str:
+    """Log the translator pyfunc (checkpoint + tokenizer + decoding settings, and the CTranslate2 ``export`` folder
+    when given: the engine it then serves with) and the promotion set in ``run_id``, register it as a new version
+    of ``name`` tagged with ``scores``, the checkpoint's sha256, the serving engine and ``tags``, and return the
+    version number. The promotion set is logged first: no version exists without it."""
     checkpoint, tokenizer_dir = Path(checkpoint), Path(tokenizer_dir)
     if promotion is not None:
         log_promotion_set(run_id, promotion)
     cleaning = load_checkpoint(checkpoint)["config"]["data"]["cleaning"]
-    info = Model.log(artifact_path=None, name=MODEL_NAME, flavor=mlflow.pyfunc, run_id=run_id,
-                     python_model=Translator(),
-                     artifacts={"checkpoint": str(checkpoint), "tokenizer": str(tokenizer_dir)},
-                     model_config={"decode": decode.model_dump(mode="json"), "cleaning": cleaning},
-                     code_paths=code_paths(), pip_requirements=pip_requirements(), signature=SIGNATURE)
+    arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export)
+    info = Model.log(artifact_path=None, name=MODEL_NAME, flavor=mlflow.pyfunc, run_id=run_id, **arguments)
     all_tags = {**{k: str(v) for k, v in scores.items()}, "checkpoint_sha256": sha256_file(checkpoint),
-                **(tags or {})}
+                "serving.engine": arguments["model_config"]["engine"], **(tags or {})}
     return str(mlflow.register_model(info.model_uri, name, tags=all_tags).version)
 
 

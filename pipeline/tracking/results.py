@@ -1,5 +1,5 @@
-"""Training, averaging and evaluation results on a run: summary, learning curves, how the average was made,
-scores, samples, heat-maps, checkpoint."""
+"""Training, averaging, evaluation and export results on a run: summary, learning curves, how the average was
+made, scores, samples, heat-maps, checkpoint, the export's quality gate."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pandas as pd
 
 from pipeline.average import CHOICE
 from pipeline.checkpoint import load_checkpoint
+from pipeline.engines import EXPORT_META, GATE
 from pipeline.fsutil import sha256_file
 from pipeline.inference import load_model
 from pipeline.tokenize import Tokenizer
@@ -57,6 +58,23 @@ def log_averaging(run_id: str, checkpoint: Path) -> dict:
     log_metrics(run_id, logged["metrics"])
     set_tags(run_id, {"checkpoint_sha256": sha256_file(checkpoint)[:16]})
     return logged
+
+
+def log_export(run_id: str, export: Path) -> dict:
+    """Log the CTranslate2 export's quality gate (``gate.json``): both engines' dev sacreBLEU, the drop and its
+    95% interval, the p-value, the share of identical sentences and the export's speed as metrics
+    ``export.<name>``; quantization, the limit and the verdict as params; ``gate.json`` and ``export.json`` as
+    artifacts. Returns the gate."""
+    gate = json.loads((Path(export) / GATE).read_text(encoding="utf-8"))
+    log_params(run_id, {"export.quantization": gate["quantization"], "export.max_bleu_drop": gate["max_bleu_drop"],
+                        "export.passed": gate["passed"]})
+    log_metrics(run_id, {f"export.{k}": float(gate[k]) for k in ("torch_bleu", "export_bleu", "drop", "p_value",
+                                                                  "identical", "export_sentences_per_s")}
+                | {"export.drop_ci95_low": gate["drop_ci95"][0], "export.drop_ci95_high": gate["drop_ci95"][1],
+                   "export.model_mb": (Path(export) / "model.bin").stat().st_size / 2**20})
+    for name in (GATE, EXPORT_META):
+        client().log_artifact(run_id, str(Path(export) / name), "export")
+    return gate
 
 
 def flat_scores(scores: dict) -> dict[str, float]:

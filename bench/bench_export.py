@@ -1,0 +1,102 @@
+"""The CTranslate2 export against our PyTorch model on a corpus split: how often they agree, and at what BLEU.
+
+For a checkpoint, its tokenizer and a corpus folder (the data stage's), each ``--quantizations`` export
+(:func:`pipeline.export.export_checkpoint`) decodes the split (``dev`` by default) through
+:class:`pipeline.engines.CTranslate2Engine`, and our fp32 model through :func:`pipeline.inference.translate`,
+with the same settings, for each search:
+
+- ``greedy``: beam 1, alpha 0;
+- ``beam4-alpha0``: beam 4 without length penalty, where both searches rank by log P alone;
+- ``beam4-alpha<a>``: beam 4 with the config's alpha (0.6): ours divides by the paper's GNMT penalty
+  ``((5 + |Y|) / 6) ** a``, CTranslate2 by ``|Y| ** a``, so this row measures what that difference costs.
+
+Reported: the share of sentences decoded to exactly the same text, sacreBLEU of both against the references,
+the difference with sacreBLEU's paired bootstrap (export against ours), and each engine's wall time for the
+split on ``--threads`` threads (ours first, then the export, run after run on an idle machine).
+
+    python bench/bench_export.py --checkpoint RUN/averaged/last5.pt --tokenizer WORK/tokenizer/<fp> \\
+        --corpus WORK/corpus/<fp> --out bench/results/export_parity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.data import read_manifest  # noqa: E402
+from pipeline.engines import CTranslate2Engine  # noqa: E402
+from pipeline.export import export_checkpoint  # noqa: E402
+from pipeline.inference import load_model, translate  # noqa: E402
+from pipeline.promotion import paired_bootstrap  # noqa: E402
+from pipeline.tokenize import Tokenizer  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, type=Path)
+    p.add_argument("--tokenizer", required=True, type=Path)
+    p.add_argument("--corpus", required=True, type=Path)
+    p.add_argument("--split", default="dev")
+    p.add_argument("--config", default="multi30k-cpu", help="its decode section (alpha, lengths, batch)")
+    p.add_argument("--quantizations", nargs="+", default=["float32", "int8"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--limit", type=int, default=None, help="first N sentences only")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    table = pq.read_table(args.corpus / read_manifest(args.corpus)["splits"][args.split]["file"],
+                          columns=["src", "tgt_raw"])
+    src, refs = table.column("src").to_pylist()[: args.limit], table.column("tgt_raw").to_pylist()[: args.limit]
+    decode = load_config(args.config).decode
+    searches = {"greedy": decode.model_copy(update={"beam_size": 1, "length_penalty": 0.0}),
+                "beam4-alpha0": decode.model_copy(update={"beam_size": 4, "length_penalty": 0.0}),
+                f"beam4-alpha{decode.length_penalty}": decode.model_copy(update={"beam_size": 4})}
+    model, tokenizer = load_model(args.checkpoint), Tokenizer(args.tokenizer)
+    work = Path(tempfile.mkdtemp(prefix="aiayn-bench-export-"))
+    engines = {q: CTranslate2Engine(export_checkpoint(args.checkpoint, args.tokenizer, q, work / q), tokenizer,
+                                    args.threads) for q in args.quantizations}
+    rows = []
+    for search, dec in searches.items():
+        start = time.perf_counter()
+        ours = translate(model, tokenizer, src, dec)
+        ours_s = time.perf_counter() - start
+        for q, engine in engines.items():
+            start = time.perf_counter()
+            theirs = [n[0] for n in engine.translate(src, dec)]
+            theirs_s = time.perf_counter() - start
+            c = paired_bootstrap("sacrebleu", ours, theirs, refs)
+            rows.append({"search": search, "quantization": q, "sentences": len(src),
+                         "identical": round(sum(a == b for a, b in zip(ours, theirs)) / len(src), 4),
+                         "ours_bleu": c.champion, "export_bleu": c.challenger, "delta": c.delta,
+                         "ci95": [c.ci_low, c.ci_high], "p_value": c.p_value, "ours_s": round(ours_s, 2),
+                         "export_s": round(theirs_s, 2), "speedup": round(ours_s / theirs_s, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{args.split}: {len(src)} sentences, {args.threads} threads, {args.checkpoint}\n")
+    print("| search | export | identical | ours sacreBLEU | export sacreBLEU | delta (95% CI) | p | ours s | export s "
+          "| speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['search']} | {r['quantization']} | {r['identical']:.1%} | {r['ours_bleu']:.2f} | "
+              f"{r['export_bleu']:.2f} | {r['delta']:+.2f} [{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | "
+              f"{r['p_value']:.3f} | {r['ours_s']} | {r['export_s']} | {r['speedup']}x |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"checkpoint": str(args.checkpoint), "split": args.split,
+                                        "threads": args.threads, "cpus": os.cpu_count(), "rows": rows}, indent=2)
+                            + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

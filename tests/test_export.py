@@ -1,0 +1,213 @@
+"""The CTranslate2 export (pipeline/export.py) and the engines (pipeline/engines.py): the export computes what our
+model computes, and a wrong mapping of any part is caught.
+
+Unit tier: a small random model with a synthetic vocabulary (LayerNorm and bias parameters randomised too, so
+that a dropped LayerNorm or bias changes the output), exported in float32 and read back by CTranslate2.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import ctranslate2
+import numpy as np
+import pytest
+import torch
+
+from model import Transformer
+from model.decoding import beam_search, max_output_lengths
+from pipeline.engines import max_output_length
+from pipeline.export import transformer_spec
+
+VOCAB = 60
+PIECES = ["<pad>", "<unk>", "<s>", "</s>", *(f"t{i}" for i in range(4, VOCAB))]
+SPECIAL = {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>"}
+PAD, BOS, EOS = 0, 2, 3
+
+
+def random_model(norm: str = "post", positions: str = "sinusoidal", seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(VOCAB, PAD, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, n_heads=4,
+                        max_positions=64, norm=norm, positions=positions).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)  # LayerNorm gains and biases away from 1 and 0
+            elif name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif "embed_tokens" in name:
+                p.mul_(3.0)  # peakier distributions: greedy choices are not near-ties
+    return model
+
+
+def export(model: Transformer, folder: Path, sabotage=None) -> ctranslate2.Translator:
+    spec = transformer_spec({"model_config": model.config, "model": model.state_dict()}, PIECES, SPECIAL)
+    if sabotage:
+        sabotage(spec)
+    spec.validate()
+    spec.optimize(quantization="float32")
+    spec.save(str(folder))
+    return ctranslate2.Translator(str(folder), compute_type="float32")
+
+
+def sources(n: int, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, VOCAB, size=int(rng.integers(3, 15))).tolist() + [EOS] for _ in range(n)]
+
+
+def pieces(ids: list[int]) -> list[str]:
+    return [PIECES[i] for i in ids]
+
+
+def our_log_probs(model: Transformer, src: list[int], tgt: list[int]) -> list[float]:
+    """log P of each target token and of eos, teacher-forced."""
+    with torch.no_grad():
+        logits = model(torch.tensor([src]), torch.tensor([[BOS, *tgt]]))
+    lp = torch.log_softmax(logits.float(), dim=-1)[0]
+    return [float(lp[i, t]) for i, t in enumerate([*tgt, EOS])]
+
+
+def score_gap(model: Transformer, translator: ctranslate2.Translator) -> float:
+    """Largest difference between our and CTranslate2's per-token log-probabilities over random pairs."""
+    srcs, tgts = sources(20, seed=2), [s[:-1][::-1] for s in sources(20, seed=3)]
+    theirs = translator.score_batch([pieces(s) for s in srcs], [pieces(t) for t in tgts])
+    return max(float(np.max(np.abs(np.array(our_log_probs(model, s, t)) - np.array(r.log_probs))))
+               for s, t, r in zip(srcs, tgts, theirs))
+
+
+@pytest.mark.parametrize("norm,positions", [("post", "sinusoidal"), ("pre", "sinusoidal"), ("post", "learned")])
+def test_export_scores_like_our_model(tmp_path, norm, positions) -> None:
+    model = random_model(norm, positions)
+    assert score_gap(model, export(model, tmp_path)) < 1e-4
+
+
+def _concatenated_positions(spec) -> None:
+    # CTranslate2's own sinusoid layout (sin half, cos half) instead of the paper's interleaved one
+    table = spec.encoder.position_encodings.encodings
+    spec.encoder.position_encodings.encodings = np.concatenate([table[:, 0::2], table[:, 1::2]], axis=1)
+
+
+def _transposed_output_projection(spec) -> None:
+    w = spec.decoder.layer[0].self_attention.linear[1]
+    w.weight = np.ascontiguousarray(w.weight.T)
+
+
+def _missing_layer_norm(spec) -> None:
+    ln = spec.encoder.layer[1].ffn.layer_norm
+    ln.gamma, ln.beta = np.ones_like(ln.gamma), np.zeros_like(ln.beta)
+
+
+def _positions_from_one(spec) -> None:
+    # fairseq's convention (first token at position padding_idx + 1) instead of ours (position 0)
+    spec.decoder.position_encodings.encodings = np.roll(spec.decoder.position_encodings.encodings, -1, axis=0)
+
+
+@pytest.mark.parametrize("sabotage", [_concatenated_positions, _transposed_output_projection, _missing_layer_norm,
+                                      _positions_from_one])
+def test_a_wrong_mapping_is_caught(tmp_path, sabotage) -> None:
+    """The parity check is sensitive: each mistake an exporter could make moves the scores far past tolerance."""
+    model = random_model()
+    assert score_gap(model, export(model, tmp_path, sabotage)) > 1e-2
+
+
+def test_greedy_decoding_matches_ours_token_for_token(tmp_path) -> None:
+    """Greedy search with CTranslate2's length convention (max_decoding_length excludes eos, ours counts it)."""
+    model = random_model()
+    translator = export(model, tmp_path)
+    srcs = sources(64)
+    theirs = translator.translate_batch([pieces(s) for s in srcs], beam_size=1, max_decoding_length=11,
+                                        suppress_sequences=[["<pad>"], ["<s>"]])
+    ours = beam_search(model, torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in srcs], batch_first=True,
+                                                              padding_value=PAD),
+                       bos_id=BOS, eos_id=EOS, beam_size=1, alpha=0.0, max_len_a=0.0, max_len_b=12)
+    assert [pieces(h[0].tokens) for h in ours] == [r.hypotheses[0] for r in theirs]
+
+
+def test_max_output_length_is_the_beam_searchs_rule() -> None:
+    for length in (1, 7, 39):
+        src = torch.full((1, 40), PAD)
+        src[0, :length] = 5
+        for a, b, limit in ((1.0, 50, 1023), (0.5, 4, 1023), (1.2, 10, 20), (0.0, 0, 100)):
+            want = int(max_output_lengths(src, PAD, a, b, limit)[0])
+            assert max_output_length(length, a, b, limit) == want == min(max(1, math.floor(a * length + b)), limit)
+
+
+# --------------------------------------------------------------------------------------- on a trained model
+
+
+@pytest.fixture(scope="module")
+def trained(shared_data, tiny_stack, tmp_path_factory) -> Path:
+    """A tiny model trained until it ends its sentences (500 updates, ~20 s): beam parity needs outputs that stop
+    on their own, since at the maximum length the two searches close their beams differently."""
+    from pipeline.train import train
+    from tests.conftest import tiny_config
+
+    out = train(tiny_config(shared_data, "train.max_steps=500"), tiny_stack.shards, tmp_path_factory.mktemp("run"))
+    return sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1]
+
+
+def _dev(corpus: Path) -> tuple[list[str], list[str]]:
+    import pyarrow.parquet as pq
+
+    from pipeline.data import read_manifest
+
+    table = pq.read_table(corpus / read_manifest(corpus)["splits"]["dev"]["file"], columns=["src", "tgt_raw"])
+    return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("beam", [1, 4])
+def test_float32_export_decodes_the_dev_set_as_our_model(trained, tiny_stack, tmp_path, beam) -> None:
+    """Greedy and beam 4 without length penalty (both searches then rank by log P alone): the same translation
+    for >= 99% of the 1,014 dev sentences (greedy: all of them)."""
+    from pipeline.config import DecodeConfig
+    from pipeline.engines import CTranslate2Engine
+    from pipeline.export import export_checkpoint
+    from pipeline.inference import load_model, translate
+    from pipeline.tokenize import Tokenizer
+
+    tokenizer = Tokenizer(tiny_stack.tokenizer)
+    engine = CTranslate2Engine(export_checkpoint(trained, tiny_stack.tokenizer, "float32", tmp_path / "e"), tokenizer)
+    src, _ = _dev(tiny_stack.corpus)
+    decode = DecodeConfig(beam_size=beam, length_penalty=0.0)
+    ours = translate(load_model(trained), tokenizer, src, decode)
+    theirs = [n[0] for n in engine.translate(src, decode)]
+    identical = sum(a == b for a, b in zip(ours, theirs)) / len(src)
+    assert len(src) == 1014 and identical >= (1.0 if beam == 1 else 0.99), identical
+
+
+@pytest.mark.integration
+def test_export_stage_gates_on_dev_bleu(trained, tiny_stack, shared_data, tmp_path) -> None:
+    """The export serves only within export.max_bleu_drop of the PyTorch model's dev BLEU; the verdict and its
+    numbers are in gate.json either way, and a second run reuses the export."""
+    import json
+    import shutil
+
+    from pipeline.config import ExportConfig
+    from pipeline.engines import GATE
+    from pipeline.export import export_model
+    from pipeline.translation.evaluate import evaluate_translation
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(shared_data).model_copy(update={"export": ExportConfig(quantization="int8")})
+    scores = evaluate_translation(trained, tiny_stack.tokenizer, tiny_stack.corpus, cfg.decode, tmp_path / "eval",
+                                  splits=["dev"])
+    out = export_model(cfg, trained, tiny_stack.tokenizer, tiny_stack.corpus, scores)
+    gate = json.loads((out / GATE).read_text(encoding="utf-8"))
+    assert gate["passed"] and gate["drop"] <= 0.5 and gate["sentences"] == 1014 and gate["quantization"] == "int8"
+    assert gate["torch_bleu"] == pytest.approx(json.loads(scores.read_text())["splits"]["dev"]["sacrebleu"]["score"],
+                                               abs=0.01)
+    assert gate["drop_ci95"][0] <= gate["drop"] <= gate["drop_ci95"][1] and 0.5 <= gate["identical"] <= 1.0
+    stamp = (out / "model.bin").stat().st_mtime_ns
+    assert export_model(cfg, trained, tiny_stack.tokenizer, tiny_stack.corpus, scores) == out
+    assert (out / "model.bin").stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+    # Against a "PyTorch model" that translated dev perfectly (its references), the export falls far short.
+    perfect = tmp_path / "perfect"
+    shutil.copytree(scores.parent, perfect)
+    (perfect / "dev.hyp").write_text("".join(r + "\n" for r in _dev(tiny_stack.corpus)[1]), encoding="utf-8")
+    strict = cfg.model_copy(update={"export": ExportConfig(quantization="int8", max_bleu_drop=1.0)})
+    refused = json.loads((export_model(strict, trained, tiny_stack.tokenizer, tiny_stack.corpus,
+                                       perfect / "scores.json") / GATE).read_text(encoding="utf-8"))
+    assert not refused["passed"] and refused["torch_bleu"] == 100.0 and refused["drop"] > 50
