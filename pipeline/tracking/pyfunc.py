@@ -8,8 +8,8 @@ models:/transformer-en-de@champion`` needs only the pinned requirements.
 Engine: CTranslate2 when the model carries an export and ``ctranslate2`` imports, else PyTorch; the environment
 variable ``AIAYN_SERVING_ENGINE`` (``torch`` / ``ctranslate2``) or the model config's ``engine`` (e.g.
 ``mlflow.pyfunc.load_model(uri, model_config={"engine": "torch"})``) picks one; which one serves is logged
-at load and is the model's ``engine`` attribute. ``AIAYN_SERVING_THREADS``: CTranslate2's threads (0: one per
-core).
+at load and is the model's ``engine`` attribute. ``AIAYN_SERVING_THREADS``: how many batches CTranslate2 runs side
+by side, one thread each (0: one per core).
 
 Per request, through the params schema (``{"inputs": [...], "params": {"beam_size": 1}}``): ``beam_size``,
 ``alpha`` (length penalty), ``max_len_b`` (output length = source length + max_len_b at most) and ``nbest``
