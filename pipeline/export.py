@@ -20,6 +20,7 @@ folder holds the numbers and the verdict either way.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from importlib.metadata import version
@@ -197,6 +198,13 @@ def gate(export: ExportConfig, engine: CTranslate2Engine, cfg: RunConfig, corpus
         "export_sentences_per_s": round(len(src) / seconds, 1), "passed": drop <= export.max_bleu_drop,
         "quantization": export.quantization, "decoding": cfg.decode.model_dump(), "signature": comparison.signature,
     }
+
+
+def servable(export: Path) -> tuple[Path | None, dict]:
+    """An export folder's verdict: (the folder if its gate passed, else None: the model then serves with PyTorch;
+    the gate's numbers from ``gate.json``)."""
+    gate = json.loads((Path(export) / GATE).read_text(encoding="utf-8"))
+    return (Path(export) if gate["passed"] else None), gate
 
 
 def export_model(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path, scores_json: Path) -> Path:

@@ -15,7 +15,7 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from pipeline import tracking
 from pipeline.config import RunConfig
-from pipeline.engines import GATE
+from pipeline.export import servable
 from pipeline.promotion import Decision, Policy, lock_name, read_promotion_set
 
 
@@ -138,14 +138,13 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
     policy = Policy.of(cfg)
     tags = {"corpus_fingerprint": scores_data["corpus_fingerprint"]}
     if export is not None:
-        gate = json.loads((export / GATE).read_text(encoding="utf-8"))
+        export, gate = servable(export)
         tags |= {"export.gate": "passed" if gate["passed"] else "refused", "export.quantization": gate["quantization"],
                  "export.dev_bleu_drop": str(gate["drop"])}
-        if not gate["passed"]:
+        if export is None:
             logger.warning("the %s CTranslate2 export loses %.2f dev BLEU (more than export.max_bleu_drop %.2f): not "
                            "registered; the model serves with PyTorch", gate["quantization"], gate["drop"],
                            gate["max_bleu_drop"])
-            export = None
     run_id = tracking.start_stage_run(parent_run_id, "register")
     version = tracking.register_model(run_id, checkpoint, tokenizer_dir, cfg.decode, name,
                                       tracking.flat_scores(scores_data), read_promotion_set(policy, scores.parent),

@@ -211,3 +211,21 @@ def test_export_stage_gates_on_dev_bleu(trained, tiny_stack, shared_data, tmp_pa
     refused = json.loads((export_model(strict, trained, tiny_stack.tokenizer, tiny_stack.corpus,
                                        perfect / "scores.json") / GATE).read_text(encoding="utf-8"))
     assert not refused["passed"] and refused["torch_bleu"] == 100.0 and refused["drop"] > 50
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_only_an_export_that_passed_its_gate_serves(tmp_path, passed) -> None:
+    import json
+
+    from pipeline.export import servable
+
+    gate = {"passed": passed, "drop": 0.1 if passed else 0.9, "max_bleu_drop": 0.5, "quantization": "int8"}
+    (tmp_path / "gate.json").write_text(json.dumps(gate), encoding="utf-8")
+    assert servable(tmp_path) == ((tmp_path if passed else None), gate)
+
+
+def test_export_refuses_a_parsing_model_before_reading_anything(tmp_path, capsys) -> None:
+    from pipeline.cli import main
+
+    assert main(["export", "--config", "ptb-sample-cpu", "--work-dir", str(tmp_path)]) == 2
+    assert "only translation models are exported" in capsys.readouterr().err
