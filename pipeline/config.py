@@ -274,9 +274,11 @@ class TrainConfig(_Strict):
     dev_every_steps: int = Field(default=1000, ge=1)
     dev_max_sentences: int | None = Field(default=None, ge=1)  # dev loss on the first N dev pairs; None = all
     log_every_steps: int = Field(default=100, ge=1)
-    # auto: bf16 autocast on GPU, fp32 (paper) on CPU. bf16 on a CPU (a bf16 working copy of the model, fp32 weights
-    # and Adam: TrainStep) trained the tiny model ~2.1x and base ~2.1x faster than fp32 on the AMX machine at the
-    # same loss (bench/bench_vs_fairseq.py).
+    # fp32: the paper's (its presets name it). auto (the CPU presets): bf16 where the hardware computes it natively
+    # (a CUDA device that supports it; a CPU with AMX tiles or AVX512-BF16, as torch reports), fp32 otherwise; the
+    # trainer logs which and why (pipeline.train.trainer.training_precision). bf16 on a CPU (a bf16 working copy of
+    # the model, fp32 weights and Adam: TrainStep) trained the tiny model ~2.1x and base ~2.1x faster than fp32 on
+    # the AMX machine at the same loss (bench/bench_vs_fairseq.py); on a CPU without native bf16 it is slower.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # champion: start from the weights of the registered model's current champion instead of a random
     # initialisation (not the paper, which trains from scratch); the run then reuses the champion's tokenizer so

@@ -17,17 +17,15 @@ def _read(path: Path) -> dict:
 
 
 def _scores_rows(scores: dict) -> list[str]:
-    """One row per (split, score): named scores carry {"score", "what", "signature"}, plain numbers stand alone."""
-    rows = []
-    for key, split in scores["splits"].items():
-        for metric, value in split.items():
-            if isinstance(value, dict) and "score" in value:
-                what = value.get("what", "")
-                sig = f" `{value['signature']}`".replace("|", "\\|") if value.get("signature") else ""  # | splits cells
-                rows.append(f"| {key} ({split.get('name', '')}) | {metric} | **{value['score']:.2f}** | {what}{sig} |")
-            elif isinstance(value, float):
-                rows.append(f"| {key} ({split.get('name', '')}) | {metric} | {value:.4g} | |")
-    return rows
+    """The markdown rows of :func:`score_rows`: named scores bold with what they are and their signature."""
+    out = []
+    for r in score_rows(scores):
+        if r["named"]:
+            sig = f" `{r['signature']}`".replace("|", "\\|") if r["signature"] else ""  # | splits cells
+            out.append(f"| {r['split']} ({r['set']}) | {r['metric']} | **{r['value']:.2f}** | {r['what']}{sig} |")
+        else:
+            out.append(f"| {r['split']} ({r['set']}) | {r['metric']} | {r['value']:.4g} | |")
+    return out
 
 
 def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision: dict | None,
@@ -91,6 +89,22 @@ def _export_rows(gate: dict) -> list[str]:
             f"| p-value (paired bootstrap) | {gate['p_value']:.4f} |",
             f"| identical translations | {gate['identical']:.1%} |",
             f"| CTranslate2 speed on {gate['split']} | {gate['export_sentences_per_s']:.1f} sentences/s |", ""]
+
+
+def score_rows(scores: dict) -> list[dict]:
+    """One row per (split, score) of a ``scores.json``: split, set name, metric, value, and for named scores
+    ({"score", "what", "signature"}) what it is and its signature; plain numbers stand alone (``named`` False).
+    The report's score table and the scores table artifact."""
+    rows = []
+    for key, split in scores["splits"].items():
+        for metric, value in split.items():
+            named = isinstance(value, dict) and "score" in value
+            if named or isinstance(value, float):
+                rows.append({"split": key, "set": split.get("name", ""), "metric": metric, "named": named,
+                             "value": float(value["score"]) if named else value,
+                             "what": value.get("what", "") if named else "",
+                             "signature": value.get("signature", "") if named else ""})
+    return rows
 
 
 def evidence_rows(decision: dict) -> list[tuple[str, str]]:

@@ -27,7 +27,6 @@ from typing import Any, Iterator
 from uuid import UUID
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.deployments import run_deployment
@@ -41,8 +40,9 @@ from pipeline.train import trainer
 from pipeline.train.launch import Rendezvous, rendezvous_for, torchrun_command
 from pipeline.workdir import run_dir
 from tasks.caching import stage_cache_key
+from tasks.progress import ProgressArtifact
 
-_PROGRESS_EVERY_S = 10.0
+_PROGRESS_POLL_S = 5.0  # how often metrics.jsonl is read; updates are throttled by ProgressArtifact
 _POLL_S = 2.0  # how often the stage looks at its node runs
 _REFUSED = 2  # the exit status of a refused config or input: retrying cannot help
 _FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -92,15 +92,15 @@ def _progress(cfg: RunConfig, step: int, started: float) -> float:
 
 @contextlib.contextmanager
 def _progress_artifact(cfg: RunConfig, out: Path) -> Iterator[None]:
-    """A ``training-progress`` artifact of this flow run, updated on its own clock (output may be silent for
-    minutes, and the nodes' output is in their own runs) from the run folder's metrics.jsonl; 100 on success."""
-    progress_id = create_progress_artifact(progress=0.0, key="training-progress",
-                                           description=f"training {cfg.name} in {out}")
+    """A ``training-progress`` artifact of this flow run (throttled: :class:`tasks.progress.ProgressArtifact`),
+    read from the run folder's metrics.jsonl every few seconds (output may be silent for minutes, and the nodes'
+    output is in their own runs); 100 on success."""
+    artifact = ProgressArtifact("training-progress", f"training {cfg.name} in {out}")
     started, stop = time.monotonic(), threading.Event()
 
     def report() -> None:
-        while not stop.wait(_PROGRESS_EVERY_S):
-            update_progress_artifact(progress_id, _progress(cfg, _last_step(out / "metrics.jsonl"), started))
+        while not stop.wait(_PROGRESS_POLL_S):
+            artifact.update(_progress(cfg, _last_step(out / "metrics.jsonl"), started))
 
     reporter = threading.Thread(target=report, daemon=True)
     reporter.start()
@@ -109,7 +109,7 @@ def _progress_artifact(cfg: RunConfig, out: Path) -> Iterator[None]:
     finally:
         stop.set()
         reporter.join()
-    update_progress_artifact(progress_id, 100.0)
+    artifact.finish()
 
 
 def run_torchrun(cmd: list[str], logger: logging.Logger | logging.LoggerAdapter) -> None:

@@ -40,6 +40,14 @@ def test_presets_match_the_paper_rows() -> None:
     assert (parsing.decode.beam_size, parsing.decode.length_penalty, parsing.decode.max_len_b) == (21, 0.3, 300)
 
 
+def test_paper_presets_name_fp32_and_cpu_presets_take_auto() -> None:
+    for name in ("wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"):
+        assert load_config(name).train.precision == "fp32", name
+    for name in ("multi30k-cpu", "ptb-sample-cpu"):
+        assert load_config(name).train.precision == "auto", name
+    assert load_config("wmt14-en-de-base", ["train.precision=auto"]).train.precision == "auto"
+
+
 def _tiny_data() -> dict:
     return {"train": [{"name": "t", "format": "text", "path": "t"}],
             "dev": {"name": "d", "format": "text", "path": "d"}}

@@ -62,6 +62,11 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
                    "## Serving export", "| CTranslate2 sacreBLEU |", stack["mlflow"] + "/#/experiments/"):
         assert needle in report, needle
     assert keys["training-progress"]["type"] == "progress" and keys["training-progress"]["data"] == 100.0
+    scores = keys["multi30k-cpu-hub-scores"]
+    assert scores["type"] == "table" and '"metric": "sacrebleu"' in scores["data"] and "nrefs:1" in scores["data"]
+    assert keys["multi30k-cpu-hub-mlflow-run"]["type"] == "link"
+    assert stack["mlflow"] + "/#/experiments/" in keys["multi30k-cpu-hub-mlflow-run"]["data"]
+    assert "/#/models/transformer-en-de/versions/" in keys["multi30k-cpu-hub-model-version"]["data"]
     # The MLflow side of the same run: a parent tagged with the flow run, a child per stage, and the trainer's
     # step metrics streamed from the torchrun process into the train child.
     from mlflow.tracking import MlflowClient
@@ -140,6 +145,12 @@ def test_the_weekly_schedule_creates_runs(stack) -> None:
     prefect = stack["prefect"]
     dep = _api(prefect.api, "/deployments/name/train-en-de/retrain-weekly")
     assert dep["schedules"][0]["schedule"]["cron"] == "0 3 * * 1"
+    # one run at a time: a Monday that finds last week's run still going cancels the new one
+    assert dep["global_concurrency_limit"]["limit"] == 1
+    assert dep["concurrency_options"]["collision_strategy"] == "CANCEL_NEW"
+    big = _api(prefect.api, "/deployments/name/train-en-de/wmt14-big")
+    assert big["global_concurrency_limit"]["limit"] == 1
+    assert big["concurrency_options"]["collision_strategy"] == "ENQUEUE"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         runs = _api(prefect.api, "/flow_runs/filter", {"deployments": {"id": {"any_": [dep["id"]]}}})
@@ -388,3 +399,18 @@ def test_two_promotions_at_once_end_with_the_best_champion(stack, shared_data: P
         tags = c.get_model_version(name, v).tags
         assert ((tags["promotion.decision"], tags["promotion.champion_version"])
                 == (r["decision"], r["champion_version"]))
+
+
+def test_progress_updates_follow_progress_not_the_clock() -> None:
+    """At most one update per percentage point and per minute, and 100 once: a 30-minute run polled every 5 s
+    sends ~30 updates instead of 360."""
+    from tasks.progress import Throttle
+
+    t = Throttle(min_points=1.0, min_seconds=60.0, now=0.0)
+    assert not t.due(0.5, now=120.0)  # not a point yet
+    assert not t.due(5.0, now=30.0)  # a point, but not a minute
+    assert t.due(5.0, now=61.0) and not t.due(5.5, now=200.0) and not t.due(6.0, now=100.0)
+    assert t.due(100.0, now=101.0) and not t.due(100.0, now=500.0)  # the end at once, and once
+    run = Throttle(now=0.0)
+    sent = [s for s in range(0, 1801, 5) if run.due(100.0 * s / 1800, now=float(s))]
+    assert 25 <= len(sent) <= 31 and sent[-1] == 1800

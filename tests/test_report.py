@@ -12,7 +12,7 @@ import pytest
 from pipeline.average import CHOICE
 from pipeline.config import RunConfig, load_config
 from pipeline.promotion import Comparison, Decision, Guard
-from pipeline.report import _scores_rows, evidence_rows, render_report
+from pipeline.report import _scores_rows, evidence_rows, render_report, score_rows
 
 BLEU_SIG = "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.4.0"
 CHRF_SIG = "nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.4.0"
@@ -291,3 +291,14 @@ def test_export_gate_section(tmp_path: Path, cfg: RunConfig, passed: bool) -> No
     assert ("| drop (95% CI) | +0.22 [-0.10, +0.55] |" if passed else
             "| drop (95% CI) | +2.12 [+1.50, +2.80] |") in lines
     assert "## Serving export" not in render_report(cfg, stage_files(tmp_path / "other"), None, URL)
+
+
+def test_score_rows_feed_the_scores_table_artifact() -> None:
+    rows = score_rows(translation_scores())
+    assert [(r["split"], r["set"], r["metric"], r["value"]) for r in rows] == [
+        ("dev", "multi30k-val", "sacrebleu", 35.123), ("dev", "multi30k-val", "chrf", 60.5),
+        ("test.flickr2016", "flickr2016", "sacrebleu", 33.456), ("test.flickr2016", "flickr2016", "chrf", 59.25)]
+    assert rows[0]["signature"] == BLEU_SIG and all(r["named"] for r in rows)
+    parsing = {r["metric"]: r for r in score_rows(parsing_scores())}
+    assert parsing["f1"]["value"] == 91.2288 and not parsing["f1"]["named"] and parsing["f1"]["signature"] == ""
+    assert "sentences" not in parsing and "repairs" not in parsing  # counts and nested dicts are not scores

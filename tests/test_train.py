@@ -85,7 +85,9 @@ def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
                 "peak_memory_mb", "step"}
     assert all(required <= m.keys() for m in logged)
     # MFU against this CPU's own matmul peak, measured at the model's feed-forward shape in the run's precision
-    assert params[0]["mfu_peak_source"].startswith("measured torch.mm 512x32x64 float32")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[params[0]["precision"]]
+    assert params[0]["mfu_peak_source"].startswith(f"measured torch.mm 512x32x64 {dtype}")
+    assert params[0]["precision_reason"].startswith("train.precision=auto: ")
     assert params[0]["mfu_peak_tflops"] > 0 and all(m["mfu"] > 0 for m in logged)
     assert [m["step"] for m in logged] == list(range(2, 31, 2))
     assert np.mean([m["loss"] for m in logged[-3:]]) < np.mean([m["loss"] for m in logged[:3]]) - 0.5
@@ -442,7 +444,7 @@ def test_max_minutes_stops_and_checkpoints(shared_data, shards, tmp_path):
 
 @pytest.mark.integration
 def test_accumulation_equals_one_big_batch(shared_data, shards):
-    cfg = config(shared_data, "model.dropout=0.0")
+    cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")  # exact to float32 rounding
     ds = ShardDataset(shards, "train")
     info = setup()
     torch.manual_seed(0)
@@ -571,7 +573,8 @@ def test_torchrun_two_processes_listen_on_loopback_only(shared_data, shards, tmp
     from pipeline.config import LaunchConfig
 
     # Dropout off, so that 2 ranks x 2 micro-batches must equal 1 process x 4 micro-batches (same batches).
-    extra = ("train.max_steps=4", "train.update_tokens=2048", "model.dropout=0.0")
+    # fp32: DDP over 2 processes and accumulation in one must agree to float32 rounding
+    extra = ("train.max_steps=4", "train.update_tokens=2048", "model.dropout=0.0", "train.precision=fp32")
     out = tmp_path / "run"
     proc = launched(LaunchConfig(nproc_per_node=2), shared_data, shards, out, *extra)
     addresses = listening_addresses(proc)
@@ -773,3 +776,15 @@ def test_the_heap_keeps_freed_memory_once_per_process():
     applied = keep_freed_memory()
     assert applied == {name: value for name, (_, value) in SETTINGS.items()}  # glibc took every setting
     assert keep_freed_memory() is applied  # once per process
+
+
+def test_auto_precision_follows_the_hardware() -> None:
+    from pipeline.train.trainer import native_bf16, training_precision
+
+    cpu = torch.device("cpu")
+    assert training_precision("fp32", cpu) == ("fp32", "train.precision=fp32")
+    assert training_precision("bf16", cpu) == ("bf16", "train.precision=bf16")
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    precision, why = training_precision("auto", cpu)
+    assert precision == ("bf16" if native else "fp32") and native_bf16(cpu)[0] == native
+    assert why.startswith("train.precision=auto: this CPU has ") and "(torch.cpu" in why

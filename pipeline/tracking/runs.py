@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any, Callable, Iterable
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus, RunTag
@@ -189,6 +189,14 @@ def run_url(run_id: str) -> str | None:
         return None
     run = client().get_run(run_id)
     return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+
+
+def version_url(name: str, version: str) -> str | None:
+    """A registered model version's page in the MLflow UI (http(s) tracking servers only)."""
+    uri = mlflow.get_tracking_uri()
+    if urlparse(uri).scheme not in ("http", "https"):
+        return None
+    return f"{uri.rstrip('/')}/#/models/{quote(name)}/versions/{version}"
 
 
 def content_digest(obj: Any) -> str:

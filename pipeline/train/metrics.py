@@ -102,6 +102,8 @@ class ConsoleSink:
     def log_params(self, params: dict[str, Any]) -> None:
         keys = ("world_size", "accumulation_steps", "num_parameters", "device", "precision")
         log.info("training: %s", ", ".join(f"{k}={params[k]}" for k in keys if k in params))
+        if "precision_reason" in params:
+            log.info("precision %s: %s", params["precision"], params["precision_reason"])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if self._bar is not None:

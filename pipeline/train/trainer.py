@@ -84,6 +84,28 @@ def accumulation_steps(update_tokens: int, max_tokens: int, world_size: int) -> 
     return max(1, round(update_tokens / (max_tokens * world_size)))
 
 
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` computes bf16 natively, and what says so (torch's own capability queries)."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ok, f"{torch.cuda.get_device_name(device)} {'supports' if ok else 'does not support'} bf16"
+    features = [name for name, query in (("AMX tiles", "_is_amx_tile_supported"),
+                                         ("AVX512-BF16", "_is_avx512_bf16_supported"))
+                if getattr(torch.cpu, query, lambda: False)()]
+    if features:
+        return True, f"this CPU has {' and '.join(features)} (torch.cpu)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return False, f"this CPU has neither AMX tiles nor AVX512-BF16 (torch.cpu; capability {capability})"
+
+
+def training_precision(setting: str, device: torch.device) -> tuple[str, str]:
+    """``train.precision`` resolved for ``device``: (``bf16`` or ``fp32``, why)."""
+    if setting != "auto":
+        return setting, f"train.precision={setting}"
+    ok, why = native_bf16(device)
+    return ("bf16" if ok else "fp32"), f"train.precision=auto: {why}"
+
+
 class TrainStep:
     """One optimizer update over a rank's micro-batches: model (DDP-wrapped when world > 1), Adam, schedule.
 
@@ -98,7 +120,8 @@ class TrainStep:
     def __init__(self, model: Transformer, cfg: RunConfig, info: DistInfo, pad_id: int):
         t = cfg.train
         self.model, self.info = model, info
-        self.bf16 = t.precision == "bf16" or (t.precision == "auto" and info.device.type == "cuda")
+        self.precision, self.precision_reason = training_precision(t.precision, info.device)
+        self.bf16 = self.precision == "bf16"
         self.master_weights = self.bf16 and info.device.type == "cpu"
         # The module forward and backward run: a bf16 copy (shared embeddings stay shared) or the model itself.
         self.work = copy.deepcopy(model).to(torch.bfloat16) if self.master_weights else model
@@ -324,7 +347,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         all_sinks = [JsonlSink(out_dir / "metrics.jsonl", resume_step=step), ConsoleSink(t.max_steps, step), *sinks]
         params = {**_flat(cfg.model_dump(mode="json")), "world_size": info.world_size, "accumulation_steps": accum,
                   "num_parameters": model.num_parameters(), "device": str(info.device),
-                  "precision": "bf16" if step_fn.bf16 else "fp32", "shards_fingerprint": shards["fingerprint"],
+                  "precision": step_fn.precision, "precision_reason": step_fn.precision_reason,
+                  "shards_fingerprint": shards["fingerprint"],
                   "mfu_peak_tflops": round(flops_peak / 1e12, 3) if flops_peak else None,
                   "mfu_peak_source": peak_source}
         for s in all_sinks:
