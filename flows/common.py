@@ -88,7 +88,7 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
             export, hit = stages["export"] = run_cached(export_stage, cfg=cfg, checkpoint=averaged,
                                                         tokenizer_dir=tokenizer, corpus=corpus, scores=scores)
             log_stage(parent, "export", hit, {"export": export})
-        decision = register(cfg, parent, averaged, tokenizer, scores, export) if register_model else None
+        decision = register(cfg, parent, averaged, tokenizer, scores, corpus, export) if register_model else None
         publish_report(cfg, stages, decision, parent)
     except BaseException as e:
         # Interrupted (cancelled: SIGTERM, Ctrl-C) is not failed: MLflow's KILLED says so.

@@ -25,6 +25,7 @@ import torch
 
 from pipeline.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_index, verify_and_load
 from pipeline.config import RunConfig
+from pipeline.evalsets import Progress
 from pipeline.evaluate import EVALUATORS, evaluate_checkpoint
 from pipeline.fsutil import atomic_file, sha256_file, write_json
 
@@ -118,10 +119,12 @@ def dev_score(cfg: RunConfig, scores_json: Path) -> tuple[str, float]:
     return evaluator.dev_metric, evaluator.dev_score(dev)
 
 
-def choose_last_n(cfg: RunConfig, checkpoints: Path, corpus: Path, tokenizer: Path, out_dir: Path) -> Path:
+def choose_last_n(cfg: RunConfig, checkpoints: Path, corpus: Path, tokenizer: Path, out_dir: Path,
+                  progress: Progress | None = None) -> Path:
     """Average the last N checkpoints for each N in ``cfg.average.choose_from`` (those that exist), score each
     on the dev split of ``corpus`` (decoded with ``tokenizer``), keep the best in ``out_dir`` (the others are
-    deleted) and write ``out_dir/choice.json``; returns the chosen checkpoint."""
+    deleted) and write ``out_dir/choice.json``; returns the chosen checkpoint. ``progress`` hears (dev sentences
+    decoded, dev sentences of all candidates)."""
     checkpoints, out_dir = Path(checkpoints), Path(out_dir)
     steps = sorted(e["step"] for e in read_index(checkpoints))
     wanted = cfg.average.choose_from
@@ -134,12 +137,16 @@ def choose_last_n(cfg: RunConfig, checkpoints: Path, corpus: Path, tokenizer: Pa
     if skipped:
         log.warning("only %d checkpoints: candidates %s skipped", len(steps), skipped)
     rows = []
-    for n in candidates:
+    for i, n in enumerate(candidates):
         path = average_checkpoints(checkpoints, n, out_dir / f"last{n}.pt")
         sha = sha256_file(path)
         scores = out_dir / f"dev-last{n}" / "scores.json"
         if not (scores.is_file() and json.loads(scores.read_text(encoding="utf-8"))["checkpoint"]["sha256"] == sha):
-            scores = evaluate_checkpoint(cfg, path, corpus, tokenizer, out_dir=scores.parent, splits=["dev"])
+            # the i-th candidate's dev sentences come after those of the i before it
+            overall = None if progress is None else (
+                lambda done, total, i=i: progress(i * total + done, len(candidates) * total))
+            scores = evaluate_checkpoint(cfg, path, corpus, tokenizer, out_dir=scores.parent, splits=["dev"],
+                                         progress=overall)
         metric, value = dev_score(cfg, scores)
         log.info("average of the last %d checkpoints: dev %s %.2f", n, metric, value)
         rows.append({"n": n, "steps": steps[-n:], "dev": value, "sha256": sha, "scores": str(scores)})
@@ -155,13 +162,14 @@ def choose_last_n(cfg: RunConfig, checkpoints: Path, corpus: Path, tokenizer: Pa
     return chosen
 
 
-def average_run(cfg: RunConfig, run: Path, corpus: Path | None = None, tokenizer: Path | None = None) -> Path:
+def average_run(cfg: RunConfig, run: Path, corpus: Path | None = None, tokenizer: Path | None = None,
+                progress: Progress | None = None) -> Path:
     """A training run's averaged checkpoint as ``cfg.average`` says: the last ``last_n`` checkpoints, or the
     best on dev of the last N for N in ``choose_from`` (which decodes the dev split of ``corpus`` with
-    ``tokenizer``: needed only then)."""
+    ``tokenizer``: needed only then; ``progress`` hears how far those decodes are)."""
     run = Path(run)
     if cfg.average.choose_from:
         if corpus is None or tokenizer is None:
             raise ValueError("choosing N on dev decodes the dev split: pass the run's corpus and tokenizer")
-        return choose_last_n(cfg, run / "checkpoints", corpus, tokenizer, choice_dir(cfg, run))
+        return choose_last_n(cfg, run / "checkpoints", corpus, tokenizer, choice_dir(cfg, run), progress)
     return average_checkpoints(run / "checkpoints", cfg.average.last_n, averaged_path(cfg, run))

@@ -87,8 +87,32 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> None:
     _train(cfg, build_inputs(cfg).shards)
 
 
+class _Progress:
+    """A stage's progress on the terminal: a tqdm bar when stderr is one, else a log line every 10%."""
+
+    def __init__(self, what: str, unit: str):
+        self.what, self.unit, self.bar, self.logged = what, unit, None, 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc=self.what, unit=self.unit, file=sys.stderr, dynamic_ncols=True)
+            self.bar.update(done - self.bar.n)
+        elif total and (tenth := 10 * done // total) > self.logged:
+            self.logged = tenth
+            log.info("%s: %d%% (%s of %s %s)", self.what, 10 * tenth, f"{done:,}", f"{total:,}", self.unit)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _average(cfg: RunConfig, run: Path, inputs: Inputs) -> Path:
-    out = average_run(cfg, run, inputs.corpus, inputs.tokenizer)
+    progress = _Progress("choosing N on dev", "sentences")
+    out = average_run(cfg, run, inputs.corpus, inputs.tokenizer, progress=progress)
+    progress.close()
     print(f"averaged: {out}")
     return out
 
@@ -104,7 +128,9 @@ def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
 def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
     if not checkpoint.is_file():
         raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
-    out = evaluate_checkpoint(cfg, checkpoint, inputs.corpus, inputs.tokenizer)
+    progress = _Progress("evaluate", "sentences")
+    out = evaluate_checkpoint(cfg, checkpoint, inputs.corpus, inputs.tokenizer, progress=progress)
+    progress.close()
     scores = json.loads(out.read_text(encoding="utf-8"))["splits"]
     print(f"scores: {out}")
     for key, split in scores.items():

@@ -21,6 +21,7 @@ from pipeline.inference import load_model
 from pipeline.tokenize import Tokenizer
 
 SAMPLE_ROWS = 20
+Progress = Callable[[int, int], None]  # (sentences decoded so far, sentences in every split being evaluated)
 
 
 def samples_markdown(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -49,6 +50,8 @@ class EvalSetup:
     model: Transformer
     tokenizer: Tokenizer
     out_dir: Path
+    # called with each batch's sentence count; reports to the evaluation's Progress (None: nothing to report)
+    advance: Callable[[int], None] | None = None
 
     def split(self, corpus_dir: Path, key: str) -> tuple[list[str], list[str]]:
         """A split's sources and raw (unfiltered, untokenized) references, in corpus order."""
@@ -56,14 +59,31 @@ class EvalSetup:
         return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
 
 
+def sentence_counter(total: int, progress: Progress | None) -> Callable[[int], None] | None:
+    """A per-batch callback (that batch's sentence count) reporting (done, ``total``) to ``progress``."""
+    if progress is None:
+        return None
+    done = 0
+
+    def advance(sentences: int) -> None:
+        nonlocal done
+        done += sentences
+        progress(done, total)
+
+    return advance
+
+
 def eval_setup(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
-               splits: Sequence[str] | None, device: str) -> EvalSetup:
-    """Read the corpus manifest, check the splits, load the model and tokenizer, create ``out_dir``."""
+               splits: Sequence[str] | None, device: str, progress: Progress | None = None) -> EvalSetup:
+    """Read the corpus manifest, check the splits, load the model and tokenizer, create ``out_dir``; ``progress``
+    will hear of every decoded batch, counted over all the splits."""
     corpus = read_manifest(corpus_dir)
     keys = eval_split_keys(corpus, corpus_dir, splits)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return EvalSetup(corpus, keys, load_model(checkpoint, device), Tokenizer(tokenizer_dir), out_dir)
+    total = sum(corpus["splits"][k]["rows"] for k in keys)
+    return EvalSetup(corpus, keys, load_model(checkpoint, device), Tokenizer(tokenizer_dir), out_dir,
+                     sentence_counter(total, progress))
 
 
 class Evaluator(abc.ABC):
@@ -73,8 +93,9 @@ class Evaluator(abc.ABC):
 
     @abc.abstractmethod
     def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
-                 splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
-        """Decode and score each split of ``splits`` (default: every dev/test split); returns ``scores.json``."""
+                 splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
+        """Decode and score each split of ``splits`` (default: every dev/test split); returns ``scores.json``.
+        ``progress`` hears (sentences decoded, sentences in all those splits) after every batch."""
 
     @abc.abstractmethod
     def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from pipeline.config import RunConfig, Task
-from pipeline.evalsets import Evaluator
+from pipeline.evalsets import Evaluator, Progress
 from pipeline.parsing.evaluate import EVALUATOR as PARSING
 from pipeline.translation.evaluate import EVALUATOR as TRANSLATION
 
@@ -25,10 +25,11 @@ def eval_dir(cfg: RunConfig, checkpoint: Path) -> Path:
 
 
 def evaluate_checkpoint(cfg: RunConfig, checkpoint: Path, corpus: Path, tokenizer: Path, out_dir: Path | None = None,
-                        splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+                        splits: Sequence[str] | None = None, device: str = "cpu",
+                        progress: Progress | None = None) -> Path:
     """Evaluate ``checkpoint`` on ``splits`` (default: every dev/test split) of ``corpus`` as ``cfg.task`` demands;
     returns ``scores.json``. ``out_dir`` defaults to :func:`eval_dir`, so that runs that differ only in how they
-    decode never write into the same folder."""
+    decode never write into the same folder. ``progress`` hears (sentences decoded, sentences in all splits)."""
     if out_dir is None:
         out_dir = eval_dir(cfg, checkpoint)
-    return EVALUATORS[cfg.task].evaluate(cfg, checkpoint, tokenizer, corpus, out_dir, splits, device)
+    return EVALUATORS[cfg.task].evaluate(cfg, checkpoint, tokenizer, corpus, out_dir, splits, device, progress)

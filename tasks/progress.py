@@ -44,6 +44,10 @@ class ProgressArtifact:
         if self.throttle.due(percent):
             update_progress_artifact(self.id, percent)
 
+    def fraction(self, done: float, total: float) -> None:
+        """Report ``done`` of ``total`` (a stage's own units: sentences, steps) if it is due."""
+        self.update(100.0 * done / total if total else 100.0)
+
     def finish(self) -> None:
         """100%, once."""
         self.update(100.0)

@@ -18,6 +18,7 @@ from pipeline.export import export_model
 from pipeline.shards import build_shards
 from pipeline.tokenize import train_tokenizer
 from tasks.caching import stage_cache_key
+from tasks.progress import ProgressArtifact
 
 
 def _hub_unavailable(task, task_run, state) -> bool:
@@ -64,16 +65,25 @@ def shards_stage(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, 
       cache_key_fn=stage_cache_key(average_run, content={"cfg": lambda c: c.section_hash("average", "task", "decode")}))
 def average_stage(cfg: RunConfig, checkpoints: Path, tokenizer_dir: Path, corpus: Path) -> Path:
     """The element-wise mean of the last ``average.last_n`` checkpoints (float64 accumulation), or, with
-    ``average.choose_from``, the best such mean on the dev split (the corpus and tokenizer decode it)."""
-    return average_run(cfg, checkpoints.parent, corpus, tokenizer_dir)
+    ``average.choose_from``, the best such mean on the dev split (the corpus and tokenizer decode it, with an
+    ``averaging-progress`` artifact)."""
+    if not cfg.average.choose_from:
+        return average_run(cfg, checkpoints.parent)
+    artifact = ProgressArtifact("averaging-progress", f"choosing N among {cfg.average.choose_from} on dev")
+    out = average_run(cfg, checkpoints.parent, corpus, tokenizer_dir, progress=artifact.fraction)
+    artifact.finish()
+    return out
 
 
 @task(name="evaluate", persist_result=True,
       cache_key_fn=stage_cache_key(evaluate_checkpoint, content={"cfg": lambda c: c.section_hash("task", "decode")}))
 def evaluate_stage(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path) -> Path:
     """Decode dev and every test split and score them as the task demands (translation: every BLEU variant
-    and chrF; parsing: EVALB F1); returns ``scores.json``."""
-    return evaluate_checkpoint(cfg, checkpoint, corpus, tokenizer_dir)
+    and chrF; parsing: EVALB F1), with an ``evaluation-progress`` artifact; returns ``scores.json``."""
+    artifact = ProgressArtifact("evaluation-progress", f"decoding dev and test sets with {checkpoint.name}")
+    out = evaluate_checkpoint(cfg, checkpoint, corpus, tokenizer_dir, progress=artifact.fraction)
+    artifact.finish()
+    return out
 
 
 @task(name="export-ctranslate2", persist_result=True,

@@ -1,5 +1,10 @@
-"""Prefect tasks over the tracking module: the parent run of a pipeline run, one child run per stage, and the
-registry. Never cached: every pipeline run records its own lineage, also for stages reused from the cache."""
+"""The flow's side of tracking: the parent run of a pipeline run, one child run per stage, and the registry. Never
+cached: every pipeline run records its own lineage, also for stages reused from the cache.
+
+Bookkeeping (opening, logging and closing runs) is plain function calls of the flow, not tasks, so that the flow
+run's graph in the Prefect UI shows the pipeline's own stages in order (data -> tokenizer -> shards -> train ->
+average -> evaluate -> export -> register -> report), not eight bookkeeping nodes between them. Registering is a
+task: it is a stage of the pipeline, with its own retries and state."""
 
 from __future__ import annotations
 
@@ -19,7 +24,6 @@ from pipeline.export import servable
 from pipeline.promotion import Decision, Policy, lock_name, read_promotion_set
 
 
-@task(name="start-tracking")
 def start_tracking(cfg: RunConfig, uri: str, run_name: str, tags: dict[str, str]) -> str:
     """Check the tracking server (fail now, not after hours of training), end the stale runs of this config (see
     below) and open the parent run.
@@ -53,13 +57,11 @@ def start_tracking(cfg: RunConfig, uri: str, run_name: str, tags: dict[str, str]
     return tracking.start_pipeline_run(cfg, run_name=run_name, tags=tags)
 
 
-@task(name="open-stage-run")
 def open_stage(parent_run_id: str, stage: str) -> str:
     """A child run for a stage that logs while it runs (training streams its metrics into it)."""
     return tracking.start_stage_run(parent_run_id, stage)
 
 
-@task(name="log-stage")
 def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, Path], run_id: str | None = None,
               attention_sentences: int = 3) -> str:
     """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given)."""
@@ -118,9 +120,10 @@ def promote_locked(name: str, version: str, policy: Policy, run_id: str | None =
 
 @task(name="register-model")
 def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir: Path, scores: Path,
-             export: Path | None = None) -> dict:
-    """Register the averaged model (in a ``register`` child run) with its scores, checkpoint sha256, corpus
-    fingerprint and promotion set, and its CTranslate2 ``export`` when that passed its quality gate (a refused
+             corpus: Path, export: Path | None = None) -> dict:
+    """Register the averaged model (in a ``register`` child run) with its scores (also as model metrics on the
+    ``corpus`` splits they were measured on), checkpoint sha256, corpus fingerprint and promotion set, and its
+    CTranslate2 ``export`` when that passed its quality gate (a refused
     export is left out: the version serves with PyTorch, and says why in its tags), then decide on the champion
     alias under the model's lock; returns the decision with its evidence. A model already registered (same
     checkpoint: no new data, no changed setting) is not registered again and nothing is decided."""
@@ -148,13 +151,13 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
     run_id = tracking.start_stage_run(parent_run_id, "register")
     version = tracking.register_model(run_id, checkpoint, tokenizer_dir, cfg.decode, name,
                                       tracking.flat_scores(scores_data), read_promotion_set(policy, scores.parent),
-                                      tags=tags, export=export)
+                                      tags=tags, export=export,
+                                      evaluated=tracking.model_scores(scores_data, corpus))
     decision = promote_locked(name, version, policy, parent_run_id)
     tracking.finish_run(run_id)
     logger.info("version %s of %s: %s. %s", version, name, decision.decision, decision.reason)
     return decision.as_dict()
 
 
-@task(name="finish-tracking")
 def finish_tracking(parent_run_id: str, status: str) -> None:
     tracking.finish_run(parent_run_id, status)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,7 +101,11 @@ def test_choosing_n_on_dev_scores_every_candidate_and_keeps_the_best(averaged, t
     fast = ("decode.beam_size=2", "decode.max_len_a=0.5", "decode.max_len_b=4", "decode.batch_sentences=128")
     cfg = tiny_config(shared_data, "average.choose_from=[3, 1, 2, 8]", *fast)
     inputs = (tiny_stack.corpus, tiny_stack.tokenizer)
-    chosen = average_run(cfg, run, *inputs)
+    heard: list[tuple[int, int]] = []
+    chosen = average_run(cfg, run, *inputs, progress=lambda done, total: heard.append((done, total)))
+    # progress over the 3 candidates' dev sentences, batch by batch, to the end
+    assert heard[-1] == (3 * 1014, 3 * 1014) and {t for _, t in heard} == {3 * 1014}
+    assert [d for d, _ in heard] == sorted(d for d, _ in heard) and len(heard) >= 3 * 1014 // 128
     folder = choice_dir(cfg, run)
     choice = json.loads((folder / "choice.json").read_text())
     rows = {r["n"]: r for r in choice["candidates"]}
@@ -139,6 +144,9 @@ def test_run_command_end_to_end_on_multi30k(shared_data, tmp_path) -> None:
     scores = json.loads(Path(scores_line.split(": ", 1)[1]).read_text())["splits"]
     assert sorted(scores) == ["dev", "test.newstest2014", "test.test2016"]
     assert "read 29,000" in res.stdout
+    # progress as log lines (stderr is not a terminal here), and the serving export with its gate
+    assert "evaluate: 100% (5,017 of 5,017 sentences)" in res.stderr
+    assert re.search(r"gate \(int8, dev 1014 sentences\): .* (passed|refused)", res.stdout)
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1200)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "corpus unchanged" in again.stderr and "tokenizer unchanged" in again.stderr

@@ -53,6 +53,8 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     assert prefect.flow_run(first)["state"]["type"] == "COMPLETED"
     states = prefect.task_states(first)
     assert all(states[s] == "Completed" for s in STAGES), str(states)
+    # the graph is the pipeline: its stages and nothing else (tracking is done in plain calls of the flow)
+    assert set(states) == {*STAGES, "register-model", "report"}, sorted(states)
     logs = prefect.logs(first)
     assert "launching: " in logs and "torch.distributed.run" in logs
     assert "training stopped (max_steps) at step 10" in logs  # torchrun's own output, streamed into the run logs

@@ -105,7 +105,8 @@ def tracked(mlflow_server, shared_data, tiny_stack, tmp_path_factory) -> dict:
     policy = Policy.of(cfg)
     version = tracking.register_model(runs["register"], ckpt, tiny_stack.tokenizer, FAST_DECODE,
                                       cfg.registered_model_name, scores, read_promotion_set(policy, scores_json.parent),
-                                      export=export)
+                                      export=export, evaluated=tracking.model_scores(
+                                          json.loads(scores_json.read_text(encoding="utf-8")), tiny_stack.corpus))
     promotion = tracking.promote(cfg.registered_model_name, version, policy, run_id=run["parent"])
     for run_id in (*runs.values(), run["parent"]):
         tracking.finish_run(run_id)
@@ -198,7 +199,7 @@ def test_evaluation_scores_samples_heatmaps_and_checkpoint(tracked) -> None:
 
 
 @pytest.mark.slow
-def test_registered_version_carries_scores_and_first_becomes_champion(tracked) -> None:
+def test_registered_version_carries_scores_and_first_becomes_champion(tracked, tiny_stack) -> None:
     c = MlflowClient(tracked["uri"])
     mv = c.get_model_version(tracked["name"], tracked["version"])
     assert mv.run_id == tracked["runs"]["register"]
@@ -215,6 +216,14 @@ def test_registered_version_carries_scores_and_first_becomes_champion(tracked) -
     assert stored.name == "multi30k-val" and stored.metric == "sacrebleu"
     assert stored.hypotheses == (eval_dir / "dev.hyp").read_text(encoding="utf-8").splitlines()
     assert stored.references == (eval_dir / "dev.ref").read_text(encoding="utf-8").splitlines()
+    # MLflow 3 model metrics: every score on the logged model, against the corpus split it was measured on (the
+    # dataset the data stage logged), so the model page lists them per dataset.
+    model = c.get_logged_model(mlflow.models.get_model_info(f"models:/{tracked['name']}/{tracked['version']}").model_id)
+    on = {m.key: (m.value, m.dataset_name, m.dataset_digest) for m in model.metrics}
+    corpus = json.loads((tiny_stack.corpus / "manifest.json").read_text())["splits"]
+    assert on["newstest2014.sacrebleu"] == (tracked["scores"]["newstest2014.sacrebleu"], "corpus/test.newstest2014",
+                                            corpus["test.newstest2014"]["sha256"][:32])
+    assert on["multi30k-val.chrf"][1] == "corpus/dev" and set(on) == set(tracked["scores"])
 
 
 def test_champion_loads_and_translates_like_the_checkpoint(mlflow_server, checkpoint, tiny_stack) -> None:

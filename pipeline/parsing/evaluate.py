@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 from model import Transformer
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import DataError
-from pipeline.evalsets import SAMPLE_ROWS, Evaluator, eval_setup, samples_markdown
+from pipeline.evalsets import SAMPLE_ROWS, Evaluator, Progress, eval_setup, samples_markdown
 from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.parsing.constraint import tree_constraint
@@ -89,10 +89,12 @@ def score_parses(golds: list[Tree], tests: list[Tree], repairs: list[Repair]) ->
 
 
 def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, out_dir: Path,
-                     splits: Sequence[str] | None = None, device: str = "cpu", leaves: str = PLACEHOLDER) -> Path:
+                     splits: Sequence[str] | None = None, device: str = "cpu", leaves: str = PLACEHOLDER,
+                     progress: Progress | None = None) -> Path:
     """Parse each dev/test split of the corpus with the checkpoint and score it with EVALB; returns
-    ``scores.json``. ``splits`` defaults to every split but ``train``; ``leaves`` is ``data.tree_leaves``."""
-    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device)
+    ``scores.json``. ``splits`` defaults to every split but ``train``; ``leaves`` is ``data.tree_leaves``;
+    ``progress`` hears (sentences parsed, sentences in all those splits) after every batch."""
+    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress)
     corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
     results = {}
     for key in setup.keys:
@@ -100,7 +102,8 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
         golds = [strip_root(parse_tree(g)) for g in raw_golds]
         tags = [[t for t, _ in remove_empty(g).tagged_words()] for g in golds]
         truncated: list[int] = []
-        outputs, parsed = parse(model, tokenizer, src, decode, tags, leaves=leaves, source=key, truncated=truncated)
+        outputs, parsed = parse(model, tokenizer, src, decode, tags, setup.advance, leaves=leaves, source=key,
+                                truncated=truncated)
         if truncated:
             log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config["max_positions"]))
         trees, repairs = [t for t, _ in parsed], [r for _, r in parsed]
@@ -134,9 +137,9 @@ class ParsingEvaluator(Evaluator):
     dev_metric = "EVALB F1"
 
     def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
-                 splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+                 splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
         return evaluate_parsing(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device,
-                                cfg.data.tree_leaves)
+                                cfg.data.tree_leaves, progress)
 
     def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],
                 progress: Callable[[int], None] | None = None, *, source: str = "input",

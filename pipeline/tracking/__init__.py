@@ -22,7 +22,7 @@ _SOURCES = {
     "pyfunc": ("Translator",),
     "registry": ("CHAMPION", "champion", "champion_artifacts", "promote", "promotion_set", "register_model",
                  "version_tags", "version_with_checkpoint"),
-    "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training"),
+    "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training", "model_scores"),
     "runs": ("TrackingError", "check_reachable", "close_flow_run", "close_stale_runs", "connect", "finish_run",
              "flatten", "log_metrics", "log_params", "run_url", "set_tags", "start_pipeline_run", "start_stage_run",
              "version_url"),

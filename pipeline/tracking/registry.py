@@ -63,17 +63,22 @@ def promotion_set(name: str, version: str) -> PromotionSet | None:
 
 def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, name: str,
                    scores: dict[str, float], promotion: PromotionSet | None = None,
-                   tags: dict[str, str] | None = None, export: Path | None = None) -> str:
+                   tags: dict[str, str] | None = None, export: Path | None = None,
+                   evaluated: list[tuple[str, float, str, str]] = ()) -> str:
     """Log the translator pyfunc (checkpoint + tokenizer + decoding settings, and the CTranslate2 ``export`` folder
     when given: the engine it then serves with) and the promotion set in ``run_id``, register it as a new version
     of ``name`` tagged with ``scores``, the checkpoint's sha256, the serving engine and ``tags``, and return the
-    version number. The promotion set is logged first: no version exists without it."""
+    version number. ``evaluated``: scores as (metric, value, dataset name, dataset digest), logged as MLflow 3
+    model metrics (on the logged model and its dataset) besides the run. The promotion set is logged first: no
+    version exists without it."""
     checkpoint, tokenizer_dir = Path(checkpoint), Path(tokenizer_dir)
     if promotion is not None:
         log_promotion_set(run_id, promotion)
     cleaning = load_checkpoint(checkpoint)["config"]["data"]["cleaning"]
     arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export)
     info = Model.log(artifact_path=None, name=MODEL_NAME, flavor=mlflow.pyfunc, run_id=run_id, **arguments)
+    for key, value, dataset, digest in evaluated:
+        client().log_metric(run_id, key, value, dataset_name=dataset, dataset_digest=digest, model_id=info.model_id)
     all_tags = {**{k: str(v) for k, v in scores.items()}, "checkpoint_sha256": sha256_file(checkpoint),
                 "serving.engine": arguments["model_config"]["engine"], **(tags or {})}
     return str(mlflow.register_model(info.model_uri, name, tags=all_tags).version)

@@ -11,9 +11,11 @@ import pandas as pd
 
 from pipeline.average import CHOICE
 from pipeline.checkpoint import load_checkpoint
+from pipeline.data import read_manifest
 from pipeline.engines import EXPORT_META, GATE
 from pipeline.fsutil import sha256_file
 from pipeline.inference import load_model
+from pipeline.report import score_rows
 from pipeline.tokenize import Tokenizer
 
 from .plots import attention_figures, learning_curves, read_metrics
@@ -81,14 +83,16 @@ def flat_scores(scores: dict) -> dict[str, float]:
     """``scores.json`` as metrics named ``<set>.<score>`` (the set's name from the config): translation's named
     scores (``newstest2014.sacrebleu``, ``test2016.chrf``, ``newstest2013.tok_bleu_compound_split``) and
     parsing's numbers (``ptb-sample-test.f1``, ``.precision``, ``.well_formed_before_repair_rate``, ...)."""
-    flat = {}
-    for split in scores["splits"].values():
-        for key, value in split.items():
-            if isinstance(value, dict) and "score" in value:
-                flat[f"{split['name']}.{key}"] = float(value["score"])
-            elif isinstance(value, float):
-                flat[f"{split['name']}.{key}"] = value
-    return flat
+    return {f"{r['set']}.{r['metric']}": r["value"] for r in score_rows(scores)}
+
+
+def model_scores(scores: dict, corpus_dir: Path) -> list[tuple[str, float, str, str]]:
+    """The scores of :func:`flat_scores` as (metric, value, dataset name, dataset digest): each against the corpus
+    split it was measured on, as :func:`pipeline.tracking.lineage.log_corpus` logs that split (``corpus/<split>``,
+    its sha256), so the model's page lists them per dataset."""
+    splits = read_manifest(corpus_dir)["splits"]
+    return [(f"{r['set']}.{r['metric']}", r["value"], f"corpus/{r['split']}", splits[r["split"]]["sha256"][:32])
+            for r in score_rows(scores)]
 
 
 def log_evaluation(run_id: str, checkpoint: Path, tokenizer_dir: Path, scores_json: Path, *,

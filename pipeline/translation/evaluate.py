@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from model import Transformer
 from pipeline.config import DecodeConfig, RunConfig
-from pipeline.evalsets import SAMPLE_ROWS, Evaluator, eval_setup, samples_markdown
+from pipeline.evalsets import SAMPLE_ROWS, Evaluator, Progress, eval_setup, samples_markdown
 from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.tokenize import Tokenizer
@@ -29,18 +29,20 @@ log = logging.getLogger("aiayn.evaluate")
 
 
 def evaluate_translation(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig,
-                         out_dir: Path, splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
+                         out_dir: Path, splits: Sequence[str] | None = None, device: str = "cpu",
+                         progress: Progress | None = None) -> Path:
     """Translate each dev/test split of the corpus with the checkpoint and score it; returns ``scores.json``.
 
-    ``splits`` defaults to every split but ``train`` (``dev`` and each ``test.<name>``).
+    ``splits`` defaults to every split but ``train`` (``dev`` and each ``test.<name>``); ``progress`` hears
+    (sentences translated, sentences in all those splits) after every batch.
     """
-    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device)
+    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress)
     corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
     results = {}
     for key in setup.keys:
         src, refs = setup.split(corpus_dir, key)
         truncated: list[int] = []
-        hyps = translate(model, tokenizer, src, decode, source=key, truncated=truncated)
+        hyps = translate(model, tokenizer, src, decode, setup.advance, source=key, truncated=truncated)
         if truncated:
             log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config["max_positions"]))
         write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
@@ -69,8 +71,9 @@ class TranslationEvaluator(Evaluator):
     dev_metric = "sacreBLEU"
 
     def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
-                 splits: Sequence[str] | None = None, device: str = "cpu") -> Path:
-        return evaluate_translation(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device)
+                 splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
+        return evaluate_translation(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device,
+                                    progress)
 
     def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],
                 progress: Callable[[int], None] | None = None, *, source: str = "input",
