@@ -12,20 +12,24 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import get_run_logger
 from prefect.exceptions import CancelledRun
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run
+from pydantic import BaseModel
 
 from pipeline import tracking
-from pipeline.config import DevDomainWarning, RunConfig, ensure_work_dir, resolve_config
+from pipeline.config import DevDomainWarning, RunConfig, ensure_work_dir, flow_overrides, resolve_config
 from tasks.caching import run_cached
 from tasks.report import publish_report
 from tasks.stages import average_stage, data_stage, evaluate_stage, export_stage, shards_stage, tokenizer_stage
 from tasks.tracking import fetch_champion, finish_tracking, log_stage, open_stage, register, start_tracking
 from tasks.training import train_stage
+
+
+Precision = Literal["auto", "fp32", "bf16"]  # a flow's ``precision`` parameter: train.precision
 
 
 def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, flow_name: str,
@@ -47,11 +51,12 @@ def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, f
 
 
 def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root: str | None,
-                 overrides: dict[str, Any] | None, max_steps: int | None, max_minutes: float | None,
-                 tracking_uri: str | None, register_model: bool) -> dict:
+                 overrides: BaseModel | dict[str, Any] | None, max_steps: int | None, max_minutes: float | None,
+                 precision: str | None, tracking_uri: str | None, register_model: bool) -> dict:
     """The stages in order; returns the stage outputs, the scores file and the promotion decision."""
-    shortcuts = {k: v for k, v in (("train.max_steps", max_steps), ("train.max_minutes", max_minutes)) if v is not None}
-    cfg = flow_config(config, {**(overrides or {}), **shortcuts}, data_root, flow_name, expect)
+    shortcuts = {k: v for k, v in (("train.max_steps", max_steps), ("train.max_minutes", max_minutes),
+                                   ("train.precision", precision)) if v is not None}
+    cfg = flow_config(config, {**flow_overrides(overrides), **shortcuts}, data_root, flow_name, expect)
     work = ensure_work_dir(cfg.work_dir)  # a clear error before tracking and the stages start
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
     parent = start_tracking(cfg, uri, run_name=flow_run.get_name() or cfg.name,

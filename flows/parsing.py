@@ -3,25 +3,24 @@ treebank config; scored with EVALB's bracketing F1."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
-from flows.common import close_tracking_runs, run_pipeline
+from flows.common import Precision, close_tracking_runs, run_pipeline
+from pipeline.config import ConfigName, FlowOverrides
 
 
 @flow(name="parse-wsj", log_prints=True, on_crashed=[close_tracking_runs],
       on_cancellation=[close_tracking_runs])
-def parse_wsj(config: str = "ptb-sample-cpu", data_root: str | None = None, overrides: dict[str, Any] | None = None,
-              max_steps: int | None = None, max_minutes: float | None = None, tracking_uri: str | None = None,
-              register_model: bool = True) -> dict:
+def parse_wsj(config: ConfigName | str = "ptb-sample-cpu", data_root: str | None = None,
+              overrides: FlowOverrides | None = None, max_steps: int | None = None, max_minutes: float | None = None,
+              precision: Precision | None = None, tracking_uri: str | None = None, register_model: bool = True) -> dict:
     """Train and evaluate a Transformer parser.
 
     Args:
         config: ``ptb-sample-cpu`` (the NLTK WSJ sample, CPU preset) or ``wsj-parsing`` (the licensed WSJ
             treebank, sections 02-21 / 22 / 23, the paper's parsing preset), or a path.
         data_root: the folder holding the treebank; env AIAYN_DATA_ROOT.
-        overrides, max_steps, max_minutes, tracking_uri, register_model: as for ``train-en-de``.
+        overrides, max_steps, max_minutes, precision, tracking_uri, register_model: as for ``train-en-de``.
     """
     return run_pipeline("parse-wsj", {"task": "parsing"}, config, data_root, overrides, max_steps, max_minutes,
-                        tracking_uri, register_model)
+                        precision, tracking_uri, register_model)

@@ -201,6 +201,18 @@ def deployed_models() -> list[str]:
     return sorted(names)
 
 
+def result_storage_env(storage: str | None) -> dict[str, str]:
+    """Where cached stage results (persisted task results) go, as the worker's Prefect settings:
+    ``block:<block type>/<name>`` a storage block (e.g. ``block:s3-bucket/aiayn-results``, created beforehand
+    with ``prefect block create``) for workers on other machines; anything else a folder (shared storage for
+    several workers); None: Prefect's default, ``<PREFECT_HOME>/storage`` of this stack."""
+    if not storage:
+        return {}
+    if storage.startswith("block:"):
+        return {"PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": storage.removeprefix("block:")}
+    return {"PREFECT_LOCAL_STORAGE_PATH": str(Path(storage).expanduser().resolve())}
+
+
 def create_promotion_locks(env: dict[str, str]) -> list[str]:
     """One Prefect global concurrency limit (one slot) per deployed registered model, ``promote-<model>``: the
     flows hold it while they read the champion, compare and move the alias. Existing limits are kept."""
@@ -231,7 +243,7 @@ class Stack:
         write_json(self.state, {k: asdict(v) for k, v in services.items()})
 
     def up(self, prefect_port: int, mlflow_port: int, data_root: Path | None = None,
-           work_dir: Path | None = None) -> dict[str, Service]:
+           work_dir: Path | None = None, result_storage: str | None = None) -> dict[str, Service]:
         """Start what is not running, deploy prefect.yaml, and return the services (safe to call twice)."""
         services = {k: s for k, s in self.load().items() if s.alive()}
         if "mlflow" not in services:
@@ -245,7 +257,7 @@ class Stack:
         prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"], env)
         prefect_cli(["deploy", "--all"], env)
         create_promotion_locks(env)
-        extra = {}
+        extra = result_storage_env(result_storage)
         if data_root is not None:
             extra["AIAYN_DATA_ROOT"] = str(data_root.resolve())
         if work_dir is not None:
@@ -276,11 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--data-root", type=Path, help="local corpora for flow runs (sets AIAYN_DATA_ROOT for the worker)")
     p.add_argument("--work-dir", type=Path, help="where flow runs write stage outputs (AIAYN_WORK_DIR)")
+    p.add_argument("--result-storage", default=os.environ.get("AIAYN_RESULT_STORAGE"),
+                   help="where cached stage results go: a folder, or 'block:<type>/<name>', a Prefect storage block "
+                        "for workers on other machines (default: the stack's PREFECT_HOME; env AIAYN_RESULT_STORAGE)")
     args = p.parse_args(argv)
     stack = Stack(args.home)
     try:
         if args.action == "up":
-            services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir)
+            services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir,
+                                args.result_storage)
             print(f"Prefect UI:  {services['prefect-server'].url}")
             print(f"MLflow UI:   {services['mlflow'].url}")
             print(f"worker:      pool {WORK_POOL}, log {services['prefect-worker'].log}")

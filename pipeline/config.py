@@ -19,10 +19,10 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, get_args
+from typing import Annotated, Any, Literal, Mapping, Sequence, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from pipeline.errors import UserError
 from pipeline.fsutil import write_text
@@ -814,3 +814,43 @@ def ensure_work_dir(work_dir: str | Path, what: str = "work dir", fix: str = _WO
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as YAML (what was really run; logged with every run)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+# ------------------------------------------------------------------------------------------ flow parameters
+
+# The run configs under configs/ a flow run can name (tests/test_config.py keeps this equal to the files); a flow
+# also takes a path to any other config file.
+ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", "ptb-sample-cpu", "wmt14-en-de-base",
+                     "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"]
+
+
+def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, type with its constraints) of every field of ``model`` that is not itself a config section."""
+    out = []
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and prefix + name != "data.dev":
+            out += _leaf_fields(kind, f"{prefix}{name}.")
+        else:
+            out.append((prefix + name, Annotated[kind, *field.metadata] if field.metadata else kind))
+    return out
+
+
+def _flow_overrides_model() -> type[BaseModel]:
+    fields = {key.replace(".", "__"): (kind | None, Field(default=None, alias=key))
+              for key, kind in _leaf_fields(RunConfig) if key not in ("name",)}
+    return create_model("FlowOverrides", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+# A flow's ``overrides`` parameter: every config field under its dotted name (``train.warmup_steps``), typed and
+# constrained as in the schema, nothing else. Prefect renders it as a form and, since deployments enforce their
+# parameter schema, refuses a run with an unknown key or a wrong value when it is created, naming the field; the
+# whole config (cross-field rules included) is validated once more when the run resolves it.
+FlowOverrides = _flow_overrides_model()
+
+
+def flow_overrides(overrides: BaseModel | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A flow's ``overrides`` parameter as dotted keys: the fields the caller set, nothing else."""
+    if isinstance(overrides, BaseModel):
+        return overrides.model_dump(by_alias=True, exclude_unset=True)
+    return dict(overrides or {})

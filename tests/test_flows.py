@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import psutil
 import pytest
@@ -66,8 +67,8 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     assert keys["training-progress"]["type"] == "progress" and keys["training-progress"]["data"] == 100.0
     scores = keys["multi30k-cpu-hub-scores"]
     assert scores["type"] == "table" and '"metric": "sacrebleu"' in scores["data"] and "nrefs:1" in scores["data"]
-    assert keys["multi30k-cpu-hub-mlflow-run"]["type"] == "link"
-    assert stack["mlflow"] + "/#/experiments/" in keys["multi30k-cpu-hub-mlflow-run"]["data"]
+    # link artifacts (Prefect stores them as markdown links)
+    assert f"]({stack['mlflow']}/#/experiments/" in keys["multi30k-cpu-hub-mlflow-run"]["data"]
     assert "/#/models/transformer-en-de/versions/" in keys["multi30k-cpu-hub-model-version"]["data"]
     # The MLflow side of the same run: a parent tagged with the flow run, a child per stage, and the trainer's
     # step metrics streamed from the torchrun process into the train child.
@@ -416,3 +417,55 @@ def test_progress_updates_follow_progress_not_the_clock() -> None:
     run = Throttle(now=0.0)
     sent = [s for s in range(0, 1801, 5) if run.due(100.0 * s / 1800, now=float(s))]
     assert 25 <= len(sent) <= 31 and sent[-1] == 1800
+
+
+def test_result_storage_is_a_folder_or_a_storage_block(tmp_path: Path) -> None:
+    from ops.localstack import result_storage_env
+
+    assert result_storage_env(None) == {}
+    assert result_storage_env(str(tmp_path / "results")) == {"PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results")}
+    assert result_storage_env("runs/results") == {"PREFECT_LOCAL_STORAGE_PATH": str(Path("runs/results").resolve())}
+    assert result_storage_env("block:s3-bucket/aiayn-results") == {
+        "PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK": "s3-bucket/aiayn-results"}
+
+
+def test_flow_parameters_are_typed_against_the_config_schema() -> None:
+    """The flows' parameter schema (what Prefect renders as the run form and enforces when a deployment run is
+    created): shipped config names as choices, every config field under its dotted name with its type and
+    bounds, and nothing else."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    from flows.parsing import parse_wsj
+    from flows.translation import train_en_de
+    from pipeline.config import CONFIG_DIR, ConfigName, FlowOverrides, flow_overrides
+
+    assert sorted(get_args(ConfigName)) == sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    schema = parameter_schema(train_en_de).model_dump_for_openapi()
+    assert schema["properties"]["config"]["anyOf"][0]["enum"] == list(get_args(ConfigName))
+    assert schema["properties"]["precision"]["anyOf"][0]["enum"] == ["auto", "fp32", "bf16"]
+    good = {"overrides": {"train.warmup_steps": 8000, "average.choose_from": [1, 2], "launch.nproc_per_node": "auto"}}
+    validate(good, schema, raise_on_error=True, ignore_required=True)
+    for bad, says in (({"train.warmup_step": 8000}, "'train.warmup_step' was unexpected"),
+                      ({"train.warmup_steps": -3}, "-3 is less than the minimum of 1"),
+                      ({"model.norm": "middle"}, "'middle' is not one of ['post', 'pre']"),
+                      ({"train": {"warmup_steps": 8000}}, "'train' was unexpected")):
+        with pytest.raises(Exception, match=re.escape(says)):
+            validate({"overrides": bad}, schema, raise_on_error=True, ignore_required=True)
+    assert "overrides" in parameter_schema(parse_wsj).model_dump_for_openapi()["properties"]
+    # What the flow then resolves: the fields the caller set, by their dotted names.
+    parsed = train_en_de.validate_parameters(good)["overrides"]
+    assert isinstance(parsed, FlowOverrides) and flow_overrides(parsed) == good["overrides"]
+    assert flow_overrides({"train.max_steps": 5}) == {"train.max_steps": 5} and flow_overrides(None) == {}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_bad_override_is_refused_when_the_run_is_created(stack) -> None:
+    prefect = stack["prefect"]
+    before = _api(prefect.api, "/flow_runs/count", {})
+    res = subprocess.run([str(Path(sys.executable).with_name("prefect")), "deployment", "run",
+                          "train-en-de/multi30k-cpu", "--params", json.dumps({"overrides": {"train.warmup_step": 10}})],
+                         cwd=REPO, env=prefect.env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "train.warmup_step" in res.stdout + res.stderr, res.stdout + res.stderr
+    assert _api(prefect.api, "/flow_runs/count", {}) == before  # no run was created
