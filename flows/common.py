@@ -89,7 +89,7 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
         log_stage(parent, "evaluate", hit, {"checkpoint": averaged, "tokenizer": tokenizer, "scores": scores},
                   attention_sentences=cfg.tracking.attention_sentences)
         export = None
-        if cfg.task == "translation" and cfg.export.engine == "ctranslate2":
+        if cfg.exports:
             export, hit = stages["export"] = run_cached(export_stage, cfg=cfg, checkpoint=averaged,
                                                         tokenizer_dir=tokenizer, corpus=corpus, scores=scores)
             log_stage(parent, "export", hit, {"export": export})

@@ -146,9 +146,10 @@ def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
 def _export(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
     """Export ``checkpoint`` and gate it; the PyTorch model's dev translations come from its evaluation when there
     is one, else dev is decoded first."""
-    scores = eval_dir(cfg, checkpoint) / "scores.json"
-    if not (scores.is_file() and (scores.parent / "dev.hyp").is_file()):
-        dev_only = eval_dir(cfg, checkpoint).with_name(f"dev-{eval_dir(cfg, checkpoint).name}")
+    evaluated = eval_dir(cfg, checkpoint)
+    scores = evaluated / "scores.json"
+    if not (scores.is_file() and (evaluated / "dev.hyp").is_file()):
+        dev_only = evaluated.with_name(f"dev-{evaluated.name}")
         scores = evaluate_checkpoint(cfg, checkpoint, inputs.corpus, inputs.tokenizer, splits=["dev"], out_dir=dev_only)
     out = export_model(cfg, checkpoint, inputs.tokenizer, inputs.corpus, scores)
     gate = json.loads((out / GATE).read_text(encoding="utf-8"))
@@ -235,7 +236,7 @@ def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
     _print_corpus(inputs.corpus)
     averaged = _average(cfg, _train(cfg, inputs.shards), inputs)
     _evaluate(cfg, inputs, averaged)
-    if cfg.task == "translation" and cfg.export.engine == "ctranslate2":
+    if cfg.exports:
         _export(cfg, inputs, averaged)
 
 

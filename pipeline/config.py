@@ -431,6 +431,11 @@ class RunConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
 
     @property
+    def exports(self) -> bool:
+        """Whether the run has a serving export stage: translation models, unless ``export.engine`` is none."""
+        return self.task == "translation" and self.export.engine != "none"
+
+    @property
     def promotion_split(self) -> str:
         """The corpus split key promotion reads: ``dev`` or ``test.<name>`` (from ``tracking.promote_on``)."""
         on = self.tracking.promote_on

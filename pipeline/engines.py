@@ -43,6 +43,11 @@ def max_output_length(source_len: int, max_len_a: float, max_len_b: int, limit: 
     return min(max(1, math.floor(max_len_a * source_len + max_len_b)), limit)
 
 
+def vocabulary_pieces(tokenizer: Tokenizer) -> list[str]:
+    """The tokenizer's pieces in id order: CTranslate2 reads and writes tokens as pieces, not ids."""
+    return [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+
+
 class Engine(Protocol):
     """What the served model decodes with."""
 
@@ -97,7 +102,7 @@ class CTranslate2Engine:
         self.batch_sentences = int(meta["batch_sentences"])
         self.workers = threads or len(os.sched_getaffinity(0))
         self.tokenizer = tokenizer
-        self.pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+        self.pieces = vocabulary_pieces(tokenizer)
         self.suppress = [[self.pieces[tokenizer.pad_id]], [self.pieces[tokenizer.bos_id]]]
         self.translator = ctranslate2.Translator(str(self.dir), device="cpu", compute_type="default",
                                                  inter_threads=self.workers, intra_threads=1)

@@ -55,8 +55,14 @@ class EvalSetup:
 
     def split(self, corpus_dir: Path, key: str) -> tuple[list[str], list[str]]:
         """A split's sources and raw (unfiltered, untokenized) references, in corpus order."""
-        table = pq.read_table(Path(corpus_dir) / self.corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
-        return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
+        return read_split(corpus_dir, self.corpus, key)
+
+
+def read_split(corpus_dir: Path, corpus: dict, key: str) -> tuple[list[str], list[str]]:
+    """Split ``key`` of the corpus folder (``corpus``: its manifest): sources and raw (unfiltered, untokenized)
+    references, in corpus order."""
+    table = pq.read_table(Path(corpus_dir) / corpus["splits"][key]["file"], columns=["src", "tgt_raw"])
+    return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
 
 
 def sentence_counter(total: int, progress: Progress | None) -> Callable[[int], None] | None:

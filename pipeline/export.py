@@ -27,15 +27,15 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from model.positional import sinusoid_table
 from pipeline.checkpoint import load_checkpoint
 from pipeline.config import ExportConfig, RunConfig
 from pipeline.data import read_manifest
-from pipeline.engines import EXPORT_META, GATE, CTranslate2Engine
+from pipeline.engines import EXPORT_META, GATE, CTranslate2Engine, vocabulary_pieces
 from pipeline.errors import UserError
+from pipeline.evalsets import read_split
 from pipeline.fsutil import atomic_dir, sha256_file, write_json
 from pipeline.promotion import paired_bootstrap
 from pipeline.tokenize import Tokenizer
@@ -62,6 +62,16 @@ def _linear(spec, weights: dict[str, torch.Tensor], name: str) -> None:
 def _norm(spec, weights: dict[str, torch.Tensor], name: str) -> None:
     spec.gamma = _array(weights[f"{name}.weight"])
     spec.beta = _array(weights[f"{name}.bias"])
+
+
+def _self_attention_and_ffn(layer, weights: dict[str, torch.Tensor], p: str) -> None:
+    """What encoder and decoder layers share: self-attention and the feed-forward network, each with its norm."""
+    _linear(layer.self_attention.linear[0], weights, f"{p}.self_attn.qkv_proj")  # [W^Q; W^K; W^V]
+    _linear(layer.self_attention.linear[1], weights, f"{p}.self_attn.out_proj")  # W^O
+    _norm(layer.self_attention.layer_norm, weights, f"{p}.self_attn_residual.norm")
+    _linear(layer.ffn.linear_0, weights, f"{p}.ffn.w_1")
+    _linear(layer.ffn.linear_1, weights, f"{p}.ffn.w_2")
+    _norm(layer.ffn.layer_norm, weights, f"{p}.ffn_residual.norm")
 
 
 def _positions(config: dict, weights: dict[str, torch.Tensor], stack: str) -> np.ndarray:
@@ -101,25 +111,14 @@ def transformer_spec(state: dict, pieces: list[str], special: dict[str, str]):
         _norm(decoder.layer_norm, weights, "decoder.final_norm")
 
     for i, layer in enumerate(encoder.layer):
-        p = f"encoder.layers.{i}"
-        _linear(layer.self_attention.linear[0], weights, f"{p}.self_attn.qkv_proj")  # [W^Q; W^K; W^V]
-        _linear(layer.self_attention.linear[1], weights, f"{p}.self_attn.out_proj")  # W^O
-        _norm(layer.self_attention.layer_norm, weights, f"{p}.self_attn_residual.norm")
-        _linear(layer.ffn.linear_0, weights, f"{p}.ffn.w_1")
-        _linear(layer.ffn.linear_1, weights, f"{p}.ffn.w_2")
-        _norm(layer.ffn.layer_norm, weights, f"{p}.ffn_residual.norm")
+        _self_attention_and_ffn(layer, weights, f"encoder.layers.{i}")
     for i, layer in enumerate(decoder.layer):
         p = f"decoder.layers.{i}"
-        _linear(layer.self_attention.linear[0], weights, f"{p}.self_attn.qkv_proj")
-        _linear(layer.self_attention.linear[1], weights, f"{p}.self_attn.out_proj")
-        _norm(layer.self_attention.layer_norm, weights, f"{p}.self_attn_residual.norm")
+        _self_attention_and_ffn(layer, weights, p)
         _linear(layer.attention.linear[0], weights, f"{p}.cross_attn.q_proj")  # W^Q
         _linear(layer.attention.linear[1], weights, f"{p}.cross_attn.kv_proj")  # [W^K; W^V]
-        _linear(layer.attention.linear[2], weights, f"{p}.cross_attn.out_proj")
+        _linear(layer.attention.linear[2], weights, f"{p}.cross_attn.out_proj")  # W^O
         _norm(layer.attention.layer_norm, weights, f"{p}.cross_attn_residual.norm")
-        _linear(layer.ffn.linear_0, weights, f"{p}.ffn.w_1")
-        _linear(layer.ffn.linear_1, weights, f"{p}.ffn.w_2")
-        _norm(layer.ffn.layer_norm, weights, f"{p}.ffn_residual.norm")
 
     spec.register_source_vocabulary(pieces)
     spec.register_target_vocabulary(pieces)
@@ -128,7 +127,7 @@ def transformer_spec(state: dict, pieces: list[str], special: dict[str, str]):
 
 def vocabulary(tokenizer: Tokenizer) -> tuple[list[str], dict[str, str]]:
     """The tokenizer's pieces in id order and its special pieces (pad, unk, bos, eos)."""
-    pieces = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    pieces = vocabulary_pieces(tokenizer)
     if len(set(pieces)) != len(pieces):
         raise ExportError(f"{tokenizer.model_path}: pieces repeat; CTranslate2 addresses tokens by piece")
     special = {k: pieces[getattr(tokenizer, f"{k}_id")] for k in ("pad", "unk", "bos", "eos")}
@@ -168,17 +167,11 @@ def export_dir(cfg: RunConfig, checkpoint: Path) -> Path:
                                       f"{cfg.section_hash('export', 'decode')[:8]}")
 
 
-def _dev_split(corpus: Path) -> tuple[list[str], list[str]]:
-    manifest = read_manifest(corpus)
-    table = pq.read_table(Path(corpus) / manifest["splits"]["dev"]["file"], columns=["src", "tgt_raw"])
-    return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
-
-
 def gate(export: ExportConfig, engine: CTranslate2Engine, cfg: RunConfig, corpus: Path, scores_json: Path) -> dict:
     """Decode the dev split with ``engine`` and compare with the PyTorch model's dev translations next to
     ``scores_json`` (the evaluate stage's ``dev.hyp``): sacreBLEU of both, the drop, its paired-bootstrap interval
     and p-value, the share of identical sentences, and whether the drop is within ``export.max_bleu_drop``."""
-    src, refs = _dev_split(corpus)
+    src, refs = read_split(corpus, read_manifest(corpus), "dev")
     hyp_file = Path(scores_json).parent / "dev.hyp"
     torch_hyps = hyp_file.read_text(encoding="utf-8").split("\n")[:-1]
     if len(torch_hyps) != len(src):

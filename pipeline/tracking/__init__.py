@@ -4,8 +4,7 @@ The Prefect flow drives it by run id (:func:`connect` first, fail fast), the tra
 :class:`MlflowSink`, its ``MetricsSink`` (``python -m pipeline.train --mlflow-run-id``). Layout of a pipeline run:
 a parent run (resolved config as params and ``config.yaml``; git commit, config hash, preset, language pair and
 the Prefect flow run as tags) with one child run per stage (data, tokenize, train, average, evaluate, export,
-register),
-dataset inputs for the raw sources, the cleaned corpus and the token shards, and the registered model
+register), dataset inputs for the raw sources, the cleaned corpus and the token shards, and the registered model
 ``transformer-<src>-<tgt>`` whose ``champion`` alias serving follows.
 """
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +46,8 @@ from pipeline.tokenize import Tokenizer
 ENGINE_ENV = "AIAYN_SERVING_ENGINE"
 THREADS_ENV = "AIAYN_SERVING_THREADS"
 # What the model's code imports at inference, pinned to the versions it was logged with. Explicit requirements
-# also spare MLflow inferring them (which loads the model in a subprocess: seconds per log). ctranslate2 is
-# optional at serving time: without it the PyTorch engine serves.
+# also spare MLflow inferring them (which loads the model in a subprocess: seconds per log). An environment without
+# ctranslate2 still serves, with the PyTorch engine (pipeline.engines.open_engine).
 REQUIREMENTS = ("torch", "numpy", "pyarrow", "pydantic", "PyYAML", "sentencepiece", "sacrebleu", "sacremoses",
                 "tqdm", "pandas", "mlflow", "ctranslate2")
 INPUT_EXAMPLE = ["A man in a blue shirt is riding a bicycle.", "Two dogs play in the snow."]
@@ -67,14 +67,8 @@ def signature(decode: DecodeConfig) -> ModelSignature:
 
 
 def pip_requirements() -> list[str]:
-    """``name==version`` for each of :data:`REQUIREMENTS` installed here."""
-    pins = []
-    for name in REQUIREMENTS:
-        try:
-            pins.append(f"{name}=={version(name)}")
-        except PackageNotFoundError:
-            continue
-    return pins
+    """``name==version`` for each of :data:`REQUIREMENTS` as installed here."""
+    return [f"{name}=={version(name)}" for name in REQUIREMENTS]
 
 
 def code_paths() -> list[str]:

@@ -182,21 +182,24 @@ def finish_run(run_id: str, status: str = "FINISHED") -> None:
     client().set_terminated(run_id, RunStatus.to_string(RunStatus.from_string(status)))
 
 
+def _ui() -> str | None:
+    """The MLflow UI's address: the tracking server's, for http(s) servers only (a SQLite store has no UI)."""
+    uri = mlflow.get_tracking_uri()
+    return uri.rstrip("/") if urlparse(uri).scheme in ("http", "https") else None
+
+
 def run_url(run_id: str) -> str | None:
     """The run's page in the MLflow UI (http(s) tracking servers only), e.g. for the Prefect report."""
-    uri = mlflow.get_tracking_uri()
-    if urlparse(uri).scheme not in ("http", "https"):
+    if (ui := _ui()) is None:
         return None
-    run = client().get_run(run_id)
-    return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    return f"{ui}/#/experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}"
 
 
 def version_url(name: str, version: str) -> str | None:
     """A registered model version's page in the MLflow UI (http(s) tracking servers only)."""
-    uri = mlflow.get_tracking_uri()
-    if urlparse(uri).scheme not in ("http", "https"):
+    if (ui := _ui()) is None:
         return None
-    return f"{uri.rstrip('/')}/#/models/{quote(name)}/versions/{version}"
+    return f"{ui}/#/models/{quote(name)}/versions/{version}"
 
 
 def content_digest(obj: Any) -> str:
