@@ -165,10 +165,13 @@ def start_prefect_server(home: Path, port: int) -> Service:
         raise StackError(f"port {port} on {HOST} is taken; stop what uses it or pass --prefect-port")
     env = prefect_env(home, None)
     env.pop("PREFECT_API_URL", None)
-    env["PREFECT_SERVER_API_PORT"] = str(port)  # without it the UI calls the default port (STACK-NOTES)
+    env["PREFECT_SERVER_API_PORT"] = str(port)
     env["PREFECT_SERVER_API_HOST"] = HOST
-    cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", HOST, "--port", str(port)]
     url = f"http://{HOST}:{port}"
+    # The UI calls the API at server.ui.api_url, which defaults to api.url: prefect.toml's port 4200, not this
+    # server's. Seen as "Can't connect to Server API" on every page of a stack on another port (browser check).
+    env["PREFECT_SERVER_UI_API_URL"] = f"{url}/api"
+    cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", HOST, "--port", str(port)]
     return start_service("prefect-server", cmd, env, f"{url}/api/health", url, home / "server.log")
 
 

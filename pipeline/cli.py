@@ -68,11 +68,11 @@ def _print_corpus(corpus: Path) -> None:
 
 
 def cmd_prepare_data(cfg: RunConfig, args: argparse.Namespace) -> None:
-    _print_corpus(prepare_corpus(cfg.data, Path(cfg.work_dir)))
+    _print_corpus(prepare_corpus(cfg.data, Path(cfg.work_dir), _Progress("reading the training pairs", "pairs")))
 
 
 def cmd_tokenize(cfg: RunConfig, args: argparse.Namespace) -> None:
-    inputs = build_inputs(cfg)
+    inputs = build_inputs(cfg, _Progress)
     print(f"corpus:    {inputs.corpus}\ntokenizer: {inputs.tokenizer}\nshards:    {inputs.shards}")
 
 
@@ -84,7 +84,7 @@ def _train(cfg: RunConfig, shards: Path) -> Path:
 
 def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> None:
     """One process, in this one (for several: torchrun ... -m pipeline.train)."""
-    _train(cfg, build_inputs(cfg).shards)
+    _train(cfg, build_inputs(cfg, _Progress).shards)
 
 
 class _Progress:
@@ -100,6 +100,8 @@ class _Progress:
 
                 self.bar = tqdm(total=total, desc=self.what, unit=self.unit, file=sys.stderr, dynamic_ncols=True)
             self.bar.update(done - self.bar.n)
+            if done >= total:
+                self.close()
         elif total and (tenth := 10 * done // total) > self.logged:
             self.logged = tenth
             log.info("%s: %d%% (%s of %s %s)", self.what, 10 * tenth, f"{done:,}", f"{total:,}", self.unit)
@@ -107,6 +109,7 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def _average(cfg: RunConfig, run: Path, inputs: Inputs) -> Path:
@@ -121,7 +124,7 @@ def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
     """The last ``average.last_n`` checkpoints, or the best on dev of ``average.choose_from`` (the run folder is
     found by the shards' content, so the inputs are resolved: a no-op when unchanged, but it hashes every input
     file)."""
-    inputs = build_inputs(cfg)
+    inputs = build_inputs(cfg, _Progress)
     _average(cfg, run_dir(cfg, inputs.shards), inputs)
 
 
@@ -138,7 +141,7 @@ def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
 
 
 def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
-    inputs = build_inputs(cfg)
+    inputs = build_inputs(cfg, _Progress)
     checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg, inputs.shards))
     _evaluate(cfg, inputs, checkpoint)
 
@@ -165,7 +168,7 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> None:
     if cfg.task != "translation":
         raise ConfigError(f"export: task {cfg.task!r}; only translation models are exported (parsing decodes under "
                           "a tree constraint that CTranslate2 cannot apply)")
-    inputs = build_inputs(cfg)
+    inputs = build_inputs(cfg, _Progress)
     checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg, inputs.shards))
     if not checkpoint.is_file():
         raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
@@ -232,7 +235,7 @@ def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
     (resolved once: each check hashes every input file), training (one process), averaging of the last
     ``average.last_n`` checkpoints (or the best on dev of ``average.choose_from``), evaluation, and for translation
     the CTranslate2 export with its gate (unless ``export.engine: none``)."""
-    inputs = build_inputs(cfg)
+    inputs = build_inputs(cfg, _Progress)
     _print_corpus(inputs.corpus)
     averaged = _average(cfg, _train(cfg, inputs.shards), inputs)
     _evaluate(cfg, inputs, averaged)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from pipeline.config import RunConfig
 from pipeline.data import prepare_corpus
@@ -25,12 +26,15 @@ class Inputs:
     shards: Path
 
 
-def build_inputs(cfg: RunConfig) -> Inputs:
-    """Data stage, tokenizer and shards in order; each is a no-op returning its folder when unchanged."""
+def build_inputs(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, int], None]] | None = None) -> Inputs:
+    """Data stage, tokenizer and shards in order; each is a no-op returning its folder when unchanged.
+    ``progress(what, unit)`` gives the data and shard stages a callback for their progress (done, total)."""
     work = Path(cfg.work_dir)
-    corpus = prepare_corpus(cfg.data, work)
+    corpus = prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
     tokenizer = train_tokenizer(corpus, cfg.tokenizer, work)
-    return Inputs(corpus, tokenizer, build_shards(corpus, tokenizer, cfg.tokenizer, work))
+    shards = build_shards(corpus, tokenizer, cfg.tokenizer, work,
+                          progress=progress and progress("encoding token shards", "pairs"))
+    return Inputs(corpus, tokenizer, shards)
 
 
 def run_dir(cfg: RunConfig, shards: Path, init_checkpoint: Path | None = None) -> Path:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ops.browser import BrowserError, render  # noqa: E402
 from ops.localstack import free_port, start_mlflow  # noqa: E402
 from pipeline import tracking  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
@@ -35,12 +34,6 @@ SMALL = ["model.encoder_layers=2", "model.decoder_layers=2", "model.d_model=64",
          "tokenizer.vocab_size=2000", "train.max_tokens=1024", "train.update_tokens=1024", "train.warmup_steps=20",
          "train.max_steps=40", "train.log_every_steps=4", "train.dev_every_steps=20", "train.dev_max_sentences=200",
          "train.checkpoint_every_steps=1000", "train.max_minutes=null"]
-# Chromium flags that render the MLflow UI headless on these machines (STACK-NOTES).
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--window-size=1600,1400", "--virtual-time-budget=20000"]
-
-
 def tracked_run(cfg_overrides: list[str], run_name: str, data_root: str, work: Path, uri: str) -> str:
     """Train one small model tracked as a pipeline run; returns the parent run id."""
     cfg = load_config("multi30k-cpu", [("data.root", data_root), ("work_dir", str(work)), *SMALL, *cfg_overrides,
@@ -58,15 +51,6 @@ def tracked_run(cfg_overrides: list[str], run_name: str, data_root: str, work: P
     for run_id in (*stages.values(), parent):
         tracking.finish_run(run_id)
     return parent
-
-
-def chromium(args: list[str]) -> subprocess.CompletedProcess:
-    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if exe is None:
-        sys.exit("error: chromium not found; install it (apt-get install chromium)")
-    with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
-        return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args], capture_output=True,
-                              text=True, timeout=180)
 
 
 def main() -> int:
@@ -88,15 +72,14 @@ def main() -> int:
                tracked_run(["train.lr_scale=2.0"], names[1], args.data_root, args.work_dir, uri)]
         query = urllib.parse.urlencode({"runs": json.dumps(ids), "experiments": json.dumps([experiment])})
         url = f"{uri}/#/compare-runs?{query}"
-        dom = chromium(["--dump-dom", url]).stdout
-        missing = [n for n in names if n not in dom]
+        try:
+            dom = render(url, args.out.resolve(), window=(1600, 1400))
+        except BrowserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        missing = [n for n in names if n not in dom.text]
         if missing:
             print(f"error: the comparison page does not show {missing} ({url})", file=sys.stderr)
-            return 1
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        chromium([f"--screenshot={args.out.resolve()}", url])
-        if not args.out.is_file():
-            print(f"error: chromium wrote no screenshot for {url}", file=sys.stderr)
             return 1
         print(f"comparison page {url} shows {names[0]} and {names[1]}; screenshot: {args.out}")
         return 0

@@ -45,8 +45,12 @@ def _corpus_content(data: DataConfig) -> str:
       retry_condition_fn=_hub_unavailable,
       cache_key_fn=stage_cache_key(prepare_corpus, content={"data": _corpus_content}))
 def data_stage(data: DataConfig, work_dir: Path) -> Path:
-    """Read, clean and version the corpus; the cache key covers every input file's content hash."""
-    return prepare_corpus(data, work_dir)
+    """Read, clean and version the corpus, with a ``data-progress`` artifact (training pairs read); the cache key
+    covers every input file's content hash."""
+    artifact = ProgressArtifact("data-progress", "reading and cleaning the training pairs")
+    out = prepare_corpus(data, work_dir, progress=artifact.fraction)
+    artifact.finish()  # also when the corpus was there already
+    return out
 
 
 @task(name="train-tokenizer", persist_result=True, cache_key_fn=stage_cache_key(train_tokenizer))
@@ -57,8 +61,12 @@ def tokenizer_stage(corpus: Path, tokenizer: TokenizerConfig, work_dir: Path) ->
 
 @task(name="write-shards", persist_result=True, cache_key_fn=stage_cache_key(build_shards))
 def shards_stage(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
-    """Every split encoded into memory-mappable token shards."""
-    return build_shards(corpus, tokenizer_dir, tokenizer, work_dir)
+    """Every split encoded into memory-mappable token shards, with a ``tokenize-progress`` artifact (pairs
+    encoded)."""
+    artifact = ProgressArtifact("tokenize-progress", "encoding every split into token shards")
+    out = build_shards(corpus, tokenizer_dir, tokenizer, work_dir, progress=artifact.fraction)
+    artifact.finish()
+    return out
 
 
 @task(name="average-checkpoints", persist_result=True,

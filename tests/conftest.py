@@ -19,13 +19,13 @@ import os
 import re
 import subprocess
 import sys
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
+from ops.screenshots import prefect_api as api
 from pipeline.config import parse_value
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 # Fixtures that read the shared data or start servers/processes: a test using any of them (directly or through
 # another fixture) must be marked integration (or slow).
-INTEGRATION_FIXTURES = ("shared_data", "tiny_stack", "mlflow_server", "stack")
+INTEGRATION_FIXTURES = ("shared_data", "tiny_stack", "mlflow_server", "stack", "chromium")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
@@ -133,14 +133,6 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
 # ------------------------------------------------------------------------ the local stack (integration)
 
 
-def api(base: str, path: str, body: dict | None = None):
-    """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer."""
-    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
 class Prefect:
     """The bits of the Prefect REST API the assertions need."""
 
@@ -208,3 +200,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory, shared_data: Path):
         assert down.returncode == 0, down.stderr
         left = [s.name for s in services.values() if psutil.pid_exists(s.pid) and s.alive()]
         assert not left, f"still running after down: {left}"
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Headless Chromium for the browser checks: Debian's ``chromium``, installed here when missing (apt-get, as
+    root); a test that needs it is skipped, with the reason, when it cannot be installed."""
+    from ops.browser import executable
+
+    if (exe := executable()) is not None:
+        return exe
+    if os.geteuid() != 0:
+        pytest.skip("chromium is not installed and this user cannot install it: apt-get install chromium")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    why = ""
+    for attempt in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],
+                    ["apt-get", "install", "-y", "-q", "chromium"]):  # a stale package index: update, then again
+        try:
+            res = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=900,
+                                 stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"chromium could not be installed ({' '.join(attempt)}: {e})")
+        why = res.stderr.strip()[-500:]
+        if (exe := executable()) is not None:
+            return exe
+    pytest.skip(f"chromium could not be installed (apt-get install chromium): {why}")

@@ -127,6 +127,33 @@ def test_text_gz_and_files_mapping(root: Path, tmp_path: Path) -> None:
     assert pairs(a) == pairs(b) == [(" ".join(e.split()), d) for e, d in zip(EN, DE)]
 
 
+def test_progress_counts_training_pairs_ahead_or_else_sources(root: Path, tmp_path: Path) -> None:
+    """The data stage tells its progress as (pairs read, pairs in the training sources), counted ahead in text
+    (gzipped too, a last line without its newline too), TSV and Parquet sources; when a source cannot be counted
+    ahead (an Arrow stream) it tells (sources read, sources) instead. A finished corpus reads nothing."""
+    write_pair(root, "gz/train", EN, DE, gz=True)
+    (root / "nonl.en").write_text("A cat.\nA hat.", encoding="utf-8")
+    (root / "nonl.de").write_text("Eine Katze.\nEin Hut.", encoding="utf-8")
+    (root / "c.tsv").write_text("".join(f"{d}\t{e}\n" for e, d in zip(EN, DE)), encoding="utf-8")
+    pq.write_table(pa.table({"en": EN, "de": DE}), root / "p.parquet")
+    table = pa.table({"en": EN, "de": DE})
+    with pa.ipc.new_stream(root / "s.arrow", table.schema) as w:
+        w.write_table(table)
+    counted = [{"name": "g", "format": "text", "path": "gz/train"}, {"name": "n", "format": "text", "path": "nonl"},
+               {"name": "t", "format": "tsv", "path": "c.tsv", "columns": ["de", "en"]},
+               {"name": "p", "format": "parquet", "path": "p.parquet"}]
+    heard: list[tuple[int, int]] = []
+    cfg = data_cfg(root, counted)
+    corpus = prepare_corpus(cfg, tmp_path / "a", progress=lambda done, total: heard.append((done, total)))
+    assert heard == [(5, 17), (7, 17), (12, 17), (17, 17)]
+    heard.clear()
+    assert prepare_corpus(cfg, tmp_path / "a", progress=lambda done, total: heard.append((done, total))) == corpus
+    assert heard == []
+    uncounted = [counted[0], {"name": "s", "format": "arrow", "path": "s.arrow"}]
+    prepare_corpus(data_cfg(root, uncounted), tmp_path / "b", progress=lambda done, total: heard.append((done, total)))
+    assert heard == [(1, 2), (2, 2)]
+
+
 def test_tsv_columns_pick_the_languages(root: Path, tmp_path: Path) -> None:
     (root / "c.tsv").write_text("".join(f"{d}\t{e}\n" for e, d in zip(EN, DE)), encoding="utf-8")
     corpus = prepare_corpus(data_cfg(root, [{"name": "t", "format": "tsv", "path": "c.tsv", "columns": ["de", "en"]}]),

@@ -64,7 +64,8 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     for needle in ("## Data", "| test.test2016 (test2016) | sacrebleu |", "tok_bleu_compound_split", "## Registry",
                    "## Serving export", "| CTranslate2 sacreBLEU |", stack["mlflow"] + "/#/experiments/"):
         assert needle in report, needle
-    assert keys["training-progress"]["type"] == "progress" and keys["training-progress"]["data"] == 100.0
+    for stage in ("data", "tokenize", "training", "evaluation"):  # one progress artifact per long stage
+        assert keys[f"{stage}-progress"]["type"] == "progress" and keys[f"{stage}-progress"]["data"] == 100.0, stage
     scores = keys["multi30k-cpu-hub-scores"]
     assert scores["type"] == "table" and '"metric": "sacrebleu"' in scores["data"] and "nrefs:1" in scores["data"]
     # link artifacts (Prefect stores them as markdown links)
@@ -419,6 +420,16 @@ def test_progress_updates_follow_progress_not_the_clock() -> None:
     assert 25 <= len(sent) <= 31 and sent[-1] == 1800
 
 
+def test_the_browser_reads_what_a_reader_sees() -> None:
+    """The page text the browser checks assert on: visible text only (no script or style), image sources."""
+    from ops.browser import read_dom
+
+    dom = read_dom('<html><head><style>p {color: red}</style><script>var x = "hidden";</script></head><body>'
+                   '<p>Run <b>Completed</b></p><noscript>enable JS</noscript><img src="blob:http://h/1">'
+                   '<img alt="no source"><p>test2016  sacrebleu</p></body></html>')
+    assert dom.text == "Run Completed test2016  sacrebleu" and dom.images == ["blob:http://h/1"]
+
+
 def test_result_storage_is_a_folder_or_a_storage_block(tmp_path: Path) -> None:
     from ops.localstack import result_storage_env
 
@@ -469,3 +480,46 @@ def test_a_bad_override_is_refused_when_the_run_is_created(stack) -> None:
                          cwd=REPO, env=prefect.env, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "train.warmup_step" in res.stdout + res.stderr, res.stdout + res.stderr
     assert _api(prefect.api, "/flow_runs/count", {}) == before  # no run was created
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_run_pages_show_report_scores_form_and_heat_maps_in_a_browser(stack, chromium) -> None:
+    """What a user opens after a run, rendered by headless Chromium through ``python -m ops.screenshots``: the
+    Prefect run page, its report and score table, the run form; the MLflow parent run, an attention heat-map, the
+    logged model's metrics per dataset and the registered version. Screenshots land under the work dir's
+    ``screenshots/<flow run name>/``. Found two bugs: the Prefect UI of a stack on another port called port 4200,
+    and the logged model was filed under MLflow's Default experiment."""
+    prefect, work = stack["prefect"], stack["home"] / "work"
+    # a seed of its own: a new checkpoint, so this run registers a version (a known one is not registered again)
+    status, out, run_id = prefect.run_deployment("train-en-de/multi30k-cpu",
+                                                 {"overrides": {**QUICK, "train.seed": 7}, "max_steps": 10})
+    assert status == 0, out[-4000:]
+    env = {**prefect.env, "MLFLOW_TRACKING_URI": stack["mlflow"], "AIAYN_WORK_DIR": str(work)}
+    res = subprocess.run([sys.executable, "-m", "ops.screenshots", run_id], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    name = prefect.flow_run(run_id)["name"]
+    folder = work / "screenshots" / name
+    pages = json.loads((folder / "pages.json").read_text(encoding="utf-8"))
+    assert sorted(pages) == ["mlflow-attention", "mlflow-model", "mlflow-model-version", "mlflow-run",
+                             "prefect-flow-run", "prefect-report", "prefect-run-form", "prefect-scores"]
+    for key, page in pages.items():
+        png = Path(page["png"])
+        assert png.parent == folder and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", key
+        assert png.stat().st_size > 20_000, key  # drawn, not a blank page
+        assert "Can't connect" not in page["text"] and "Something went wrong" not in page["text"], (key, page["text"])
+    text = {k: p["text"] for k, p in pages.items()}
+    assert name in text["prefect-flow-run"] and "Completed" in text["prefect-flow-run"]
+    for needle in ("pipeline report", "Stages", "Training", "Serving export", "test2016"):
+        assert needle in text["prefect-report"], needle
+    assert "sacrebleu" in text["prefect-scores"] and "nrefs:1|case:mixed" in text["prefect-scores"]
+    for needle in ("config", "overrides", "precision", "multi30k-cpu-hub"):
+        assert needle in text["prefect-run-form"], needle
+    assert name in text["mlflow-run"]
+    # the heat-map: listed, and shown as an image the page loaded from the artifact store
+    assert "attention/dev1_encoder_decoder_layer1.png" in text["mlflow-attention"]
+    assert any(src.startswith("blob:") for src in pages["mlflow-attention"]["images"])
+    # the logged model lists each score with the dataset it was measured on
+    assert "test2016.sacrebleu" in text["mlflow-model"] and "corpus/test.test2016" in text["mlflow-model"]
+    assert "transformer-en-de" in text["mlflow-model-version"] and "serving.engine" in text["mlflow-model-version"]

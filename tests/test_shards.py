@@ -63,11 +63,18 @@ def files(folder: Path) -> dict[str, bytes]:
 @pytest.mark.integration
 def test_byte_identical_whatever_the_workers_and_a_rerun_is_a_noop(corpus: Path, tok: Tokenizer, shards: Path,
                                                                    work: Path, tmp_path: Path) -> None:
-    one = build_shards(corpus, tok.dir, CFG.model_copy(update={"num_workers": 1}), tmp_path)
+    heard: list[tuple[int, int]] = []
+    one = build_shards(corpus, tok.dir, CFG.model_copy(update={"num_workers": 1}), tmp_path,
+                       progress=lambda done, total: heard.append((done, total)))
     assert one.name == shards.name
     assert files(one) == files(shards)
+    # progress: pairs encoded of every split's, rising to all of them
+    rows = sum(s["rows"] for s in json.loads((corpus / "manifest.json").read_text())["splits"].values())
+    assert heard[-1] == (rows, rows) and [d for d, _ in heard] == sorted({d for d, _ in heard}) and len(heard) > 2
     mtimes = {p.name: p.stat().st_mtime_ns for p in shards.iterdir()}
-    assert build_shards(corpus, tok.dir, CFG, work) == shards
+    heard.clear()
+    assert build_shards(corpus, tok.dir, CFG, work, progress=lambda done, total: heard.append((done, total))) == shards
+    assert heard == []  # a re-run encodes nothing
     assert {p.name: p.stat().st_mtime_ns for p in shards.iterdir()} == mtimes
     other = build_shards(corpus, tok.dir, CFG.model_copy(update={"shard_rows": 50_000}), tmp_path)
     assert other.name != shards.name

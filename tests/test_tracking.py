@@ -219,6 +219,8 @@ def test_registered_version_carries_scores_and_first_becomes_champion(tracked, t
     # MLflow 3 model metrics: every score on the logged model, against the corpus split it was measured on (the
     # dataset the data stage logged), so the model page lists them per dataset.
     model = c.get_logged_model(mlflow.models.get_model_info(f"models:/{tracked['name']}/{tracked['version']}").model_id)
+    # filed beside its run (MLflow's default is the active experiment, Default when none is set)
+    assert model.experiment_id == c.get_run(tracked["runs"]["register"]).info.experiment_id != "0"
     on = {m.key: (m.value, m.dataset_name, m.dataset_digest) for m in model.metrics}
     corpus = json.loads((tiny_stack.corpus / "manifest.json").read_text())["splits"]
     assert on["newstest2014.sacrebleu"] == (tracked["scores"]["newstest2014.sacrebleu"], "corpus/test.newstest2014",

@@ -14,7 +14,7 @@ import time
 import unicodedata
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,7 +39,8 @@ SCHEMA = pa.schema(
         ("tgt_raw", pa.string()),  # dev/test: target exactly as distributed (score against it); train: null
     ]
 )
-_PROGRESS_EVERY = 1_000_000
+_LOG_EVERY = 1_000_000
+_REPORT_EVERY = 10_000
 
 
 def _code_hash() -> str:
@@ -108,12 +109,27 @@ def _write_eval_split(source: Source, role: str, out: Path, batch_rows: int, nor
     return entry, pairs
 
 
-def _progress(pairs: Iterator, name: str) -> Iterator:
-    start = time.perf_counter()
-    for i, item in enumerate(pairs, start=1):
-        if i % _PROGRESS_EVERY == 0:
-            log.info("%s: %d pairs read (%.0f pairs/s)", name, i, i / (time.perf_counter() - start))
-        yield item
+class _TrainProgress:
+    """Pairs read from the training sources, logged every ``_LOG_EVERY`` and told to ``report`` as (pairs read,
+    pairs expected) every ``_REPORT_EVERY``; without a count of every source ahead, as (sources read, sources)."""
+
+    def __init__(self, train: list[Source], report: Callable[[int, int], None] | None):
+        self.report, self.sources, self.done = report, len(train), 0
+        counts = [s.expected_rows() for s in train] if report else []  # a pass over text files: only when asked
+        self.expected = 0 if None in counts else sum(counts)
+
+    def pairs(self, source: Source) -> Iterator:
+        start, name = time.perf_counter(), source.spec.name
+        for i, item in enumerate(source.pairs(), start=1):
+            if i % _LOG_EVERY == 0:
+                log.info("%s: %d pairs read (%.0f pairs/s)", name, i, i / (time.perf_counter() - start))
+            if self.report and self.expected and i % _REPORT_EVERY == 0:
+                self.report(min(self.done + i, self.expected), self.expected)
+            yield item
+        self.done += source.info.rows_read if self.expected else 1
+        if self.report:
+            total = self.expected or self.sources
+            self.report(min(self.done, total), total)
 
 
 def _open_sources(data: DataConfig) -> tuple[Source, list[Source], list[Source], dict]:
@@ -135,11 +151,12 @@ def corpus_fingerprint(data: DataConfig) -> str:
     return identity_fingerprint(_open_sources(data)[3])
 
 
-def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
+def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, int], None] | None = None) -> Path:
     """Build (or reuse) the cleaned corpus for ``data`` under ``work_dir/corpus/`` and return its folder.
 
     Every source is resolved and checked before anything is written; output appears only complete (temporary
-    folder renamed at the end). Raises :class:`DataError` naming the file, line and what to do.
+    folder renamed at the end). Raises :class:`DataError` naming the file, line and what to do. ``progress``
+    hears (training pairs read, pairs in the training sources) as they are read (see :class:`_TrainProgress`).
     """
     dev, tests, train, identity = _open_sources(data)
     out, fingerprint, done = stage_folder(work_dir, "corpus", identity)
@@ -166,9 +183,10 @@ def prepare_corpus(data: DataConfig, work_dir: Path) -> Path:
         writer = _CorpusSplitWriter(tmp / "train.parquet", "train", data.write_batch_rows)
         read: Counter = Counter()
         symbols: set[str] = set()  # parsing: the closed target vocabulary of the kept training trees
+        reading = _TrainProgress(train, progress)
         for source in train:
             name = source.spec.name
-            for line, src, tgt in _progress(source.pairs(), name):
+            for line, src, tgt in reading.pairs(source):
                 read[name] += 1
                 s, t = normalize(src), normalize(source.model_target(tgt, data.tree_leaves))
                 if keep.keep(s, t):

@@ -172,6 +172,29 @@ def _gzip_error(path: Path) -> Exception | None:
     return None
 
 
+def _count_lines(path: Path) -> int | None:
+    """The number of lines in ``path`` (decompressed), or None when its gzip data is damaged (reading it says
+    where)."""
+    lines, last = 0, b"\n"
+    try:
+        with _open_binary(path) as f:
+            while chunk := f.read(1 << 20):
+                lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+    except _GZIP_ERRORS:
+        return None
+    return lines + (last != b"\n")
+
+
+def _sum_known(counts: Iterator[int | None]) -> int | None:
+    """The sum, or None if any count is unknown."""
+    total = 0
+    for n in counts:
+        if n is None:
+            return None
+        total += n
+    return total
+
+
 def _decode(raw: bytes, path: Path, line: int, offset: int) -> str:
     try:
         return raw.decode("utf-8")
@@ -223,6 +246,10 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def pairs(self) -> Iterator[Pair]:
         """Stream ``(line, src, tgt)``; sets ``info.rows_read`` when exhausted."""
+
+    def expected_rows(self) -> int | None:
+        """How many pairs :meth:`pairs` will yield, counted ahead cheaply (for progress); None when unknown."""
+        return None
 
     def model_target(self, tgt: str, tree_leaves: str) -> str:
         """What the model learns to produce from ``tgt`` as read (kept as ``tgt_raw`` for scoring): ``tgt`` itself
@@ -312,6 +339,9 @@ class TextSource(Source):
             pairs.append((found[self.src_lang], found[self.tgt_lang]))
         return pairs
 
+    def expected_rows(self) -> int | None:
+        return _sum_known(_count_lines(sp) for sp, _ in self.file_pairs)
+
     def pairs(self) -> Iterator[Pair]:
         total = 0
         for sp, tp in self.file_pairs:
@@ -370,6 +400,9 @@ class TsvSource(Source):
             raise DataError(f"{self.where}.path = {pattern!r} matches no file under data.root ({self.root}); "
                             "check the pattern and data.root")
         return [existing_file(p, self.where) for p in paths]
+
+    def expected_rows(self) -> int | None:
+        return _sum_known(_count_lines(p) for p in self.paths)
 
     def pairs(self) -> Iterator[Pair]:
         n_cols = len(self.spec.columns)
@@ -514,6 +547,16 @@ class ParquetSource(Source):
             raise DataError(f"{path}: not a readable Parquet file ({e}); check 'format' for this source") from None
         return f.schema_arrow.names, f.iter_batches(batch_size=8192)
 
+    def _rows(self, path: Path) -> int | None:
+        """The file's row count from its metadata (None if unreadable: reading it says why)."""
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowInvalid, OSError):
+            return None
+
+    def expected_rows(self) -> int | None:
+        return _sum_known(self._rows(p) for p in self.paths)
+
     def pairs(self) -> Iterator[Pair]:
         total = 0
         for path in self.paths:
@@ -545,6 +588,9 @@ class ArrowSource(ParquetSource):
         else:
             batches = iter(reader)
         return reader.schema.names, batches
+
+    def _rows(self, path: Path) -> int | None:
+        return None  # a stream has no row count ahead of reading it
 
 
 def _json(path: Path) -> dict:
@@ -593,6 +639,9 @@ class DatasetSource(Source):
             if state.is_file():
                 for entry in _json(state).get("_data_files", []):
                     self._inside(split / entry["filename"], f"path (data file named in {self._rel(state)})")
+
+    def expected_rows(self) -> int | None:
+        return len(self.dataset)
 
     def pairs(self) -> Iterator[Pair]:
         ds = self.dataset

@@ -39,13 +39,15 @@ log = logging.getLogger("aiayn.shards")
 _IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, few enough to bound memory
 
 
-def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> Path:
+def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, work_dir: Path,
+                 progress: Callable[[int, int], None] | None = None) -> Path:
     """Encode every split of the corpus with the tokenizer into Arrow IPC shards; return the shard folder.
 
     Uses ``cfg.num_workers`` worker processes and ``cfg.shard_rows`` rows per shard file. Output appears only
     complete, under ``work_dir/shards/<fingerprint>``; the same inputs give byte-identical files whatever the
     number of workers, and a re-run returns the existing folder without writing. Raises :class:`ShardError`
-    (or :class:`~pipeline.tokenize.TokenizerError` for a damaged tokenizer folder) naming the file.
+    (or :class:`~pipeline.tokenize.TokenizerError` for a damaged tokenizer folder) naming the file. ``progress``
+    hears (pairs encoded, pairs in every split) as chunks are written.
     """
     corpus_dir = Path(corpus_dir)
     tok = Tokenizer(tokenizer_dir)
@@ -69,6 +71,7 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
     schema = shard_schema(tok.dtype)
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])  # bool [vocab]
     entries = {}
+    encoded_rows, total_rows = 0, sum(s["rows"] for s in splits.values())
     ctx = multiprocessing.get_context("spawn")  # no fork: callers (Prefect, torch) may hold threads and locks
     init = (str(tok.dir), tok.dtype.str, os.getpid())
     with atomic_dir(out) as tmp, ProcessPoolExecutor(cfg.num_workers, mp_context=ctx, initializer=_init_worker,
@@ -78,8 +81,11 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
             plan = _plan(s["rows"], cfg.shard_rows)
             chunks = _read_chunks(corpus_dir / s["file"], [stop - start for _, start, stop in plan])
             results = _ordered(pool, _encode_chunk, chunks, _IN_FLIGHT_PER_WORKER * cfg.num_workers)
-            for (shard, start, _), encoded in zip(plan, results):
+            for (shard, start, stop), encoded in zip(plan, results):
                 writer.write(shard, start, *encoded)
+                encoded_rows += stop - start
+                if progress is not None:
+                    progress(encoded_rows, total_rows)
             entries[key] = {"corpus_file": s["file"], "corpus_sha256": s["sha256"], **writer.close()}
             log.info("%s: %d pairs encoded into %d shard(s)", key, s["rows"], len(entries[key]["shards"]))
         write_json(tmp / MANIFEST, {

@@ -23,8 +23,8 @@ _SOURCES = {
                  "version_tags", "version_with_checkpoint"),
     "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training", "model_scores"),
     "runs": ("TrackingError", "check_reachable", "close_flow_run", "close_stale_runs", "connect", "finish_run",
-             "flatten", "log_metrics", "log_params", "run_url", "set_tags", "start_pipeline_run", "start_stage_run",
-             "version_url"),
+             "flatten", "flow_run_pages", "log_metrics", "log_params", "run_url", "set_tags", "start_pipeline_run",
+             "start_stage_run", "version_url"),
     "sink": ("MlflowSink",),
 }
 _MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}

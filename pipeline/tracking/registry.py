@@ -76,6 +76,9 @@ def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: D
         log_promotion_set(run_id, promotion)
     cleaning = load_checkpoint(checkpoint)["config"]["data"]["cleaning"]
     arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export)
+    # MLflow files a logged model under the active experiment (Default, "0", when none was set), not its source
+    # run's: without this the model page sits outside the run's experiment (seen in the browser check).
+    mlflow.set_experiment(experiment_id=client().get_run(run_id).info.experiment_id)
     info = Model.log(artifact_path=None, name=MODEL_NAME, flavor=mlflow.pyfunc, run_id=run_id, **arguments)
     for key, value, dataset, digest in evaluated:
         client().log_metric(run_id, key, value, dataset_name=dataset, dataset_digest=digest, model_id=info.model_id)

@@ -202,6 +202,38 @@ def version_url(name: str, version: str) -> str | None:
     return f"{ui}/#/models/{quote(name)}/versions/{version}"
 
 
+def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
+    """The MLflow UI pages of a Prefect flow run's pipeline run on the server ``uri``, by name: ``mlflow-run``
+    (the parent run), ``mlflow-attention`` (the evaluate run's first attention heat-map), ``mlflow-model`` (the
+    logged model with its metrics per dataset) and ``mlflow-model-version`` (its registered version); a page the
+    run did not produce is left out. Raises :class:`TrackingError` without an http(s) server or a run of that
+    flow run."""
+    if urlparse(uri).scheme not in ("http", "https"):
+        raise TrackingError(f"{uri} is not an MLflow server: it has no UI to show")
+    check_reachable(uri)
+    ui, c = uri.rstrip("/"), MlflowClient(uri)
+    ids = [e.experiment_id for e in c.search_experiments()]
+    parents = _search_all(c, ids, f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    if not parents:
+        raise TrackingError(f"no MLflow run is tagged with the Prefect flow run {flow_run_id}")
+    parent = parents[0].info
+    base = f"{ui}/#/experiments/{parent.experiment_id}"
+    pages = {"mlflow-run": f"{base}/runs/{parent.run_id}"}
+    children = {r.data.tags.get("stage"): r.info.run_id
+                for r in _search_all(c, [parent.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.run_id}'")}
+    if "evaluate" in children:
+        figures = sorted(a.path for a in c.list_artifacts(children["evaluate"], "attention") if not a.is_dir)
+        if figures:
+            pages["mlflow-attention"] = f"{base}/runs/{children['evaluate']}/artifacts/{figures[0]}"
+    if "register" in children:
+        for model in c.search_logged_models([parent.experiment_id],
+                                            filter_string=f"source_run_id = '{children['register']}'"):
+            pages["mlflow-model"] = f"{base}/models/{model.model_id}"
+        for version in c.search_model_versions(f"run_id = '{children['register']}'"):
+            pages["mlflow-model-version"] = f"{ui}/#/models/{quote(version.name)}/versions/{version.version}"
+    return pages
+
+
 def content_digest(obj: Any) -> str:
     """A short stable digest of a JSON-able value (MLflow dataset digests hold at most 36 characters)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
