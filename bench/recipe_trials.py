@@ -5,7 +5,7 @@ difference from the baseline trial on dev and test2016 with sacreBLEU's paired b
         --trial dropout0.3=RUN_B/averaged/eval-last3-yyyy [--baseline baseline] [--out bench/results/recipe.json]
 
 Each ``--trial NAME=EVAL_DIR`` is an evaluation folder (``scores.json`` with ``dev.hyp``/``dev.ref`` and
-``test.test2016.hyp``/``.ref``); the run folder two levels up gives the updates and the changed settings (its
+``test.test2016.hyp``/``.ref``); the run folder above it gives the updates and the changed settings (its
 ``config.yaml`` against the baseline's). Choices are made on dev; test2016 is reported.
 """
 
@@ -41,8 +41,12 @@ def flat(tree: dict, prefix: str = "") -> dict[str, object]:
 
 
 def run_of(eval_dir: Path) -> Path:
-    """The training run folder of an evaluation folder (``<run>/averaged/eval-...``)."""
-    return eval_dir.parent.parent
+    """The training run folder of an evaluation folder (``<run>/averaged/[choose-.../]eval-...``): the nearest
+    folder above it with a ``train_summary.json``."""
+    for folder in eval_dir.parents:
+        if (folder / "train_summary.json").is_file():
+            return folder
+    raise SystemExit(f"error: no training run folder (train_summary.json) above {eval_dir}")
 
 
 def trial(name: str, eval_dir: Path) -> dict:
@@ -59,7 +63,7 @@ def main() -> int:
     p.add_argument("--baseline", help="the trial the others are tested against (default: the first)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    dirs = dict(t.split("=", 1) for t in args.trial)
+    dirs = dict(t.rsplit("=", 1) for t in args.trial)  # names may hold "=", paths do not
     dirs = {k: Path(v).resolve() for k, v in dirs.items()}
     base_name = args.baseline or next(iter(dirs))
     base_dir = dirs[base_name]
