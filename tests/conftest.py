@@ -70,7 +70,9 @@ def shared_data() -> Path:
 TINY = ["model.encoder_layers=1", "model.decoder_layers=1", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
         "tokenizer.vocab_size=1000", "train.max_tokens=512", "train.update_tokens=512", "train.warmup_steps=10",
         "train.log_every_steps=2", "train.dev_every_steps=1000", "train.dev_max_sentences=64",
-        "train.checkpoint_every_steps=1000", "train.checkpoint_every_minutes=60.0"]
+        "train.checkpoint_every_steps=1000", "train.checkpoint_every_minutes=60.0",
+        # the fixed-N path (tests of choosing N on dev set choose_from themselves)
+        "average.choose_from=[]"]
 
 # The tiny run of a deployment: TINY's model and batch, greedy decoding capped short (with max_steps=10).
 QUICK = {**{k: parse_value(v) for k, v in (o.split("=", 1) for o in TINY)}, "train.checkpoint_every_steps": 5,

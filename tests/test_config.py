@@ -56,8 +56,8 @@ def _tiny_data() -> dict:
 def test_cli_style_and_dict_overrides() -> None:
     cfg = load_config("multi30k-cpu", ["train.max_steps=200", "train.lr_scale=2e-1", "model.norm=pre"])
     assert (cfg.train.max_steps, cfg.train.lr_scale, cfg.model.norm) == (200, 0.2, "pre")
-    cfg = load_config("multi30k-cpu", {"train.max_steps": 300, "model": {"dropout": 0.2}})
-    assert (cfg.train.max_steps, cfg.model.dropout, cfg.model.d_model) == (300, 0.2, 256)
+    cfg = load_config("multi30k-cpu", {"train.max_steps": 300, "model": {"dropout": 0.3}})
+    assert (cfg.train.max_steps, cfg.model.dropout, cfg.model.d_model) == (300, 0.3, 256)
     cfg = load_config("multi30k-cpu", [("data.root", "123")])  # tuples are taken as is: a path stays a string
     assert cfg.data.root == "123"
 
@@ -206,7 +206,7 @@ def test_run_folder_ignores_budgets_but_not_settings_or_data(tmp_path) -> None:
     base = load_config("multi30k-cpu")
     longer = load_config("multi30k-cpu", ["train.max_steps=50000", "train.max_minutes=120"])
     assert run_dir(base, shards) == run_dir(longer, shards)  # raising a budget continues the same run
-    for change in ("train.warmup_steps=2000", "model.dropout=0.2", "tokenizer.vocab_size=9000"):
+    for change in ("train.warmup_steps=2000", "model.dropout=0.3", "tokenizer.vocab_size=9000"):
         assert run_dir(load_config("multi30k-cpu", [change]), shards) != run_dir(base, shards), change
     assert run_dir(base, other) != run_dir(base, shards)  # same config, other data (a grown glob source)
     init = tmp_path / "init.pt"
