@@ -444,6 +444,8 @@ def test_parsing_configs_and_their_validation(tmp_path) -> None:
     assert (wsj.data.tree_leaves, cpu.data.tree_leaves) == (PLACEHOLDER, "words")  # the paper's form; CPU's
     assert (wsj.decode.tree_max_open_run, wsj.decode.tree_max_unary_chain) == (None, None)  # the paper: no limits
     assert (cpu.decode.tree_max_open_run, cpu.decode.tree_max_unary_chain) == (3, 1)  # chosen on dev
+    # measured for the parser, not inherited from tiny's translation recipe
+    assert (cpu.model.dropout, cpu.average.choose_from, cpu.average.last_n) == (0.1, [], 3)
     assert load_config("multi30k-cpu").task == "translation"
     with pytest.raises(ConfigError, match="every source needs format 'ptb'"):
         load_config("ptb-sample-cpu", ["data.test=[{name: t, format: text, path: x}]"])
