@@ -40,6 +40,17 @@ def test_presets_match_the_paper_rows() -> None:
     assert (parsing.decode.beam_size, parsing.decode.length_penalty, parsing.decode.max_len_b) == (21, 0.3, 300)
 
 
+def test_the_embedded_defaults_take_the_measured_recipe_and_the_paper_presets_stay_the_papers() -> None:
+    """Issue 21's recipe (configs/presets/tiny.yaml) reaches every config of the embedded default, and nothing
+    else: the paper rows keep P_drop, a fixed N and alpha 0.6."""
+    for name in ("multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly"):
+        cfg = load_config(name)
+        assert (cfg.model.dropout, cfg.average.choose_from, cfg.decode.length_penalty) == (0.2, [1, 5, 10, 20], 1.0)
+    for name in ("wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big"):
+        cfg = load_config(name)
+        assert (cfg.average.choose_from, cfg.decode.length_penalty) == ([], 0.6), name
+
+
 def test_paper_presets_name_fp32_and_cpu_presets_take_auto() -> None:
     for name in ("wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"):
         assert load_config(name).train.precision == "fp32", name
