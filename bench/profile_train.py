@@ -40,6 +40,7 @@ from model import Transformer  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.shards import ShardDataset  # noqa: E402
 from pipeline.train import TrainStep, make_batch, setup, usable_batches  # noqa: E402
+from pipeline.train.metrics import matmul_roofline  # noqa: E402
 
 PRESETS = {"tiny": "multi30k-cpu", "base": "wmt14-en-de-base"}
 # Operator name fragments -> category, first match wins (names as torch.profiler reports them).
@@ -60,23 +61,6 @@ CATEGORIES = [
 
 def category(name: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k in name for k in keys)), "other")
-
-
-def matmul_roofline(shapes: list[tuple[int, int, int]], dtype: torch.dtype, repeats: int = 5) -> dict:
-    """GFLOP/s of ``torch.mm`` (M x K) @ (K x N) per shape, best of ``repeats`` after a warm-up."""
-    out = {}
-    for m, k, n in shapes:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.mm(a, b)
-        best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-        out[f"{m}x{k}x{n}"] = 2 * m * k * n / best / 1e9
-    return out
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Namespace) -> dict:
@@ -116,8 +100,8 @@ def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Na
     flops = model.flops_per_token(n_src / n_sent, n_tgt / n_sent) * n_tgt  # the profiled updates' FLOPs
     seconds = sum(times)
     d, d_ff, m = cfg.model.d_model, cfg.model.d_ff, args.max_tokens
-    roof = matmul_roofline([(m, d, d_ff), (m, d_ff, d), (m, d, vocab)],
-                           torch.bfloat16 if precision == "bf16" else torch.float32)
+    roof = {shape: flops_s / 1e9 for shape, flops_s in matmul_roofline(
+        [(m, d, d_ff), (m, d_ff, d), (m, d, vocab)], torch.bfloat16 if precision == "bf16" else torch.float32).items()}
     achieved = flops / seconds / 1e9
     return {"preset": preset, "precision": precision, "params": model.num_parameters(), "vocab": vocab,
             "updates": len(times), "median_update_s": statistics.median(times),

@@ -12,7 +12,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -133,19 +133,28 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def matmul_flops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 3) -> float:
-    """FLOP/s of ``torch.mm`` of (m x k) by (k x n) in ``dtype`` on the CPU with this process's threads, best of
-    ``repeats`` after a warm-up: the peak MFU is measured against where no datasheet applies (a CPU's matrix units
-    run at very different speeds in fp32 and bf16, and per shape)."""
-    # Constant operands: the speed does not depend on the values, and the RNG streams of training stay untouched.
-    a, b = torch.full((m, k), 0.5, dtype=dtype), torch.full((k, n), 0.25, dtype=dtype)
-    torch.mm(a, b)
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def matmul_roofline(shapes: Sequence[tuple[int, int, int]], dtype: torch.dtype,
+                    seconds_per_shape: float = 0.3, min_repeats: int = 5) -> dict[str, float]:
+    """FLOP/s of ``torch.mm`` of (m x k) by (k x n) in ``dtype`` on the CPU with this process's threads, per shape
+    (``"MxKxN"``): the best of repeated calls after two warm-up calls, repeated for ``seconds_per_shape`` and at
+    least ``min_repeats`` times. What a CPU's MFU is measured against where no datasheet applies (its matrix units
+    run at very different speeds in fp32 and bf16, and per shape). A single timed call is no peak: the first calls
+    build the kernel (oneDNN's primitive) and a busy moment at start-up slows one call, which once put the logged
+    MFU above 100%."""
+    out = {}
+    for m, k, n in shapes:
+        # Constant operands: the speed does not depend on the values, and the RNG streams of training stay untouched.
+        a, b = torch.full((m, k), 0.5, dtype=dtype), torch.full((k, n), 0.25, dtype=dtype)
         torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best
+        torch.mm(a, b)
+        best, spent, calls = math.inf, 0.0, 0
+        while calls < min_repeats or spent < seconds_per_shape:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            took = time.perf_counter() - t0
+            best, spent, calls = min(best, took), spent + took, calls + 1
+        out[f"{m}x{k}x{n}"] = 2 * m * k * n / best
+    return out
 
 
 def perplexity(nll_per_token: float) -> float:

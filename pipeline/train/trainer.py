@@ -42,7 +42,7 @@ from pipeline.fsutil import MANIFEST, exclusive, remove_stale_temps, sha256_file
 from pipeline.shards import ShardDataset, token_batches
 
 from .distributed import DistInfo, all_gather_object, all_reduce_sum, rng_state, seed_everything, setup
-from .metrics import ConsoleSink, JsonlSink, MetricsSink, matmul_flops, peak_flops, peak_memory_mb, perplexity
+from .metrics import ConsoleSink, JsonlSink, MetricsSink, matmul_roofline, peak_flops, peak_memory_mb, perplexity
 from .resume import resume
 
 log = logging.getLogger("aiayn.train")
@@ -200,19 +200,23 @@ class TrainStep:
 
 @torch.no_grad()
 def dev_loss(step_fn: TrainStep, ds: ShardDataset, batches: list[np.ndarray]) -> dict[str, float]:
-    """Label-smoothed loss, nll and perplexity per target token on ``batches``; every rank takes a share."""
+    """Label-smoothed loss, nll and perplexity per target token on ``batches``, and nll per sentence
+    (``dev_sentence_nll``: the negative log-likelihood of a whole reference sentence, which does not depend on how
+    the tokenizer cuts it, so runs with different vocabularies compare on it); every rank takes a share."""
     info, model = step_fn.info, step_fn.work  # in the training precision
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=info.device)  # loss, nll, tokens
+    sums = torch.zeros(4, dtype=torch.float64, device=info.device)  # loss, nll, tokens, sentences
     for idx in batches[info.rank :: info.world_size]:
         b = make_batch(ds, idx, info.device)
         with step_fn.autocast():
             logits = model(b.src, b.tgt_in)  # [B, T, V]
-        sums += torch.stack(step_fn.criterion(logits, b.tgt_out)).double()
+        sums[:3] += torch.stack(step_fn.criterion(logits, b.tgt_out)).double()
+        sums[3] += b.tgt_out.shape[0]
     model.train()
-    loss, nll, n = all_reduce_sum(sums, info).tolist()
+    loss, nll, n, sentences = all_reduce_sum(sums, info).tolist()
     n = max(n, 1.0)
-    return {"dev_loss": loss / n, "dev_nll": nll / n, "dev_ppl": perplexity(nll / n)}
+    return {"dev_loss": loss / n, "dev_nll": nll / n, "dev_ppl": perplexity(nll / n),
+            "dev_sentence_nll": nll / max(sentences, 1.0)}
 
 
 def _rank0_decides(flags: list[bool], info: DistInfo) -> list[bool]:
@@ -223,18 +227,20 @@ def _rank0_decides(flags: list[bool], info: DistInfo) -> list[bool]:
     return [bool(v) for v in all_reduce_sum(t, info).tolist()]
 
 
-def _flops_peak(cfg: RunConfig, info: DistInfo, bf16: bool) -> tuple[float | None, str | None]:
+def _flops_peak(cfg: RunConfig, info: DistInfo, bf16: bool, vocab: int) -> tuple[float | None, str | None]:
     """The peak FLOP/s that MFU is logged against, per process, and where it comes from: a GPU's dense bf16
-    datasheet figure; on a CPU, ``torch.mm`` measured here at the model's feed-forward shape (one update's tokens
-    x d_model -> d_ff) in the training precision, with this process's threads (the other ranks of the node wait
-    meanwhile)."""
+    datasheet figure; on a CPU, the best ``torch.mm`` measured here (:func:`matmul_roofline`, repeated) at the
+    model's own product shapes (a micro-batch's tokens through the feed-forward layers and the output projection) in
+    the training precision, with this process's threads (the other ranks of the node wait meanwhile)."""
     if info.device.type == "cuda":
         peak = peak_flops(info.device)
         return peak, f"datasheet dense bf16, {torch.cuda.get_device_name(info.device)}" if peak else None
-    m, k, n = cfg.train.max_tokens, cfg.model.d_model, cfg.model.d_ff
+    m, d, d_ff = cfg.train.max_tokens, cfg.model.d_model, cfg.model.d_ff
     dtype = torch.bfloat16 if bf16 else torch.float32
-    source = f"measured torch.mm {m}x{k}x{n} {str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
-    return matmul_flops(m, k, n, dtype), source
+    roof = matmul_roofline([(m, d, d_ff), (m, d_ff, d), (m, d, vocab)], dtype)
+    shape = max(roof, key=roof.get)
+    return roof[shape], (f"measured torch.mm {shape} {str(dtype).removeprefix('torch.')} (best of "
+                         f"{', '.join(roof)}), {torch.get_num_threads()} threads")
 
 
 def _params_digest(model: torch.nn.Module) -> str:
@@ -335,7 +341,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     accum = accumulation_steps(t.update_tokens, t.max_tokens, info.world_size)
     group = accum * info.world_size
 
-    flops_peak, peak_source = _flops_peak(cfg, info, step_fn.bf16) if info.is_main else (None, None)
+    vocab = train_ds.manifest["tokenizer"]["vocab_size"]
+    flops_peak, peak_source = _flops_peak(cfg, info, step_fn.bf16, vocab) if info.is_main else (None, None)
     all_sinks: list[MetricsSink] = []
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -411,8 +418,12 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                        "step_time_s": seconds / interval_steps, "peak_memory_mb": peak_memory_mb(info.device),
                        "epoch": epoch, "tgt_tokens": totals[0].item()}
             if flops_peak:
-                fpt = model.flops_per_token(n_src / n_sent, n_tgt / n_sent)
-                metrics["mfu"] = fpt * metrics["tgt_tokens_per_s"] / (flops_peak * info.world_size)
+                achieved = model.flops_per_token(n_src / n_sent, n_tgt / n_sent) * n_tgt / seconds / info.world_size
+                if achieved > flops_peak:  # the start-up measurement was no peak: never report MFU above 1
+                    log.warning("achieved %.3g FLOP/s per process, above the measured peak %.3g (%s): the peak is "
+                                "raised to it", achieved, flops_peak, peak_source)
+                    flops_peak = achieved
+                metrics |= {"mfu": achieved / flops_peak, "mfu_peak_tflops": flops_peak / 1e12}
             log_metrics(metrics)
             interval_sums.zero_()
             interval_counts.zero_()
@@ -421,7 +432,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         pause_start = time.monotonic()
         if step % t.dev_every_steps == 0:
             last_dev, dev_step = dev_loss(step_fn, dev_ds, dev_batches), step
-            log_metrics(last_dev)
+            # train_seconds: the wall-clock this process has trained, the resource a sweep prunes on
+            log_metrics({**last_dev, "train_seconds": time.monotonic() - started})
         # Time-based decisions are rank 0's, shared with all ranks so that they act on the same step.
         now = time.monotonic()
         out_of_time, ckpt_due = _rank0_decides([t.max_minutes is not None and now - started >= t.max_minutes * 60,
@@ -438,7 +450,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         checkpoint()
     if dev_step != step:
         last_dev = dev_loss(step_fn, dev_ds, dev_batches)
-        log_metrics(last_dev)
+        log_metrics({**last_dev, "train_seconds": time.monotonic() - started})
     # Every rank's step and parameter digest: DDP replicas must agree; a mismatch shows up in the summary.
     ranks = all_gather_object({"rank": info.rank, "step": step, "params_sha256": _params_digest(model)}, info)
     if info.is_main:
