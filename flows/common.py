@@ -45,8 +45,9 @@ def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, f
     got = {"src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang, "task": cfg.task}
     wrong = {k: got[k] for k, v in expect.items() if got[k] != v}
     if wrong:
+        other = "" if "task" in wrong else " (train-translation runs a translation config of any language pair)"
         raise ValueError(f"config {config!r} has {wrong}, but flow {flow_name} needs {expect}; pick a config for "
-                         "this flow or run the flow made for that config")
+                         f"this flow or run the flow made for that config{other}")
     return cfg
 
 

@@ -1,4 +1,8 @@
-"""Translation flows: ``train-en-de`` and ``train-en-fr``, the same stages (flows/common.py) on their configs.
+"""Translation flows, the same stages (flows/common.py) on a translation config:
+
+- ``train-en-de`` and ``train-en-fr``: the paper's two pairs, each refusing a config for another language pair;
+- ``train-translation``: any language pair, the one the config's data section names (``data.src_lang`` ->
+  ``data.tgt_lang``), e.g. a config written for a new pair, given by its path.
 
 Parameters are what a deployment (prefect.yaml) or ``prefect deployment run ... -p key=value`` sets.
 """
@@ -10,14 +14,34 @@ from prefect import flow
 from flows.common import Precision, close_tracking_runs, run_pipeline
 from pipeline.config import ConfigName, FlowOverrides
 
+# What each flow requires of its config (field -> value; :func:`flows.common.flow_config` refuses any other).
+EXPECT = {
+    "train-en-de": {"task": "translation", "src_lang": "en", "tgt_lang": "de"},
+    "train-en-fr": {"task": "translation", "src_lang": "en", "tgt_lang": "fr"},
+    "train-translation": {"task": "translation"},  # any language pair
+}
 
-@flow(name="train-en-de", log_prints=True, on_crashed=[close_tracking_runs],
-      on_cancellation=[close_tracking_runs])
+
+def _translation_flow(name: str):
+    """The decorator of the translation flow ``name``: the pipeline's hooks end its MLflow runs as KILLED when
+    the flow run crashes or is cancelled."""
+    return flow(name=name, log_prints=True, on_crashed=[close_tracking_runs], on_cancellation=[close_tracking_runs])
+
+
+def _train(name: str, config: str, data_root: str | None, overrides: FlowOverrides | None, max_steps: int | None,
+           max_minutes: float | None, precision: Precision | None, tracking_uri: str | None,
+           register_model: bool) -> dict:
+    """The body of every translation flow: the pipeline on ``config``, which must be what flow ``name`` expects."""
+    return run_pipeline(name, EXPECT[name], config, data_root, overrides, max_steps, max_minutes, precision,
+                        tracking_uri, register_model)
+
+
+@_translation_flow("train-en-de")
 def train_en_de(config: ConfigName | str = "multi30k-cpu-hub", data_root: str | None = None,
                 overrides: FlowOverrides | None = None, max_steps: int | None = None,
                 max_minutes: float | None = None, precision: Precision | None = None,
                 tracking_uri: str | None = None, register_model: bool = True) -> dict:
-    """Train, evaluate and register an English->German Transformer.
+    """Train, evaluate and register an English->German Transformer; a config for another pair is refused.
 
     Args:
         config: a config under configs/ (``multi30k-cpu-hub``, ``wmt14-en-de-base``, ``wmt14-en-de-big``) or a path.
@@ -29,16 +53,41 @@ def train_en_de(config: ConfigName | str = "multi30k-cpu-hub", data_root: str | 
         tracking_uri: the MLflow server; default env MLFLOW_TRACKING_URI, else SQLite in the work dir.
         register_model: register the averaged model and decide on the champion alias.
     """
-    return run_pipeline("train-en-de", {"task": "translation", "src_lang": "en", "tgt_lang": "de"}, config,
-                        data_root, overrides, max_steps, max_minutes, precision, tracking_uri, register_model)
+    return _train("train-en-de", config, data_root, overrides, max_steps, max_minutes, precision, tracking_uri,
+                  register_model)
 
 
-@flow(name="train-en-fr", log_prints=True, on_crashed=[close_tracking_runs],
-      on_cancellation=[close_tracking_runs])
+@_translation_flow("train-en-fr")
 def train_en_fr(config: ConfigName | str = "wmt14-en-fr-base", data_root: str | None = None,
                 overrides: FlowOverrides | None = None, max_steps: int | None = None,
                 max_minutes: float | None = None, precision: Precision | None = None,
                 tracking_uri: str | None = None, register_model: bool = True) -> dict:
-    """Train, evaluate and register an English->French Transformer (parameters as ``train-en-de``)."""
-    return run_pipeline("train-en-fr", {"task": "translation", "src_lang": "en", "tgt_lang": "fr"}, config,
-                        data_root, overrides, max_steps, max_minutes, precision, tracking_uri, register_model)
+    """Train, evaluate and register an English->French Transformer; a config for another pair is refused.
+
+    Args:
+        config: a config under configs/ (``multi30k-en-fr-cpu``, ``wmt14-en-fr-base``, ``wmt14-en-fr-big``) or a
+            path.
+        data_root, overrides, max_steps, max_minutes, precision, tracking_uri, register_model: as for
+            ``train-en-de``.
+    """
+    return _train("train-en-fr", config, data_root, overrides, max_steps, max_minutes, precision, tracking_uri,
+                  register_model)
+
+
+@_translation_flow("train-translation")
+def train_translation(config: ConfigName | str, data_root: str | None = None,
+                      overrides: FlowOverrides | None = None, max_steps: int | None = None,
+                      max_minutes: float | None = None, precision: Precision | None = None,
+                      tracking_uri: str | None = None, register_model: bool = True) -> dict:
+    """Train, evaluate and register a Transformer for any language pair: the one the config names
+    (``data.src_lang`` -> ``data.tgt_lang``); only a config that is not a translation config is refused.
+
+    Args:
+        config: required: a translation config under configs/ (e.g. ``multi30k-en-fr-cpu``) or the path of one
+            (absolute, or relative to the project folder), e.g. a config written for a new language pair.
+        data_root, overrides, max_steps, max_minutes, precision, tracking_uri, register_model: as for
+            ``train-en-de``. The model registers as ``transformer-<src_lang>-<tgt_lang>`` unless
+            ``tracking.registered_model`` names another.
+    """
+    return _train("train-translation", config, data_root, overrides, max_steps, max_minutes, precision,
+                  tracking_uri, register_model)

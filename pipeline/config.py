@@ -825,8 +825,8 @@ def dump_config(cfg: RunConfig) -> str:
 
 # The run configs under configs/ a flow run can name (tests/test_config.py keeps this equal to the files); a flow
 # also takes a path to any other config file.
-ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", "ptb-sample-cpu", "wmt14-en-de-base",
-                     "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"]
+ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", "multi30k-en-fr-cpu", "ptb-sample-cpu",
+                     "wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"]
 
 
 def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:

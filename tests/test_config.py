@@ -59,6 +59,38 @@ def test_paper_presets_name_fp32_and_cpu_presets_take_auto() -> None:
     assert load_config("wmt14-en-de-base", ["train.precision=auto"]).train.precision == "auto"
 
 
+def test_the_multi30k_en_fr_config_is_the_cpu_recipe_on_french_targets() -> None:
+    """configs/multi30k-en-fr-cpu.yaml: the embedded default's recipe and budget, the pair en -> fr read from the
+    French side of Multi30k (local files, no newstest), registered as its own model."""
+    import warnings
+
+    from pipeline.config import DevDomainWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DevDomainWarning)  # dev (Multi30k val) is in the training data's domain
+        fr = load_config("multi30k-en-fr-cpu")
+    de = load_config("multi30k-cpu")
+    assert (fr.name, fr.task, fr.data.src_lang, fr.data.tgt_lang) == ("multi30k-en-fr-cpu", "translation", "en", "fr")
+    assert fr.registered_model_name == "transformer-en-fr"
+    assert [(s.name, s.format, s.path) for s in fr.data.train] == [("multi30k", "text", "multi30k/train")]
+    assert (fr.data.dev.name, fr.data.dev.path) == ("multi30k-val", "multi30k/val")
+    assert [(s.name, s.path) for s in fr.data.test] == [("test2016", "multi30k/test2016")]
+    assert fr.train.max_minutes == 30.0
+    for section in ("tokenizer", "model", "train", "average", "decode", "export"):
+        assert getattr(fr, section) == getattr(de, section), section
+    assert fr.data.cleaning == de.data.cleaning and fr.data.root == de.data.root
+    assert load_config("multi30k-en-fr-cpu", data_root="/corpora").data.root == "/corpora"
+
+
+def test_config_names_are_the_shipped_run_configs() -> None:
+    """``ConfigName`` (the flows' config choices) lists exactly the run configs under configs/."""
+    from typing import get_args
+
+    from pipeline.config import ConfigName
+
+    assert sorted(get_args(ConfigName)) == RUN_CONFIGS
+
+
 def _tiny_data() -> dict:
     return {"train": [{"name": "t", "format": "text", "path": "t"}],
             "dev": {"name": "d", "format": "text", "path": "d"}}

@@ -87,6 +87,25 @@ def test_multi30k_default_config_on_shared_data(shared_data: Path, tmp_path: Pat
 
 
 @pytest.mark.integration
+def test_multi30k_en_fr_config_reads_the_french_side(shared_data: Path, tmp_path: Path) -> None:
+    """multi30k-en-fr-cpu's data stage: the 29,000 English captions of Multi30k with their French translations
+    (train.fr, ../shared/data/multi30k/README.md), dev val and test test2016, no newstest."""
+    cfg = load_config("multi30k-en-fr-cpu", data_root=shared_data)
+    corpus = prepare_corpus(cfg.data, tmp_path)
+    m = read_manifest(corpus)
+    assert (m["src_lang"], m["tgt_lang"]) == ("en", "fr")
+    train = m["splits"]["train"]
+    assert train["cleaning"]["read"] == 29_000 and train["origins"]["multi30k"]["read"] == 29_000
+    assert {k: s["rows"] for k, s in m["splits"].items() if k != "train"} == {"dev": 1014, "test.test2016": 1000}
+    assert m["inputs"]["train"][0]["files"]["multi30k/train.fr"] == (
+        "5925a3c18f1587b6b54b87743106e6e8ab93618edb6f65d19eac0621f853a10d")
+    assert pairs(corpus)[0] == ("Two young, White males are outside near many bushes.",
+                                "Deux jeunes hommes blancs sont dehors près de buissons.")
+    raw = (shared_data / "multi30k" / "test2016.fr").read_text(encoding="utf-8").splitlines()
+    assert [r["tgt_raw"] for r in rows(corpus, "test.test2016")] == raw
+
+
+@pytest.mark.integration
 def test_sgm_extraction_equals_the_plain_text_test_set(shared_data: Path, tmp_path: Path) -> None:
     sgm = {"name": "nt14", "format": "sgm", "files": {"en": "wmt14-en-de/sgm/newstest2014-deen-src.en.sgm",
                                                        "de": "wmt14-en-de/sgm/newstest2014-deen-ref.de.sgm"}}

@@ -19,8 +19,8 @@ from pipeline.fsutil import sha256_file
 from pipeline.inference import load_model, translate
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
-from pipeline.translation.bleu import compound_split_tokenize, score_translations
-from pipeline.translation.evaluate import evaluate_translation
+from pipeline.translation.bleu import compound_split_tokenize, moses_tokenize, score_translations
+from pipeline.translation.evaluate import EVALUATOR, evaluate_translation
 from tests.conftest import TINY, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +50,21 @@ def test_scores_are_named_signed_and_exact_on_references() -> None:
 def test_compound_splitting_follows_get_ende_bleu() -> None:
     assert compound_split_tokenize(["saftig-grünes Gras, a-b-c."], "de") == [
         "saftig ##AT##-##AT## grünes Gras , a ##AT##-##AT## b-c ."]
+
+
+def test_compound_splitting_is_for_german_targets_only() -> None:
+    """The paper's tokenized BLEU splits hyphenated compounds for German output (get_ende_bleu.sh); any other
+    target language gets Moses-tokenized BLEU under its own name, ``tok_bleu``."""
+    refs = ["Un homme en t-shirt rouge est-il là ?", "Deux chiens jouent dans la neige."]
+    assert moses_tokenize(refs[:1], "fr") == ["Un homme en t-shirt rouge est-il là ?"]
+    fr = score_translations(["Un homme en t-shirt bleu est-il là ?", refs[1]], refs, "fr")
+    assert "tok_bleu_compound_split" not in fr and "no compound splitting" in fr["tok_bleu"]["what"]
+    assert "tok:none" in fr["tok_bleu"]["signature"] and 0 < fr["tok_bleu"]["score"] < 100
+    de = score_translations(["Ein Mann im rot-weißen Hemd.", "Zwei Hunde."], ["Ein Mann im rot-weißen Hemd.",
+                                                                               "Zwei Hunde spielen."], "de")
+    assert "tok_bleu" not in de and "compounds split" in de["tok_bleu_compound_split"]["what"]
+    assert EVALUATOR.summary(fr).endswith(f"tokenized BLEU {fr['tok_bleu']['score']:6.2f}")
+    assert "tokenized compound-split BLEU" in EVALUATOR.summary(de)
 
 
 @pytest.mark.integration

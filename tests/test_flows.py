@@ -470,6 +470,63 @@ def test_flow_parameters_are_typed_against_the_config_schema() -> None:
     assert flow_overrides({"train.max_steps": 5}) == {"train.max_steps": 5} and flow_overrides(None) == {}
 
 
+def test_the_pair_flows_refuse_another_pair_and_train_translation_takes_any(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train-en-de and train-en-fr keep their language pair; train-translation takes a translation config of any
+    pair (and still refuses a parsing config). Only the config is resolved: no run, no data read."""
+    from flows.common import flow_config
+    from flows.translation import EXPECT
+
+    monkeypatch.delenv("AIAYN_DATA_ROOT", raising=False)
+    monkeypatch.delenv("AIAYN_WORK_DIR", raising=False)
+    with pytest.raises(ValueError, match=re.escape("config 'multi30k-en-fr-cpu' has {'tgt_lang': 'fr'}, but flow "
+                                                   "train-en-de needs")) as refused:
+        flow_config("multi30k-en-fr-cpu", {}, None, "train-en-de", EXPECT["train-en-de"])
+    assert "train-translation runs a translation config of any language pair" in str(refused.value)
+    with pytest.raises(ValueError, match=re.escape("has {'tgt_lang': 'de'}, but flow train-en-fr needs")):
+        flow_config("multi30k-cpu", {}, None, "train-en-fr", EXPECT["train-en-fr"])
+    assert flow_config("multi30k-en-fr-cpu", {}, None, "train-en-fr", EXPECT["train-en-fr"]).data.tgt_lang == "fr"
+    for name, tgt in (("multi30k-en-fr-cpu", "fr"), ("multi30k-cpu", "de"), ("wmt14-en-de-base", "de")):
+        assert flow_config(name, {}, None, "train-translation", EXPECT["train-translation"]).data.tgt_lang == tgt
+    # a pair no shipped config has, through overrides (a config file written for it works the same way)
+    de_en = flow_config("multi30k-cpu", {"data.src_lang": "de", "data.tgt_lang": "en"}, None, "train-translation",
+                        EXPECT["train-translation"])
+    assert (de_en.data.src_lang, de_en.data.tgt_lang, de_en.registered_model_name) == ("de", "en", "transformer-de-en")
+    with pytest.raises(ValueError, match=re.escape("has {'task': 'parsing'}, but flow train-translation needs")):
+        flow_config("ptb-sample-cpu", {}, None, "train-translation", EXPECT["train-translation"])
+
+
+def test_every_translation_deployment_names_a_config_its_flow_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """prefect.yaml against flows/translation.py: each translation deployment's entrypoint is a flow of that module
+    whose pair its config has; train-translation's deployment leaves the config to the run (a required parameter);
+    the local stack creates a promotion lock for each deployed model, En-Fr's included."""
+    import importlib
+
+    import yaml
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.common import flow_config
+    from flows.translation import EXPECT, train_translation
+    from ops.localstack import deployed_models
+
+    monkeypatch.delenv("AIAYN_DATA_ROOT", raising=False)
+    monkeypatch.delenv("AIAYN_WORK_DIR", raising=False)
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
+    found = {}
+    for d in spec["deployments"]:
+        module, _, function = d["entrypoint"].partition(":")
+        if module != "flows/translation.py":
+            continue
+        fl = getattr(importlib.import_module("flows.translation"), function)
+        found[f"{fl.name}/{d['name']}"] = d.get("parameters", {}).get("config")
+        if "config" in d.get("parameters", {}):
+            flow_config(d["parameters"]["config"], {}, None, fl.name, EXPECT[fl.name])  # refuses a wrong pair
+    assert found["train-en-fr/multi30k-cpu"] == "multi30k-en-fr-cpu"
+    assert found["train-en-de/multi30k-cpu"] == "multi30k-cpu-hub"
+    assert found["train-translation/any-pair"] is None
+    assert "config" in parameter_schema(train_translation).model_dump_for_openapi()["required"]
+    assert {"transformer-en-de", "transformer-en-fr"} <= set(deployed_models())
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_a_bad_override_is_refused_when_the_run_is_created(stack) -> None:

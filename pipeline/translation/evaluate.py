@@ -2,7 +2,8 @@
 (``pipeline.translation.bleu``), each named plainly.
 
 Scores, per dev/test set, against the references exactly as distributed (``tgt_raw`` in the corpus): sacreBLEU,
-chrF and the paper's tokenized compound-split BLEU, each with its signature (``pipeline.translation.bleu``).
+chrF and the paper's tokenized BLEU (compound-split for a German target), each with its signature
+(``pipeline.translation.bleu``).
 
 Outputs in the evaluation folder: ``<split>.hyp`` (one detokenized hypothesis per line, in corpus order),
 ``<split>.ref`` (the references as scored, line for line: with the hypotheses, what promotion's paired test reads),
@@ -23,9 +24,15 @@ from pipeline.evalsets import SAMPLE_ROWS, Evaluator, Progress, eval_setup, samp
 from pipeline.fsutil import sha256_file, write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.tokenize import Tokenizer
-from pipeline.translation.bleu import score_translations
+from pipeline.translation.bleu import score_translations, tokenized_bleu
 
 log = logging.getLogger("aiayn.evaluate")
+
+
+def _tokenized(split: dict) -> tuple[str, float]:
+    """The tokenized BLEU of one set's scores as (its name for people, its score)."""
+    key, score = tokenized_bleu(split)
+    return ("tokenized compound-split BLEU" if key == "tok_bleu_compound_split" else "tokenized BLEU"), score["score"]
 
 
 def evaluate_translation(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig,
@@ -54,9 +61,8 @@ def evaluate_translation(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path
                    [{"source": s, "reference": r, "hypothesis": h} for s, r, h in samples])
         results[key] = {"name": corpus["splits"][key].get("name", key),
                         **score_translations(hyps, refs, corpus["tgt_lang"]), "truncated_sources": len(truncated)}
-        log.info("%s: sacreBLEU %.2f, chrF %.2f, tokenized compound-split BLEU %.2f", key,
-                 results[key]["sacrebleu"]["score"], results[key]["chrf"]["score"],
-                 results[key]["tok_bleu_compound_split"]["score"])
+        log.info("%s: sacreBLEU %.2f, chrF %.2f, %s %.2f", key, results[key]["sacrebleu"]["score"],
+                 results[key]["chrf"]["score"], *_tokenized(results[key]))
     path = out_dir / "scores.json"
     write_json(path, {"checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
                       "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
@@ -84,8 +90,9 @@ class TranslationEvaluator(Evaluator):
         return float(split["sacrebleu"]["score"])
 
     def summary(self, split: dict) -> str:
+        name, score = _tokenized(split)
         return (f"sacreBLEU {split['sacrebleu']['score']:6.2f}   chrF {split['chrf']['score']:6.2f}   "
-                f"tokenized compound-split BLEU {split['tok_bleu_compound_split']['score']:6.2f}")
+                f"{name} {score:6.2f}")
 
 
 EVALUATOR = TranslationEvaluator()
