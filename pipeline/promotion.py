@@ -128,11 +128,8 @@ def paired_bootstrap(metric: str, champion: Sequence[str], challenger: Sequence[
     key = next(k for k in results if k != "System")
     base, other = results[key]
     # The difference's interval: resample segment indices, score both systems on each resample.
-    stats = {name: np.asarray(m._extract_corpus_statistics(list(hyps), [list(references)]), dtype="float64")
-             for name, hyps in (("champion", champion), ("challenger", challenger))}
-    idx = np.random.default_rng(CI_SEED).choice(len(references), size=(resamples, len(references)), replace=True)
-    diffs = np.array([m._compute_score_from_stats(stats["challenger"][i].sum(0)).score
-                      - m._compute_score_from_stats(stats["champion"][i].sum(0)).score for i in idx])
+    diffs = _resampled_differences(m, *(_segment_stats(m, [hyps], references) for hyps in (champion, challenger)),
+                                   resamples)
     low, high = np.percentile(diffs, [2.5, 97.5])
     # sacreBLEU's bootstrap p-value is 1/(resamples+1) for two identical systems (no resample differs more than
     # the observed zero); identical outputs carry no evidence at all, so say p = 1.
@@ -141,6 +138,47 @@ def paired_bootstrap(metric: str, champion: Sequence[str], challenger: Sequence[
                       challenger=round(float(other.score), 4), delta=round(float(other.score - base.score), 4),
                       ci_low=round(float(low), 4), ci_high=round(float(high), 4), p_value=p_value,
                       resamples=resamples, signature=str(signatures[key]))
+
+
+def _segment_stats(m: Metric, runs: Sequence[Sequence[str]], references: Sequence[str]) -> np.ndarray:
+    """[segments, statistics]: each segment's sufficient statistics summed over ``runs`` (several runs of one
+    system, e.g. seeds, on the same segments): a corpus score over all of them is the score of the column sums."""
+    return sum(np.asarray(m._extract_corpus_statistics(list(hyps), [list(references)]), dtype="float64")
+               for hyps in runs)
+
+
+def _resampled_differences(m: Metric, base: np.ndarray, other: np.ndarray, resamples: int) -> np.ndarray:
+    """``other``'s score minus ``base``'s on each of ``resamples`` resamples of the segments (drawn as sacreBLEU's
+    paired bootstrap draws them, with its default seed)."""
+    idx = np.random.default_rng(CI_SEED).choice(len(base), size=(resamples, len(base)), replace=True)
+    return np.array([m._compute_score_from_stats(other[i].sum(0)).score
+                     - m._compute_score_from_stats(base[i].sum(0)).score for i in idx])
+
+
+def pooled_bootstrap(metric: str, baseline: Sequence[Sequence[str]], system: Sequence[Sequence[str]],
+                     references: Sequence[str], resamples: int = 1000) -> Comparison:
+    """Paired bootstrap of ``system`` against ``baseline`` over several runs each (seeds, paired by position), on
+    the same ``references``: each resample draws segments, and a drawn segment brings every run's output for it, so
+    the test sees the seeds' spread and the segments' sampling together (a block bootstrap; with one run each it is
+    sacreBLEU's paired bootstrap resampling, the same p-value). Scores are corpus scores over all runs' outputs;
+    p is two-sided, computed as sacreBLEU computes it."""
+    if len(baseline) != len(system) or not baseline:
+        raise ValueError(f"pooled bootstrap needs the same number of runs per system: {len(baseline)} vs {len(system)}")
+    if any(len(h) != len(references) for h in (*baseline, *system)) or not references:
+        raise ValueError(f"every run needs one output per reference segment ({len(references)})")
+    m = metric_for(metric)
+    stats = [_segment_stats(m, runs, references) for runs in (baseline, system)]
+    base_score, score = (m._compute_score_from_stats(s.sum(0)).score for s in stats)
+    diffs = _resampled_differences(m, *stats, resamples)
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    centred = np.abs(diffs) - np.abs(diffs).mean()  # sacreBLEU's statistic: |difference|, centred
+    p = 1.0 if [list(h) for h in baseline] == [list(h) for h in system] else \
+        float(((centred > abs(score - base_score)).sum() + 1) / (resamples + 1))
+    return Comparison(metric=metric, segments=len(references) * len(baseline), champion=round(float(base_score), 4),
+                      challenger=round(float(score), 4), delta=round(float(score - base_score), 4),
+                      ci_low=round(float(low), 4), ci_high=round(float(high), 4), p_value=p, resamples=resamples,
+                      signature=f"pooled paired bootstrap over {len(baseline)} run(s) per system, "
+                                f"{resamples} resamples, seed {CI_SEED}, {m.get_signature()}")
 
 
 @dataclass(frozen=True)

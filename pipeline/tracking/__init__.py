@@ -26,6 +26,7 @@ _SOURCES = {
              "flatten", "flow_run_pages", "log_metrics", "log_params", "run_url", "set_tags", "start_pipeline_run",
              "start_stage_run", "version_url"),
     "sink": ("MlflowSink",),
+    "sweep": ("dev_curve", "log_child", "log_sweep_result", "run_outcome", "start_sweep_run"),
 }
 _MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 

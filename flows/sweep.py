@@ -1,0 +1,83 @@
+"""The recipe search: ``sweep-en-de`` (any translation pair: the base config says which), a controller flow over
+trial runs of the pipeline's own deployment.
+
+    open the Optuna study (resumable) -> search: trials as flow runs on the work pool, pruned on dev NLL
+    -> confirm: the top trials and the base with paired seeds -> verdicts (pooled paired bootstrap, Bonferroni)
+    -> winner preset YAML, leaderboard and report (Prefect artifacts, MLflow parent run with a child per run)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from pipeline import tracking
+from pipeline.config import ensure_work_dir, resolve_config
+from pipeline.fsutil import write_text
+from pipeline.sweep.config import base_point, check_space, expand, load_sweep
+from pipeline.sweep.search import arms, confirm, open_study, search
+from pipeline.sweep.verdict import judge, leaderboard, markdown, winner, write_winner
+from tasks.sweep import DeploymentRunner, publish
+
+
+@flow(name="sweep-en-de", log_prints=True)
+def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: int | None = None,
+                max_in_flight: int | None = None, tracking_uri: str | None = None) -> dict:
+    """Search the recipe of a run config on dev, confirm the best with paired seeds, write the winner as a preset.
+
+    Args:
+        sweep: a sweep under configs/sweeps/ (``multi30k-cpu``) or a path to one.
+        data_root: local corpora for every trial (as the pipeline flow's data_root); default the worker's.
+        trials, max_in_flight: override the sweep's budget and how many trial runs train at once.
+        tracking_uri: the MLflow server; default env MLFLOW_TRACKING_URI. Every trial logs there too.
+    """
+    logger = get_run_logger()
+    cfg = load_sweep(sweep, {k: v for k, v in (("trials", trials), ("max_in_flight", max_in_flight)) if v})
+    base = resolve_config(cfg.base, cfg.trial_overrides, data_root=data_root)  # what every trial starts from
+    point = base_point(cfg, base)
+    check_space(cfg, point, data_root)
+    work = ensure_work_dir(base.work_dir)
+    folder = work / "sweeps" / cfg.name
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
+    tracking.connect(uri, base.tracking.experiment)
+    objective = f"{base.data.dev.name}.{base.promotion_metric}"
+    study = open_study(cfg, work, point, objective)
+    parent = tracking.start_sweep_run(base.tracking.experiment, cfg.name, cfg.model_dump(mode="json"),
+                                      {"prefect.flow_run_id": str(flow_run.get_id() or "")})
+    runner = DeploymentRunner(cfg.deployment, {"config": cfg.base, "data_root": data_root, "tracking_uri": uri,
+                                               "register_model": False}, folder, [f"sweep:{cfg.name}"])
+
+    search(cfg, study, runner, lambda params: expand(cfg, params), logger=logger)
+    rows = leaderboard(study)
+    for r in rows:
+        tracking.log_child(parent, f"trial-{r['trial']}", r["params"], {objective: r["value"], "steps": r["steps"]},
+                           runner.curve(r["run_id"]) if r["run_id"] else [],
+                           {"state": r["state"], "trial": r["trial"], "trial.flow_run_id": r["run_id"] or ""})
+    candidates = confirm(cfg, study, runner, arms(cfg, study, point), lambda params: expand(cfg, params),
+                         logger=logger)
+    for arm in candidates:
+        for seed, outcome in arm.outcomes.items():
+            tracking.log_child(parent, f"confirm-{arm.label}-seed-{seed}", {**arm.params, "train.seed": seed},
+                               outcome.metrics, [], {"state": outcome.state, "trial.flow_run_id": arm.runs[seed]})
+    dev = judge(cfg, candidates, "dev", objective, base.promotion_metric)
+    tests = [v for t in base.data.test for v in judge(cfg, candidates, f"test.{t.name}", f"{t.name}.sacrebleu",
+                                                       "sacrebleu")] if base.task == "translation" else []
+    chosen = winner(candidates, dev)
+    report = markdown(cfg, rows, dev, tests, chosen, objective)
+    files = {folder / "leaderboard.json": json.dumps(rows, indent=1, default=str),
+             folder / "confirmation.json": json.dumps([v.as_dict() for v in (*dev, *tests)], indent=1),
+             folder / "report.md": report}
+    for path, text in files.items():
+        write_text(path, text)
+    preset = write_winner(cfg, chosen, dev, tests, folder / "winner.yaml", base.name)
+    best = next((v for v in dev if v.label == chosen.label), None)
+    tracking.log_sweep_result(parent, [*files, preset],
+                              {"winner.dev_delta": best.comparison.delta, "winner.dev_p": best.comparison.p_value}
+                              if best else {}, {"winner": chosen.label})
+    publish(f"sweep-{cfg.name.lower().replace('_', '-').replace('.', '-')}", rows, report)
+    logger.info("sweep %s: winner %s; preset %s", cfg.name, chosen.label, preset)
+    return {"winner": chosen.label, "params": chosen.params, "preset": str(preset),
+            "leaderboard": rows, "verdicts": [v.as_dict() for v in (*dev, *tests)]}

@@ -1,0 +1,198 @@
+"""A sweep's typed config (``configs/sweeps/*.yaml``): which run config the trials start from, the search space
+over its fields, the budget of trials, pruning and the confirmation of the best by paired seeds.
+
+Every trial is a run of that config with the trial's values as dotted overrides (``train.warmup_steps: 1500``), so
+a trial is exactly what a user gets from ``-p overrides=...``, and a winner is a config file again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from pipeline.config import CONFIG_DIR, ConfigError, RunConfig, _Strict, _leaf_fields, load_config
+
+SWEEP_DIR = CONFIG_DIR / "sweeps"
+_FIELDS = dict(_leaf_fields(RunConfig))
+
+
+class Param(_Strict):
+    """One dimension of the search space.
+
+    - ``int`` / ``float``: ``low``..``high`` (inclusive), optionally on a grid of ``step`` or log-uniform (``log``);
+    - ``categorical``: one of ``choices`` (scalars);
+    - ``group``: one of ``options``, each a label naming several fields set together (a model shape: layers,
+      width and feed-forward size), e.g. ``{3x256: {model.encoder_layers: 3, model.d_model: 256}}``.
+    """
+
+    type: Literal["int", "float", "categorical", "group"]
+    low: float | None = None
+    high: float | None = None
+    step: float | None = None
+    log: bool = False
+    choices: list[int | float | str | bool] | None = None
+    options: dict[str, dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _complete(self) -> "Param":
+        if self.type in ("int", "float"):
+            if self.low is None or self.high is None or self.low > self.high:
+                raise ValueError(f"type {self.type!r} needs low <= high")
+            if self.log and self.step is not None:
+                raise ValueError("log and step exclude each other")
+        elif self.type == "categorical" and not self.choices:
+            raise ValueError("type 'categorical' needs a non-empty 'choices' list")
+        elif self.type == "group" and not self.options:
+            raise ValueError("type 'group' needs 'options': {label: {field: value, ...}}")
+        return self
+
+
+class PrunerConfig(_Strict):
+    """Hyperband (Li et al., 2018) over successive-halving brackets on the dev NLL per sentence, reported at every
+    dev evaluation of a running trial. The resource is training wall-clock seconds: the budget of the recipe being
+    tuned (a deeper model makes fewer updates in the same minutes). ``min_resource_s``: no trial is pruned before it
+    trained this long. ``kind: none``: every trial runs its whole budget."""
+
+    kind: Literal["hyperband", "none"] = "hyperband"
+    min_resource_s: int = Field(default=300, ge=1)
+    max_resource_s: int = Field(default=1800, ge=1)
+    reduction_factor: int = Field(default=3, ge=2)
+
+
+class ConfirmConfig(_Strict):
+    """The best ``top_k`` completed trials and the base config, each trained again with every seed in ``seeds``
+    (the same seeds for all: paired), compared with the base by a paired bootstrap over the dev segments pooled over
+    the seeds, at level ``alpha`` divided by ``top_k`` (Bonferroni: the family of comparisons holds ``alpha``)."""
+
+    top_k: int = Field(default=2, ge=1)
+    seeds: list[int] = Field(default=[1, 2, 3], min_length=1)
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    resamples: int = Field(default=1000, ge=100)
+
+
+class SweepConfig(_Strict):
+    """A sweep: ``trials`` trials of ``base`` (a run config) on ``deployment``, values drawn by TPE from ``space``."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    base: str = Field(min_length=1)  # the run config every trial starts from (a name under configs/ or a path)
+    deployment: str = Field(pattern=r"^[^/]+/[^/]+$")  # <flow name>/<deployment name> of the pipeline flow
+    trials: int = Field(default=16, ge=1)
+    max_in_flight: int = Field(default=1, ge=1)  # trial runs at once (on 2 cores one; a GPU pool more)
+    seed: int = 0  # the sampler's
+    # Fixed overrides of every trial (not searched): e.g. no serving export, no registration side effects.
+    trial_overrides: dict[str, Any] = {}
+    space: dict[str, Param] = Field(min_length=1)
+    # Points to try right after the base (trial 0), in order: hunches worth a full trial ({dotted key: value}, a
+    # subset of the space's keys; the rest is sampled).
+    enqueue: list[dict[str, Any]] = []
+    pruner: PrunerConfig = PrunerConfig()
+    confirm: ConfirmConfig = ConfirmConfig()
+    # Optuna storage: empty = SQLite in the work dir (<work_dir>/sweeps/<name>/optuna.db); a database URL
+    # (sqlite:///..., postgresql://...) or journal:<file> (Optuna's journal file, for shared file systems).
+    storage: str = ""
+    poll_s: float = Field(default=10.0, gt=0)  # how often running trials are looked at
+
+    @model_validator(mode="after")
+    def _fields_exist(self) -> "SweepConfig":
+        for key in [*self.trial_overrides, *self.space]:
+            if key not in _FIELDS and not (self.space.get(key) and self.space[key].type == "group"):
+                raise ValueError(f"{key!r} is not a config field (dotted, e.g. train.warmup_steps)")
+        for point in self.enqueue:
+            unknown = sorted(set(point) - set(self.space))
+            if unknown:
+                raise ValueError(f"enqueue: {unknown} are not keys of the space")
+        for key, param in self.space.items():
+            if param.type == "group":
+                unknown = sorted({f for o in param.options.values() for f in o if f not in _FIELDS})
+                if unknown:
+                    raise ValueError(f"space.{key}: {unknown} are not config fields")
+        return self
+
+
+def resolve_sweep_path(name_or_path: str | Path) -> Path:
+    """A sweep under configs/sweeps/ by name, or a path to one."""
+    for candidate in (Path(name_or_path), SWEEP_DIR / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate.resolve()
+    known = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
+    raise ConfigError(f"sweep {str(name_or_path)!r} not found (looked in {SWEEP_DIR}); known sweeps: {known}")
+
+
+def load_sweep(name_or_path: str | Path, overrides: dict[str, Any] | None = None) -> SweepConfig:
+    """Load and validate a sweep; ``overrides`` set top-level fields (``trials``, ``max_in_flight``).
+    A :class:`ConfigError` names the file and the field."""
+    path = resolve_sweep_path(name_or_path)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    tree.update(overrides or {})
+    try:
+        return SweepConfig.model_validate(tree)
+    except ValidationError as e:
+        lines = [f"{'.'.join(str(p) for p in err['loc']) or '<top level>'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"{path}: " + "; ".join(lines)) from None
+
+
+def expand(sweep: SweepConfig, params: dict[str, Any], fixed: bool = True) -> dict[str, Any]:
+    """A trial's sampled values as dotted config overrides (a group's label becomes its fields), after the
+    sweep's fixed ``trial_overrides`` (``fixed=False``: the searched values only, as a winner's preset holds)."""
+    out = dict(sweep.trial_overrides) if fixed else {}
+    for key, value in params.items():
+        spec = sweep.space[key]
+        # a float on a step grid comes back as low + k * step: 0.15000000000000002 would be a distinct config
+        out.update(spec.options[value] if spec.type == "group" else {key: round(value, 12)
+                                                                      if isinstance(value, float) else value})
+    return out
+
+
+def base_point(sweep: SweepConfig, base: RunConfig) -> dict[str, Any]:
+    """The base config's own values as a point of the space (the first trial, and the baseline of the
+    confirmation); a :class:`ConfigError` when the base config is not a point of the space."""
+    tree = base.model_dump(mode="json")
+
+    def value(key: str) -> Any:
+        node: Any = tree
+        for part in key.split("."):
+            node = node[part]
+        return node
+
+    point: dict[str, Any] = {}
+    for key, spec in sweep.space.items():
+        if spec.type == "group":
+            label = next((k for k, o in spec.options.items() if all(value(f) == v for f, v in o.items())), None)
+            if label is None:
+                raise ConfigError(f"sweep {sweep.name}: the base config {sweep.base!r} matches no option of "
+                                  f"space.{key} ({sorted(spec.options)}): add its values as an option")
+            point[key] = label
+            continue
+        v = value(key)
+        if spec.type == "categorical":
+            inside = v in spec.choices
+        else:
+            on_grid = spec.step is None or abs((v - spec.low) / spec.step - round((v - spec.low) / spec.step)) < 1e-9
+            inside = spec.low <= v <= spec.high and on_grid
+        if not inside:
+            raise ConfigError(f"sweep {sweep.name}: the base config {sweep.base!r} has {key}={v!r}, outside "
+                              f"space.{key}: widen the space so that the base is one of its points")
+        point[key] = v
+    return point
+
+
+def check_space(sweep: SweepConfig, point: dict[str, Any], data_root: str | None = None) -> None:
+    """Resolve the base with each value of each dimension in turn (every choice and option, both ends of a range),
+    so that a value the config refuses (``d_model`` not divisible by ``n_heads``, ...) fails the sweep before its
+    first trial, naming the dimension, instead of failing trials one by one hours later."""
+    for key, spec in sweep.space.items():
+        values = (list(spec.options) if spec.type == "group" else spec.choices if spec.type == "categorical"
+                  else [int(spec.low), int(spec.high)] if spec.type == "int" else [spec.low, spec.high])
+        for value in values:
+            try:
+                load_config(sweep.base, expand(sweep, {**point, key: value}), data_root=data_root)
+            except ConfigError as e:
+                raise ConfigError(f"sweep {sweep.name}: space.{key} = {value!r} makes an invalid config: {e}") from None

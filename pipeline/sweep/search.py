@@ -1,0 +1,242 @@
+"""The sweep's controller: Optuna's ask-and-tell over trial runs started elsewhere, Hyperband pruning on their dev
+NLL as they train, then the confirmation runs of the best by paired seeds.
+
+Nothing here knows Prefect or MLflow: trials run through a :class:`Runner` (the flow's one starts ``train-en-de``
+flow runs on the work pool and reads their MLflow runs: ``tasks/sweep.py``). The study lives in Optuna storage
+(SQLite or a journal file), and every run is started under an idempotency key derived from the study, so a
+controller that stops (crash, cancellation, a new deployment) and starts again re-attaches to the runs it had
+started instead of starting them twice, and goes on where it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import optuna
+from optuna.distributions import (BaseDistribution, CategoricalDistribution, FloatDistribution,
+                                  IntDistribution)
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import FrozenTrial, TrialState
+
+from pipeline.sweep.config import SweepConfig
+
+log = logging.getLogger("aiayn.sweep")
+
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+_UID = "sweep_uid"  # study attribute: this study's identity in idempotency keys (a re-created study gets a new one)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished run: its final state, its evaluation's metrics by name (``multi30k-val.sacrebleu``, ...) and a
+    local folder with its outputs per split (``<split>.hyp`` / ``<split>.ref``, as the evaluation wrote them)."""
+
+    state: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    outputs: Path | None = None
+    steps: int | None = None
+    message: str = ""
+
+
+class Runner(Protocol):
+    """Where trial runs run. ``start`` is idempotent on ``key``: the same key returns the run it started before."""
+
+    def start(self, key: str, name: str, overrides: dict[str, Any]) -> str: ...
+
+    def state(self, run_id: str) -> str: ...  # SCHEDULED, PENDING, RUNNING, ... or one of FINAL
+
+    def curve(self, run_id: str) -> list[tuple[float, float]]: ...  # (train seconds, dev NLL per sentence)
+
+    def cancel(self, run_id: str, why: str) -> None: ...
+
+    def outcome(self, run_id: str) -> Outcome: ...
+
+
+def storage_url(sweep: SweepConfig, work_dir: Path) -> str | optuna.storages.BaseStorage:
+    """The study's storage: ``sweep.storage``, or SQLite at ``<work_dir>/sweeps/<name>/optuna.db``."""
+    if sweep.storage.startswith("journal:"):
+        path = Path(sweep.storage.removeprefix("journal:")).expanduser().resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(str(path)))
+    if sweep.storage:
+        return sweep.storage
+    folder = Path(work_dir) / "sweeps" / sweep.name
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'optuna.db'}"
+
+
+def distributions(sweep: SweepConfig) -> dict[str, BaseDistribution]:
+    """Optuna's distribution of each dimension of the space (a group is a choice among its labels)."""
+    out: dict[str, BaseDistribution] = {}
+    for key, p in sweep.space.items():
+        if p.type == "int":
+            out[key] = IntDistribution(int(p.low), int(p.high), step=int(p.step or 1), log=p.log)
+        elif p.type == "float":
+            out[key] = FloatDistribution(p.low, p.high, step=p.step, log=p.log)
+        else:
+            out[key] = CategoricalDistribution(list(p.options) if p.type == "group" else p.choices)
+    return out
+
+
+def open_study(sweep: SweepConfig, work_dir: Path, base: dict[str, Any], objective: str) -> optuna.Study:
+    """Create the study, or load it to go on: maximising ``objective`` (the dev score's metric name), TPE seeded
+    with ``sweep.seed``, Hyperband (or no pruning). A new study's first trial is the base config itself (``base``,
+    its point of the space), so every sweep measures the incumbent under the same conditions as its
+    challengers."""
+    pruner = (optuna.pruners.HyperbandPruner(sweep.pruner.min_resource_s, sweep.pruner.max_resource_s,
+                                             sweep.pruner.reduction_factor)
+              if sweep.pruner.kind == "hyperband" else optuna.pruners.NopPruner())
+    study = optuna.create_study(study_name=sweep.name, storage=storage_url(sweep, work_dir), direction="maximize",
+                                sampler=optuna.samplers.TPESampler(seed=sweep.seed), pruner=pruner,
+                                load_if_exists=True)
+    study.set_user_attr("objective", objective)
+    if _UID not in study.user_attrs:
+        study.set_user_attr(_UID, uuid.uuid4().hex[:12])
+        study.enqueue_trial(base, user_attrs={"base": True})
+        for point in sweep.enqueue:
+            study.enqueue_trial(point)
+    return study
+
+
+def run_key(study: optuna.Study, what: str) -> str:
+    """The idempotency key of one run of this study (``trial-3``, ``confirm-trial-3-seed-2``)."""
+    return f"sweep-{study.study_name}-{study.user_attrs[_UID]}-{what}"
+
+
+def _reported(trial: FrozenTrial) -> int:
+    return max(trial.intermediate_values, default=-1)
+
+
+def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of, poll_s: float | None = None,
+           logger: logging.Logger | logging.LoggerAdapter = log) -> None:
+    """Run trials until ``sweep.trials`` are finished (completed, pruned or failed), at most ``max_in_flight`` at
+    once. While a trial trains, every new dev evaluation is reported to Optuna at step = its training seconds, as
+    the negative dev NLL per sentence (the study maximises); a trial the pruner stops is cancelled. A completed
+    trial's value is its dev score (``objective`` user attribute: the metric name). ``overrides_of(params)``: a
+    trial's config overrides; ``logger``: where each start, prune and result is said (the flow run's logs)."""
+    dists = distributions(sweep)
+    active: dict[int, tuple[optuna.Trial, str]] = {}
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):  # re-attach after a restart
+        trial = optuna.Trial(study, frozen._trial_id)
+        active[frozen.number] = (trial, _start(study, runner, trial, frozen.params, overrides_of, logger))
+    while True:
+        finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                  TrialState.FAIL)))
+        while len(active) < sweep.max_in_flight and finished + len(active) < sweep.trials:
+            trial = study.ask(dists)
+            active[trial.number] = (trial, _start(study, runner, trial, trial.params, overrides_of, logger))
+        if not active:
+            return
+        for number, (trial, run_id) in list(active.items()):
+            if _step(study, runner, trial, run_id, logger):
+                del active[number]
+        if active:
+            time.sleep(sweep.poll_s if poll_s is None else poll_s)
+
+
+def _start(study: optuna.Study, runner: Runner, trial: optuna.Trial, params: dict[str, Any], overrides_of,
+           logger: logging.Logger | logging.LoggerAdapter) -> str:
+    run_id = runner.start(run_key(study, f"trial-{trial.number}"), f"{study.study_name}-trial-{trial.number}",
+                          overrides_of(params))
+    trial.set_user_attr("run_id", run_id)
+    logger.info("trial %d: run %s with %s", trial.number, run_id, params)
+    return run_id
+
+
+def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
+          logger: logging.Logger | logging.LoggerAdapter) -> bool:
+    """Look at one running trial once: report its new dev points, prune it, or record how it ended. True when
+    the trial is over."""
+    state = runner.state(run_id)
+    frozen = study._storage.get_trial(trial._trial_id)
+    last = _reported(frozen)
+    for seconds, nll in runner.curve(run_id):
+        if int(seconds) > last:
+            trial.report(-nll if math.isfinite(nll) else float("nan"), int(seconds))
+            last = int(seconds)
+            # Asked after every point, also of a run that has ended: the pruner records a trial's value at each rung
+            # when it passes it, and later trials are measured against those values.
+            if trial.should_prune() and state not in FINAL:
+                runner.cancel(run_id, f"pruned by the sweep at {int(seconds)} s of training (dev NLL/sentence "
+                                      f"{nll:.3f})")
+                study.tell(trial, state=TrialState.PRUNED)
+                logger.info("trial %d pruned at %d s (dev NLL/sentence %.3f)", trial.number, int(seconds), nll)
+                return True
+    if state not in FINAL:
+        return False
+    if state != "COMPLETED":
+        trial.set_user_attr("run_state", state)
+        study.tell(trial, state=TrialState.FAIL)
+        logger.warning("trial %d: its run ended %s", trial.number, state)
+        return True
+    outcome = runner.outcome(run_id)
+    objective = study.user_attrs["objective"]
+    if objective not in outcome.metrics:
+        trial.set_user_attr("run_state", f"COMPLETED without {objective}")
+        study.tell(trial, state=TrialState.FAIL)
+        return True
+    trial.set_user_attr("steps", outcome.steps)
+    study.tell(trial, outcome.metrics[objective])
+    logger.info("trial %d: %s %.2f", trial.number, objective, outcome.metrics[objective])
+    return True
+
+
+@dataclass
+class Arm:
+    """One configuration in the confirmation: the base (``trial`` None) or a search trial, with its runs per seed."""
+
+    label: str
+    params: dict[str, Any]
+    trial: int | None
+    search_value: float | None
+    runs: dict[int, str] = field(default_factory=dict)  # seed -> run id
+    outcomes: dict[int, Outcome] = field(default_factory=dict)  # seed -> outcome
+
+
+def arms(sweep: SweepConfig, study: optuna.Study, base: dict[str, Any]) -> list[Arm]:
+    """The base and the ``confirm.top_k`` best completed trials other than the base point (by search dev score)."""
+    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.params != base]
+    done.sort(key=lambda t: (-t.value, t.number))
+    seen: list[dict] = []
+    best = []
+    for t in done:  # TPE may draw one point twice: confirm it once
+        if t.params not in seen:
+            seen.append(t.params)
+            best.append(t)
+    base_trial = next((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                       if t.params == base), None)
+    return [Arm("base", base, None, base_trial.value if base_trial else None),
+            *(Arm(f"trial-{t.number}", t.params, t.number, t.value) for t in best[: sweep.confirm.top_k])]
+
+
+def confirm(sweep: SweepConfig, study: optuna.Study, runner: Runner, candidates: list[Arm], overrides_of,
+            poll_s: float | None = None, logger: logging.Logger | logging.LoggerAdapter = log) -> list[Arm]:
+    """Train every arm with every seed of ``confirm.seeds`` (``train.seed``), at most ``max_in_flight`` at once,
+    and wait for all. A run of the same config and seed as a search trial reuses its training (the pipeline's
+    cache is keyed on the config), so seed 1 of a trial costs its evaluation only."""
+    pending = [(arm, seed) for arm in candidates for seed in sweep.confirm.seeds]
+    active: dict[str, tuple[Arm, int]] = {}
+    while pending or active:
+        while pending and len(active) < sweep.max_in_flight:
+            arm, seed = pending.pop(0)
+            overrides = {**overrides_of(arm.params), "train.seed": seed}
+            run_id = runner.start(run_key(study, f"confirm-{arm.label}-seed-{seed}"),
+                                  f"{study.study_name}-confirm-{arm.label}-seed-{seed}", overrides)
+            arm.runs[seed] = run_id
+            active[run_id] = (arm, seed)
+        for run_id, (arm, seed) in list(active.items()):
+            state = runner.state(run_id)
+            if state in FINAL:
+                arm.outcomes[seed] = runner.outcome(run_id) if state == "COMPLETED" else Outcome(state)
+                logger.info("confirmation %s seed %d: %s", arm.label, seed, state)
+                del active[run_id]
+        if active:
+            time.sleep(sweep.poll_s if poll_s is None else poll_s)
+    return candidates

@@ -1,0 +1,156 @@
+"""What a sweep concludes: the leaderboard of its trials, each confirmed candidate against the base over paired
+seeds (seed mean and spread, a pooled paired bootstrap, Bonferroni-corrected), and the winner as a config file.
+
+Choices are made on dev only; test sets are compared the same way and reported, never chosen on.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+
+from pipeline.fsutil import write_text
+from pipeline.promotion import Comparison, pooled_bootstrap
+from pipeline.sweep.config import SweepConfig, expand
+from pipeline.sweep.search import Arm
+
+
+def leaderboard(study: optuna.Study) -> list[dict[str, Any]]:
+    """One row per trial, best dev score first (then pruned, failed and running ones): its values, state, dev
+    score, updates made, last reported dev NLL per sentence and training seconds, and its run."""
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        last = max(t.intermediate_values, default=None)
+        rows.append({"trial": t.number, "state": t.state.name, "value": t.value if t.state.name == "COMPLETE" else None,
+                     "params": t.params, "base": bool(t.user_attrs.get("base")), "steps": t.user_attrs.get("steps"),
+                     "dev_sentence_nll": -t.intermediate_values[last] if last is not None else None,
+                     "train_seconds": last, "run_id": t.user_attrs.get("run_id")})
+    return sorted(rows, key=lambda r: (r["value"] is None, -(r["value"] or 0.0), r["trial"]))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One candidate against the base on one split, over the seeds both completed."""
+
+    label: str
+    split: str
+    seeds: list[int]
+    base_mean: float
+    base_std: float
+    mean: float
+    std: float
+    comparison: Comparison  # pooled paired bootstrap over the seeds' outputs
+    threshold: float  # alpha / number of candidates (Bonferroni)
+    verdict: str  # better | worse | no significant difference
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "comparison": asdict(self.comparison)}
+
+
+def _read(outcome, split: str) -> tuple[list[str], list[str]]:
+    hyp, ref = (outcome.outputs / f"{split}.{kind}" for kind in ("hyp", "ref"))
+    return tuple(f.read_text(encoding="utf-8").split("\n")[:-1] for f in (hyp, ref))
+
+
+def judge(sweep: SweepConfig, candidates: list[Arm], split: str, score_name: str, metric: str) -> list[Verdict]:
+    """Each non-base arm against the base on ``split`` (``dev``, ``test.test2016``): per-seed scores
+    (``score_name``, e.g. ``multi30k-val.sacrebleu``) as mean and standard deviation, and the pooled paired
+    bootstrap of ``metric`` over the seeds both completed; significant at ``confirm.alpha`` / (candidates)."""
+    base, others = candidates[0], candidates[1:]
+    threshold = sweep.confirm.alpha / max(len(others), 1)
+    out = []
+    for arm in others:
+        seeds = sorted(s for s in sweep.confirm.seeds if arm.outcomes.get(s) and base.outcomes.get(s)
+                       and arm.outcomes[s].state == base.outcomes[s].state == "COMPLETED")
+        if not seeds:
+            continue
+        outputs = {name: [_read(a.outcomes[s], split) for s in seeds] for name, a in (("base", base), ("arm", arm))}
+        refs = outputs["base"][0][1]
+        comparison = pooled_bootstrap(metric, [h for h, _ in outputs["base"]], [h for h, _ in outputs["arm"]], refs,
+                                      sweep.confirm.resamples)
+        scores = {name: [a.outcomes[s].metrics[score_name] for s in seeds]
+                  for name, a in (("base", base), ("arm", arm))}
+        significant = comparison.p_value < threshold
+        verdict = ("better" if comparison.delta > 0 else "worse") if significant else "no significant difference"
+        out.append(Verdict(arm.label, split, seeds, statistics.fmean(scores["base"]), _std(scores["base"]),
+                           statistics.fmean(scores["arm"]), _std(scores["arm"]), comparison, threshold, verdict))
+    return out
+
+
+def _std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def winner(candidates: list[Arm], dev: list[Verdict]) -> Arm:
+    """The candidate significantly better than the base on dev with the largest difference; else the base."""
+    better = [v for v in dev if v.verdict == "better"]
+    if not better:
+        return candidates[0]
+    best = max(better, key=lambda v: v.comparison.delta)
+    return next(a for a in candidates if a.label == best.label)
+
+
+def _nested(dotted: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in dotted.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def write_winner(sweep: SweepConfig, arm: Arm, dev: list[Verdict], tests: list[Verdict], path: Path,
+                 base_name: str) -> Path:
+    """The winner as a preset YAML: ``extends`` the base config, sets the winning values, and says in comments
+    what it was chosen on (dev, seeds, difference, p against the Bonferroni threshold) and what the tests
+    reported. The base winning writes a file that changes nothing and says why."""
+    mine = [v for v in (*dev, *tests) if v.label == arm.label]
+    lines = [f"# Written by sweep {sweep.name}: {arm.label}" + (" (no candidate beat the base on dev)"
+                                                                if arm.label == "base" else "")]
+    for v in mine:
+        c = v.comparison
+        lines.append(f"# {v.split}: {v.mean:.2f} +- {v.std:.2f} over seeds {v.seeds} against the base's "
+                     f"{v.base_mean:.2f} +- {v.base_std:.2f}; pooled {c.metric} {c.delta:+.2f} "
+                     f"[{c.ci_low:+.2f}, {c.ci_high:+.2f}], p = {c.p_value:.4f} (threshold {v.threshold:.4f}): "
+                     f"{v.verdict}" + ("" if v.split == "dev" else " (reported, not chosen on)"))
+    tree = {"extends": [sweep.base], "name": f"{base_name}-{sweep.name}" if arm.label != "base" else base_name,
+            **_nested(expand(sweep, arm.params, fixed=False) if arm.label != "base" else {})}
+    write_text(path, "\n".join(lines) + "\n" + yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+def markdown(sweep: SweepConfig, rows: list[dict], dev: list[Verdict], tests: list[Verdict], chosen: Arm,
+             objective: str) -> str:
+    """The sweep's report: the leaderboard and the confirmation table."""
+    keys = list(sweep.space)
+    out = [f"# Sweep {sweep.name}", "", f"Trials of `{sweep.base}` on `{sweep.deployment}`, chosen on {objective}.",
+           "", "| trial | state | " + " | ".join(keys) + f" | {objective} | updates | dev NLL/sentence | s |",
+           "|---|---|" + "---|" * (len(keys) + 4)]
+    for r in rows:
+        out.append(f"| {r['trial']}{' (base)' if r['base'] else ''} | {r['state']} | "
+                   + " | ".join(str(r["params"].get(k, "")) for k in keys)
+                   + f" | {_f(r['value'])} | {r['steps'] or ''} | {_f(r['dev_sentence_nll'], '.3f')} | "
+                     f"{r['train_seconds'] if r['train_seconds'] is not None else ''} |")
+    out += ["", f"Confirmation: seeds {sweep.confirm.seeds}, pooled paired bootstrap "
+                f"({sweep.confirm.resamples} resamples), Bonferroni over the candidates.", "",
+            "| candidate | split | seeds | mean +- std | base mean +- std | delta [95% CI] | p | threshold | verdict |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for v in (*dev, *tests):
+        c = v.comparison
+        out.append(f"| {v.label} | {v.split} | {len(v.seeds)} | {v.mean:.2f} +- {v.std:.2f} | {v.base_mean:.2f} +- "
+                   f"{v.base_std:.2f} | {c.delta:+.2f} [{c.ci_low:+.2f}, {c.ci_high:+.2f}] | {c.p_value:.4f} | "
+                   f"{v.threshold:.4f} | {v.verdict} |")
+    out += ["", f"**Winner: {chosen.label}**" + (f" ({chosen.params})" if chosen.label != "base" else
+                                                  ": no candidate was significantly better on dev")]
+    return "\n".join(out) + "\n"
+
+
+def _f(value: float | None, fmt: str = ".2f") -> str:
+    return "" if value is None else format(value, fmt)

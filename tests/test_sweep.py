@@ -1,0 +1,288 @@
+"""The sweep: its config, the controller's search and pruning, the confirmation's statistics and the winner preset
+(unit: Optuna in memory and a scripted runner in place of the work pool); and the real thing on the local stack."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, load_config
+from pipeline.promotion import paired_bootstrap, pooled_bootstrap
+from pipeline.sweep.config import SweepConfig, base_point, check_space, expand, load_sweep
+from pipeline.sweep.search import Arm, Outcome, arms, confirm, open_study, search
+from pipeline.sweep.verdict import judge, leaderboard, winner, write_winner
+
+REFS = [f"ein mann mit einem roten hut steht vor dem haus nummer {i} und wartet auf den bus" for i in range(120)]
+
+
+def _sweep(tmp_path: Path, **over) -> SweepConfig:
+    tree = {"name": "t", "base": "multi30k-cpu", "deployment": "train-en-de/multi30k-cpu", "trials": 4,
+            "max_in_flight": 2, "storage": f"sqlite:///{tmp_path / 'optuna.db'}", "poll_s": 0.01,
+            "trial_overrides": {"export.engine": "none"},
+            "space": {"train.warmup_steps": {"type": "int", "low": 500, "high": 2000, "step": 250},
+                      "model": {"type": "group", "options": {
+                          "small": {"model.d_model": 256, "model.d_ff": 1024},
+                          "wide": {"model.d_model": 384, "model.d_ff": 1536, "model.n_heads": 6}}}},
+            "pruner": {"min_resource_s": 10, "max_resource_s": 90, "reduction_factor": 3},
+            "confirm": {"top_k": 1, "seeds": [1, 2], "resamples": 200}}
+    tree.update(over)
+    return SweepConfig.model_validate(tree)
+
+
+def test_sweep_config_names_bad_fields_and_the_base_must_be_a_point(tmp_path):
+    sweep = load_sweep("multi30k-cpu")
+    base = load_config(sweep.base)
+    point = base_point(sweep, base)
+    assert point["model"] == "3x256" and point["tokenizer.vocab_size"] == base.tokenizer.vocab_size
+    # a group expands to its fields; the fixed trial overrides come first, a winner's preset leaves them out
+    assert expand(sweep, point)["model.d_ff"] == 1024 and expand(sweep, point)["export.engine"] == "none"
+    assert "export.engine" not in expand(sweep, point, fixed=False)
+    with pytest.raises(ValueError, match="'train.warmup_step' is not a config field"):
+        _sweep(tmp_path, space={"train.warmup_step": {"type": "int", "low": 1, "high": 2}})
+    with pytest.raises(ValueError, match="needs low <= high"):
+        _sweep(tmp_path, space={"train.warmup_steps": {"type": "int", "low": 3, "high": 2}})
+    off_grid = _sweep(tmp_path, space={"train.warmup_steps": {"type": "int", "low": 1500, "high": 2000}})
+    with pytest.raises(ConfigError, match=r"train.warmup_steps=1000, outside space.train.warmup_steps"):
+        base_point(off_grid, base)
+    check_space(sweep, point)  # every value of the shipped sweep makes a valid config
+    bad = _sweep(tmp_path, space={"model": {"type": "group", "options": {
+        "base": {"model.d_model": 256}, "odd": {"model.d_model": 250}}}})
+    with pytest.raises(ConfigError, match=r"space.model = 'odd' makes an invalid config: .*divisible by n_heads"):
+        check_space(bad, base_point(bad, base))
+    with pytest.raises(ValueError, match=r"enqueue: \['train.seed'\] are not keys of the space"):
+        _sweep(tmp_path, enqueue=[{"train.seed": 2}])
+    with pytest.raises(ConfigError, match="sweep 'nope' not found"):
+        load_sweep("nope")
+
+
+class ScriptedRunner:
+    """In place of the work pool: a run's dev curve grows by one point per look; warm-up sets how good it is."""
+
+    def __init__(self, points: int = 6):
+        self.runs: dict[str, dict] = {}
+        self.keys: dict[str, str] = {}
+        self.points = points
+        self.cancelled: list[str] = []
+        self.max_active = 0
+
+    def start(self, key, name, overrides):
+        if key in self.keys:  # idempotent, like Prefect's idempotency keys
+            return self.keys[key]
+        run_id = f"run-{len(self.runs)}"
+        self.keys[key] = run_id
+        self.runs[run_id] = {"overrides": overrides, "looks": 0, "state": "RUNNING"}
+        active = sum(r["state"] == "RUNNING" for r in self.runs.values())
+        self.max_active = max(self.max_active, active)
+        return run_id
+
+    def _quality(self, run_id):  # lower warm-up and the wide model are better here
+        o = self.runs[run_id]["overrides"]
+        return o["train.warmup_steps"] / 1000 + (0 if o["model.d_model"] == 384 else 0.5)
+
+    def state(self, run_id):
+        run = self.runs[run_id]
+        if run["state"] == "RUNNING":
+            run["looks"] += 1
+            if run["looks"] >= self.points:
+                run["state"] = "COMPLETED"
+        return run["state"]
+
+    def curve(self, run_id):
+        q = self._quality(run_id)
+        return [(10.0 * (i + 1), 40 - i + 5 * q) for i in range(self.runs[run_id]["looks"])]
+
+    def cancel(self, run_id, why):
+        self.cancelled.append(run_id)
+        self.runs[run_id]["state"] = "CANCELLED"
+
+    def outcome(self, run_id):
+        return Outcome("COMPLETED", {"multi30k-val.sacrebleu": 40 - 5 * self._quality(run_id)}, None, 100)
+
+
+def test_search_runs_the_base_first_caps_runs_in_flight_prunes_and_resumes(tmp_path):
+    sweep = _sweep(tmp_path, trials=6)
+    point = base_point(sweep, load_config(sweep.base))
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    runner = ScriptedRunner()
+    search(sweep, study, runner, lambda p: expand(sweep, p))
+    trials = study.get_trials()
+    assert len(trials) == 6 and trials[0].params == point and trials[0].user_attrs["base"]
+    assert runner.max_active <= sweep.max_in_flight
+    states = [t.state.name for t in trials]
+    assert set(states) == {"COMPLETE", "PRUNED"}  # Hyperband stopped the trials behind at a rung
+    # what was pruned was cancelled, and nothing else
+    pruned = [t.user_attrs["run_id"] for t in trials if t.state.name == "PRUNED"]
+    assert sorted(runner.cancelled) == sorted(pruned)
+    # intermediate values: the negative dev NLL per sentence at each training second reported
+    assert all(all(v < 0 for v in t.intermediate_values.values()) for t in trials)
+    rows = leaderboard(study)
+    assert rows[0]["value"] == max(t.value for t in trials if t.value is not None and t.state.name == "COMPLETE")
+    # A second controller on the same storage: nothing runs again, and a larger budget goes on from there.
+    again = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    search(sweep, again, runner, lambda p: expand(sweep, p))
+    assert len(again.get_trials()) == 6 and len(runner.runs) == 6
+    search(_sweep(tmp_path, trials=7), again, runner, lambda p: expand(sweep, p))
+    assert len(again.get_trials()) == 7 and len(runner.runs) == 7
+
+
+def _outputs(folder: Path, drop: float, seed: int) -> Path:
+    """An evaluation folder whose dev hypotheses drop each word with probability ``drop``."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True)
+    hyps = [" ".join(w for w in r.split() if rng.random() > drop) for r in REFS]
+    (folder / "dev.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    (folder / "dev.ref").write_text("".join(r + "\n" for r in REFS), encoding="utf-8")
+    return folder
+
+
+def test_pooled_bootstrap_is_sacrebleus_paired_bootstrap_for_one_seed(tmp_path):
+    a = _outputs(tmp_path / "a", 0.20, 1).joinpath("dev.hyp").read_text().split("\n")[:-1]
+    b = _outputs(tmp_path / "b", 0.18, 2).joinpath("dev.hyp").read_text().split("\n")[:-1]
+    one, pooled = paired_bootstrap("sacrebleu", a, b, REFS, 300), pooled_bootstrap("sacrebleu", [a], [b], REFS, 300)
+    assert 0.001 < one.p_value < 1 and pooled.p_value == pytest.approx(one.p_value)
+    assert (pooled.delta, pooled.ci_low, pooled.ci_high) == (one.delta, one.ci_low, one.ci_high)
+    assert pooled_bootstrap("sacrebleu", [a, b], [a, b], REFS, 300).p_value == 1.0
+    with pytest.raises(ValueError, match="same number of runs"):
+        pooled_bootstrap("sacrebleu", [a], [a, b], REFS)
+
+
+def test_confirmation_verdicts_are_bonferroni_corrected_and_the_winner_is_a_preset(tmp_path):
+    sweep = _sweep(tmp_path, confirm={"top_k": 2, "seeds": [1, 2, 3], "alpha": 0.05, "resamples": 300})
+    base = {"train.warmup_steps": 1000, "model": "small"}
+    arms_ = [Arm("base", base, None, 30.0), Arm("trial-1", {"train.warmup_steps": 500, "model": "wide"}, 1, 35.0),
+             Arm("trial-2", {"train.warmup_steps": 750, "model": "small"}, 2, 31.0)]
+    for k, (arm, drop) in enumerate(zip(arms_, (0.3, 0.05, 0.29))):
+        for seed in sweep.confirm.seeds:
+            out = _outputs(tmp_path / f"{arm.label}-{seed}", drop, 10 * k + seed)
+            hyps = out.joinpath("dev.hyp").read_text().split("\n")[:-1]
+            score = pooled_bootstrap("sacrebleu", [hyps], [hyps], REFS, 100).challenger
+            arm.outcomes[seed] = Outcome("COMPLETED", {"multi30k-val.sacrebleu": score}, out, 100)
+    verdicts = judge(sweep, arms_, "dev", "multi30k-val.sacrebleu", "sacrebleu")
+    assert [v.label for v in verdicts] == ["trial-1", "trial-2"]
+    assert all(v.threshold == pytest.approx(0.025) and v.seeds == [1, 2, 3] for v in verdicts)
+    clear, tie = verdicts
+    assert clear.verdict == "better" and clear.comparison.p_value < 0.025 and clear.mean > clear.base_mean
+    assert tie.verdict == "no significant difference" and tie.std > 0
+    chosen = winner(arms_, verdicts)
+    assert chosen.label == "trial-1"
+    path = write_winner(sweep, chosen, verdicts, [], tmp_path / "winner.yaml", "multi30k-cpu")
+    text = path.read_text()
+    assert "# dev: " in text and "better" in text and "export.engine" not in text
+    cfg = load_config(path)  # the preset loads: the base with the winning values
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.train.warmup_steps) == (384, 6, 500)
+    assert cfg.name == "multi30k-cpu-t" and yaml.safe_load(text)["extends"] == ["multi30k-cpu"]
+    # nothing significant: the base stays, and its preset changes nothing
+    assert winner(arms_, [tie]).label == "base"
+    assert json.dumps(clear.as_dict())  # the confirmation table is JSON
+
+
+def test_confirm_reuses_runs_by_key_and_keeps_failures_apart(tmp_path):
+    sweep = _sweep(tmp_path, trials=3, pruner={"kind": "none"})
+    point = base_point(sweep, load_config(sweep.base))
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    runner = ScriptedRunner(points=2)
+    search(sweep, study, runner, lambda p: expand(sweep, p))
+    candidates = arms(sweep, study, point)
+    assert candidates[0].label == "base" and len(candidates) == 2 and candidates[1].params != point
+    done = confirm(sweep, study, runner, candidates, lambda p: expand(sweep, p))
+    assert all(sorted(a.outcomes) == [1, 2] for a in done)
+    assert {r["overrides"]["train.seed"] for r in runner.runs.values() if "train.seed" in r["overrides"]} == {1, 2}
+    n = len(runner.runs)
+    confirm(sweep, study, runner, arms(sweep, study, point), lambda p: expand(sweep, p))
+    assert len(runner.runs) == n  # the same keys: the runs it started before
+
+
+# ------------------------------------------------------------------------------------------- on the local stack
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
+    """``sweep-en-de`` on the real stack: its trials are ``train-en-de`` flow runs on the work pool (subflows,
+    keyed), the one that learns nothing is pruned on its dev NLL and its run cancelled, the best is confirmed with
+    paired seeds, and the sweep's artifacts, MLflow runs and winner preset exist; a second run of the same sweep
+    starts no run."""
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import QUICK
+
+    sweep = {"name": "itest", "base": "multi30k-cpu-hub", "deployment": "train-en-de/multi30k-cpu", "trials": 3,
+             "max_in_flight": 1, "poll_s": 1,
+             # long enough in seconds for the pruner to look (training seconds are its resource), short in BLEU
+             "trial_overrides": {**QUICK, "train.max_steps": 100000, "train.max_minutes": 0.25,
+                                 "train.dev_every_steps": 10, "train.checkpoint_every_steps": 50,
+                                 "average.last_n": 1, "export.engine": "none", "tracking.attention_sentences": 0},
+             # trial 1 learns nothing; trial 2 trains as the base (its training comes from the cache) and decodes
+             # with another length penalty
+             "space": {"train.lr_scale": {"type": "categorical", "choices": [1.0, 0.001]},
+                       "decode.length_penalty": {"type": "categorical", "choices": [1.0, 0.6]}},
+             "enqueue": [{"train.lr_scale": 0.001, "decode.length_penalty": 1.0},
+                         {"train.lr_scale": 1.0, "decode.length_penalty": 0.6}],
+             "pruner": {"min_resource_s": 4, "max_resource_s": 8, "reduction_factor": 3},  # one bracket
+             "confirm": {"top_k": 1, "seeds": [1, 2], "resamples": 200}}
+    path = tmp_path / "itest.yaml"
+    path.write_text(yaml.safe_dump(sweep), encoding="utf-8")
+    prefect = stack["prefect"]
+    status, out, run_id = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path)}, timeout=900)
+    assert status == 0, out[-4000:] + prefect.logs(run_id)[-6000:]
+    children = _api_runs(prefect, run_id)
+    trials = {r["name"]: r for r in children}
+    assert trials["itest-trial-0"]["state"]["type"] == "COMPLETED"
+    assert trials["itest-trial-1"]["state"]["type"] == "CANCELLED"  # lr x0.001 learns nothing: pruned
+    assert re.search(r"trial 1 pruned at \d+ s \(dev NLL/sentence", prefect.logs(run_id))
+    assert all(r["idempotency_key"].startswith("sweep-itest-") for r in children)
+    assert all(r["parameters"]["register_model"] is False for r in children)
+    assert trials["itest-trial-2"]["state"]["type"] == "COMPLETED"
+    confirmations = sorted(n for n in trials if "-confirm-" in n)
+    assert confirmations == ["itest-confirm-base-seed-1", "itest-confirm-base-seed-2", "itest-confirm-trial-2-seed-1",
+                             "itest-confirm-trial-2-seed-2"]
+    assert all(trials[n]["state"]["type"] == "COMPLETED" for n in confirmations)
+    keys = {a["key"]: a for a in prefect.artifacts(run_id)}
+    assert keys["sweep-itest-leaderboard"]["type"] == "table"
+    report = keys["sweep-itest-report"]["data"]
+    assert "| 1 | PRUNED |" in report and "| 0 (base) | COMPLETE |" in report and "| 2 | COMPLETE |" in report
+    assert "| trial-2 | dev | 2 |" in report and "**Winner: " in report
+    (dev,) = [v for v in json.loads((stack["home"] / "work" / "sweeps" / "itest" / "confirmation.json").read_text())
+              if v["split"] == "dev"]
+    assert dev["seeds"] == [1, 2] and dev["threshold"] == 0.05 and dev["comparison"]["segments"] == 2 * 1014
+    winner = yaml.safe_load((stack["home"] / "work" / "sweeps" / "itest" / "winner.yaml").read_text())
+    assert winner["extends"] == ["multi30k-cpu-hub"]
+    # MLflow: the sweep's parent run with a child per trial and per confirmation run, the files as artifacts
+    mlflow = MlflowClient(stack["mlflow"])
+    exp = mlflow.get_experiment_by_name("aiayn")
+    (parent,) = mlflow.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{run_id}'")
+    assert parent.info.status == "FINISHED" and parent.data.tags["winner"]
+    runs = mlflow.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    names = {r.info.run_name for r in runs}
+    assert {"trial-0", "trial-1", "trial-2", "confirm-base-seed-1", "confirm-base-seed-2"} <= names
+    pruned = next(r for r in runs if r.info.run_name == "trial-1")
+    assert pruned.data.tags["state"] == "PRUNED" and mlflow.get_metric_history(pruned.info.run_id, "dev_sentence_nll")
+    assert {a.path for a in mlflow.list_artifacts(parent.info.run_id, "sweep")} >= {
+        "sweep/leaderboard.json", "sweep/report.md", "sweep/winner.yaml", "sweep/confirmation.json"}
+
+    # Again: the study is done and every confirmation run is found by its key; nothing new runs.
+    status, out, again = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path)}, timeout=600)
+    assert status == 0, out[-2000:] + prefect.logs(again)[-6000:]
+    assert {r["id"] for r in _api_runs(prefect, again)} <= {r["id"] for r in children}
+    total = prefect_runs_tagged(prefect, "sweep:itest")
+    assert len(total) == len(children)
+
+
+def _api_runs(prefect, parent_id: str) -> list[dict]:
+    """The flow runs started by the sweep's flow run ``parent_id`` (its subflows)."""
+    from tests.conftest import api
+
+    tasks = api(prefect.api, "/task_runs/filter", {"flow_runs": {"id": {"any_": [parent_id]}}})
+    ids = [t["id"] for t in tasks]
+    return api(prefect.api, "/flow_runs/filter", {"flow_runs": {"parent_task_run_id": {"any_": ids}}}) if ids else []
+
+
+def prefect_runs_tagged(prefect, tag: str) -> list[dict]:
+    from tests.conftest import api
+
+    return api(prefect.api, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [tag]}}})
