@@ -34,6 +34,7 @@ Run (results also in bench/results/vs_fairseq_{train,decode}.json)::
     python bench/bench_vs_fairseq.py train --sizes tiny base
     python bench/bench_vs_fairseq.py train --sizes tiny --updates 200 --skip 20 --repeats 1   # longer loss curve
     python bench/bench_vs_fairseq.py decode
+    python bench/bench_vs_fairseq.py train --sizes tiny --tag epyc-no-amx   # results of another CPU beside these
 """
 
 from __future__ import annotations
@@ -414,6 +415,7 @@ def main() -> None:
     common.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
     common.add_argument("--venv", type=Path, default=Path("/work/peers/fairseq-venv"), help="fairseq's venv")
     common.add_argument("--threads", type=int, default=2)
+    common.add_argument("--tag", default="", help="appended to the results file's name (e.g. the CPU: epyc-no-amx)")
     common.add_argument("--repeats", type=int, default=2)
     common.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                         help="our modes to run")
@@ -451,7 +453,7 @@ def main() -> None:
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
             "loadavg_at_end": os.getloadavg()}
     sizes = "_" + "_".join(args.sizes) if args.command == "train" else ""
-    out = RESULTS / f"vs_fairseq_{args.command}{sizes}_t{args.threads}.json"
+    out = RESULTS / f"vs_fairseq_{args.command}{sizes}_t{args.threads}{'_' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
     print(f"\nresults: {out}")
 

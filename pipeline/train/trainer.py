@@ -356,7 +356,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                   "num_parameters": model.num_parameters(), "device": str(info.device),
                   "precision": step_fn.precision, "precision_reason": step_fn.precision_reason,
                   "shards_fingerprint": shards["fingerprint"],
-                  "mfu_peak_tflops": round(flops_peak / 1e12, 3) if flops_peak else None,
+                  "mfu_peak_tflops": flops_peak / 1e12 if flops_peak else None,
                   "mfu_peak_source": peak_source}
         for s in all_sinks:
             s.log_params(params)
