@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -18,14 +19,15 @@ from pipeline import tracking
 from pipeline.config import ensure_work_dir, resolve_config
 from pipeline.fsutil import write_text
 from pipeline.sweep.config import base_point, check_space, expand, load_sweep
-from pipeline.sweep.search import arms, confirm, open_study, search
-from pipeline.sweep.verdict import judge, leaderboard, markdown, winner, write_winner
+from pipeline.sweep.search import arms, open_study, search
+from pipeline.sweep.search import confirm as confirm_arms
+from pipeline.sweep.verdict import Verdict, judge, leaderboard, markdown, winner, write_winner
 from tasks.sweep import DeploymentRunner, publish
 
 
 @flow(name="sweep-en-de", log_prints=True)
 def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: int | None = None,
-                max_in_flight: int | None = None, tracking_uri: str | None = None) -> dict:
+                max_in_flight: int | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
     """Search the recipe of a run config on dev, confirm the best with paired seeds, write the winner as a preset.
 
     Args:
@@ -33,6 +35,8 @@ def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trial
         data_root: local corpora for every trial (as the pipeline flow's data_root); default the worker's.
         trials, max_in_flight: override the sweep's budget and how many trial runs train at once.
         tracking_uri: the MLflow server; default env MLFLOW_TRACKING_URI. Every trial logs there too.
+        confirm: False stops after the search with the leaderboard published: a long sweep spread over several
+            windows of machine time (``-p trials=4 -p confirm=false``, then more); a later run goes on from there.
     """
     logger = get_run_logger()
     cfg = load_sweep(sweep, {k: v for k, v in (("trials", trials), ("max_in_flight", max_in_flight)) if v})
@@ -56,8 +60,14 @@ def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trial
         tracking.log_child(parent, f"trial-{r['trial']}", r["params"], {objective: r["value"], "steps": r["steps"]},
                            runner.curve(r["run_id"]) if r["run_id"] else [],
                            {"state": r["state"], "trial": r["trial"], "trial.flow_run_id": r["run_id"] or ""})
-    candidates = confirm(cfg, study, runner, arms(cfg, study, point), lambda params: expand(cfg, params),
-                         logger=logger)
+    key = f"sweep-{cfg.name.lower().replace('_', '-').replace('.', '-')}"
+    if not confirm:
+        _conclude(folder, parent, key, rows, markdown(cfg, rows, [], [], None, objective), [], None, {},
+                  {"winner": "pending confirmation"})
+        logger.info("sweep %s: %d trials finished; confirmation left to a later run", cfg.name, len(rows))
+        return {"winner": None, "leaderboard": rows, "verdicts": []}
+    candidates = confirm_arms(cfg, study, runner, arms(cfg, study, point), lambda params: expand(cfg, params),
+                              logger=logger)
     for arm in candidates:
         for seed, outcome in arm.outcomes.items():
             tracking.log_child(parent, f"confirm-{arm.label}-seed-{seed}", {**arm.params, "train.seed": seed},
@@ -66,18 +76,24 @@ def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trial
     tests = [v for t in base.data.test for v in judge(cfg, candidates, f"test.{t.name}", f"{t.name}.sacrebleu",
                                                        "sacrebleu")] if base.task == "translation" else []
     chosen = winner(candidates, dev)
-    report = markdown(cfg, rows, dev, tests, chosen, objective)
-    files = {folder / "leaderboard.json": json.dumps(rows, indent=1, default=str),
-             folder / "confirmation.json": json.dumps([v.as_dict() for v in (*dev, *tests)], indent=1),
-             folder / "report.md": report}
-    for path, text in files.items():
-        write_text(path, text)
     preset = write_winner(cfg, chosen, dev, tests, folder / "winner.yaml", base.name)
     best = next((v for v in dev if v.label == chosen.label), None)
-    tracking.log_sweep_result(parent, [*files, preset],
-                              {"winner.dev_delta": best.comparison.delta, "winner.dev_p": best.comparison.p_value}
-                              if best else {}, {"winner": chosen.label})
-    publish(f"sweep-{cfg.name.lower().replace('_', '-').replace('.', '-')}", rows, report)
+    _conclude(folder, parent, key, rows, markdown(cfg, rows, dev, tests, chosen, objective), [*dev, *tests], preset,
+              {"winner.dev_delta": best.comparison.delta, "winner.dev_p": best.comparison.p_value} if best else {},
+              {"winner": chosen.label})
     logger.info("sweep %s: winner %s; preset %s", cfg.name, chosen.label, preset)
     return {"winner": chosen.label, "params": chosen.params, "preset": str(preset),
             "leaderboard": rows, "verdicts": [v.as_dict() for v in (*dev, *tests)]}
+
+
+def _conclude(folder: Path, parent: str, key: str, rows: list[dict], report: str, verdicts: list[Verdict],
+              preset: Path | None, metrics: dict[str, float], tags: dict[str, str]) -> None:
+    """Write the leaderboard, the report and the verdicts (when confirmed) under ``folder``, log them with the
+    winner preset to the sweep's MLflow run, and publish the Prefect artifacts."""
+    files = {folder / "leaderboard.json": json.dumps(rows, indent=1, default=str), folder / "report.md": report}
+    if verdicts:
+        files[folder / "confirmation.json"] = json.dumps([v.as_dict() for v in verdicts], indent=1)
+    for path, text in files.items():
+        write_text(path, text)
+    tracking.log_sweep_result(parent, [*files, *([preset] if preset else [])], metrics, tags)
+    publish(key, rows, report)

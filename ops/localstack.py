@@ -6,7 +6,8 @@
 
 ``up`` starts a Prefect server (SQLite), an MLflow tracking server (SQLite + a local artifact folder), creates
 the process work pool, deploys ``prefect.yaml`` and starts a worker; it prints the two UI addresses. It is safe
-to run twice: a service whose recorded process is alive and healthy is kept. Every process is recorded in
+to run twice: a service whose recorded process is alive and healthy is kept. Before it starts a worker it marks
+Crashed the runs of the pool whose process is gone (a machine restart leaves them Running). Every process is recorded in
 ``<home>/stack.json`` with its PID and start time, so ``down`` never signals a process it did not start, even
 after a PID was reused. Ports default to Prefect's 4200 and MLflow's 5000 (``--prefect-port``, ``--mlflow-port``).
 
@@ -29,6 +30,7 @@ import urllib.error
 import urllib.request
 import warnings
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -192,6 +194,47 @@ def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str,
     return start_service("prefect-worker", cmd, env, None, api_url, home / "worker.log")
 
 
+def prefect_api(base: str, path: str, body: dict | None = None):
+    """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer."""
+    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def crash_orphaned_runs(api_url: str) -> list[str]:
+    """Mark Crashed the flow runs of the stack's pool that the server still shows pending, running or cancelling
+    although their process is gone, as a machine restart or a killed stack leaves them; returns their names.
+    Left alone such a run shows Running for ever, and whatever waits on it (a sweep re-attaching to its trial
+    runs) waits for ever too. ``up`` calls it before it starts a worker, when no worker of this stack runs one."""
+    runs = prefect_api(api_url, "/flow_runs/filter", {
+        "flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING", "CANCELLING"]}}},
+        "work_pools": {"name": {"any_": [WORK_POOL]}}})
+    marked = []
+    for run in runs:
+        if _run_process_alive(run):
+            continue
+        prefect_api(api_url, f"/flow_runs/{run['id']}/set_state", {"force": True, "state": {
+            "type": "CRASHED", "name": "Crashed",
+            "message": f"its process (pid {run.get('infrastructure_pid') or 'never recorded'}) is gone: the stack's "
+                       "worker and its runs stopped (machine restart or a killed stack); found by ops.localstack up"}})
+        marked.append(run["name"])
+    return marked
+
+
+def _run_process_alive(run: dict) -> bool:
+    """The run's recorded process exists and is older than the run (after a restart its PID may be another's)."""
+    pid = str(run.get("infrastructure_pid") or "")
+    if not pid.isdigit():
+        return False
+    try:
+        created = psutil.Process(int(pid)).create_time()
+    except psutil.Error:
+        return False
+    started = run.get("start_time")
+    return started is None or created <= datetime.fromisoformat(started).timestamp() + 1.0
+
+
 def deployed_models() -> list[str]:
     """The registered model of every deployment's config in prefect.yaml (their promotion locks)."""
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
@@ -266,6 +309,8 @@ class Stack:
         if work_dir is not None:
             extra["AIAYN_WORK_DIR"] = str(work_dir.resolve())
         if "prefect-worker" not in services:
+            for name in crash_orphaned_runs(api_url):
+                print(f"flow run {name}: its process is gone; marked Crashed")
             services["prefect-worker"] = start_worker(self.home / "prefect", api_url, services["mlflow"].url, extra)
             self.save(services)
         return services

@@ -16,14 +16,13 @@ them), it saves one PNG per page, plus ``pages.json`` (each page's address and v
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ops.browser import BrowserError, render
+from ops.localstack import prefect_api
 from pipeline import tracking
 from pipeline.fsutil import write_json
 
@@ -39,14 +38,6 @@ class Page:
     png: str
     text: str
     images: list[str]
-
-
-def prefect_api(base: str, path: str, body: dict | None = None):
-    """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer."""
-    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
 
 
 def prefect_pages(api_url: str, flow_run_id: str) -> tuple[str, dict[str, str]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ops.screenshots import prefect_api as api
+from ops.localstack import prefect_api as api
 from pipeline.config import parse_value
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

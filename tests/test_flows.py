@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import get_args
 
@@ -40,6 +41,42 @@ def test_stack_up_is_idempotent_and_binds_localhost(stack) -> None:
         for conn in psutil.Process(service.pid).net_connections(kind="tcp") if service.name != "prefect-worker" else []:
             if conn.status == psutil.CONN_LISTEN:
                 assert conn.laddr.ip == "127.0.0.1", (service.name, conn.laddr)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_up_after_the_worker_died_marks_its_runs_crashed(stack) -> None:
+    """A stack whose worker died with its flow runs (machine restart): the server still shows them Running. The next
+    ``up`` marks Crashed the ones whose process is gone, keeps a run whose process lives, and starts a new worker."""
+    from ops.localstack import Stack
+
+    api = stack["prefect"].api
+    deployment = _api(api, "/deployments/name/train-en-de/multi30k-cpu")["id"]
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    runs = {}
+    for name, pid in (("orphan", gone.pid), ("alive", psutil.Process().pid)):  # this test's process lives on
+        run = _api(api, f"/deployments/{deployment}/create_flow_run",
+                   {"name": f"{name}-check", "tags": ["orphan-check"], "state": {"type": "RUNNING", "name": "Running"}})
+        req = urllib.request.Request(f"{api}/flow_runs/{run['id']}", data=json.dumps({"infrastructure_pid": str(pid)})
+                                     .encode(), headers={"Content-Type": "application/json"}, method="PATCH")
+        urllib.request.urlopen(req, timeout=30).close()
+        runs[name] = run["id"]
+    try:
+        stack["services"]["prefect-worker"].stop()
+        up = subprocess.run([*stack["cmd"][:3], "up", *stack["cmd"][3:]], env=stack["env"], capture_output=True,
+                            text=True, timeout=300)
+        assert up.returncode == 0, up.stderr
+        stack["services"].update(Stack(stack["home"]).load())  # the new worker, for the tests after this one
+        assert "flow run orphan-check: its process is gone; marked Crashed" in up.stdout
+        assert "alive-check" not in up.stdout
+        orphan = _api(api, f"/flow_runs/{runs['orphan']}")["state"]
+        assert orphan["type"] == "CRASHED" and f"pid {gone.pid}" in orphan["message"]
+        assert _api(api, f"/flow_runs/{runs['alive']}")["state"]["type"] == "RUNNING"
+    finally:  # nothing of this test stays Running on the shared stack
+        for run_id in runs.values():
+            _api(api, f"/flow_runs/{run_id}/set_state", {"force": True, "state": {"type": "CANCELLED",
+                                                                                   "name": "Cancelled"}})
 
 
 @pytest.mark.slow

@@ -205,8 +205,8 @@ def test_confirm_reuses_runs_by_key_and_keeps_failures_apart(tmp_path):
 def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
     """``sweep-en-de`` on the real stack: its trials are ``train-en-de`` flow runs on the work pool (subflows,
     keyed), the one that learns nothing is pruned on its dev NLL and its run cancelled, the best is confirmed with
-    paired seeds, and the sweep's artifacts, MLflow runs and winner preset exist; a second run of the same sweep
-    starts no run."""
+    paired seeds, and the sweep's artifacts, MLflow runs and winner preset exist. Run first with confirm=false
+    (the search only), then whole (it goes on to confirm), then again: it starts no run."""
     from mlflow.tracking import MlflowClient
 
     from tests.conftest import QUICK
@@ -228,13 +228,22 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
     path = tmp_path / "itest.yaml"
     path.write_text(yaml.safe_dump(sweep), encoding="utf-8")
     prefect = stack["prefect"]
+    # First the search alone (confirm=false), as a long sweep is spread over windows of machine time
+    status, out, searched = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path), "confirm": False},
+                                                   timeout=900)
+    assert status == 0, out[-4000:] + prefect.logs(searched)[-6000:]
+    assert not [r for r in _api_runs(prefect, searched) if "-confirm-" in r["name"]]
+    keys = {a["key"]: a for a in prefect.artifacts(searched)}
+    assert "Confirmation: not run yet" in keys["sweep-itest-report"]["data"]
+    assert not (stack["home"] / "work" / "sweeps" / "itest" / "winner.yaml").exists()
+    # then the whole sweep: it goes on from the finished trials (found by their keys) to the confirmation
     status, out, run_id = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path)}, timeout=900)
     assert status == 0, out[-4000:] + prefect.logs(run_id)[-6000:]
-    children = _api_runs(prefect, run_id)
+    children = _api_runs(prefect, searched) + _api_runs(prefect, run_id)
     trials = {r["name"]: r for r in children}
     assert trials["itest-trial-0"]["state"]["type"] == "COMPLETED"
     assert trials["itest-trial-1"]["state"]["type"] == "CANCELLED"  # lr x0.001 learns nothing: pruned
-    assert re.search(r"trial 1 pruned at \d+ s \(dev NLL/sentence", prefect.logs(run_id))
+    assert re.search(r"trial 1 pruned at \d+ s \(dev NLL/sentence", prefect.logs(searched))
     assert all(r["idempotency_key"].startswith("sweep-itest-") for r in children)
     assert all(r["parameters"]["register_model"] is False for r in children)
     assert trials["itest-trial-2"]["state"]["type"] == "COMPLETED"

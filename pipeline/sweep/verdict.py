@@ -126,9 +126,9 @@ def write_winner(sweep: SweepConfig, arm: Arm, dev: list[Verdict], tests: list[V
     return path
 
 
-def markdown(sweep: SweepConfig, rows: list[dict], dev: list[Verdict], tests: list[Verdict], chosen: Arm,
+def markdown(sweep: SweepConfig, rows: list[dict], dev: list[Verdict], tests: list[Verdict], chosen: Arm | None,
              objective: str) -> str:
-    """The sweep's report: the leaderboard and the confirmation table."""
+    """The sweep's report: the leaderboard and the confirmation table (``chosen`` None: not confirmed yet)."""
     keys = list(sweep.space)
     out = [f"# Sweep {sweep.name}", "", f"Trials of `{sweep.base}` on `{sweep.deployment}`, chosen on {objective}.",
            "", "| trial | state | " + " | ".join(keys) + f" | {objective} | updates | dev NLL/sentence | s |",
@@ -138,6 +138,9 @@ def markdown(sweep: SweepConfig, rows: list[dict], dev: list[Verdict], tests: li
                    + " | ".join(str(r["params"].get(k, "")) for k in keys)
                    + f" | {_f(r['value'])} | {r['steps'] or ''} | {_f(r['dev_sentence_nll'], '.3f')} | "
                      f"{r['train_seconds'] if r['train_seconds'] is not None else ''} |")
+    if chosen is None:
+        return "\n".join([*out, "", "Confirmation: not run yet (this run searched only); a run of the sweep with "
+                                     "confirm on goes on from these trials.", ""])
     out += ["", f"Confirmation: seeds {sweep.confirm.seeds}, pooled paired bootstrap "
                 f"({sweep.confirm.resamples} resamples), Bonferroni over the candidates.", "",
             "| candidate | split | seeds | mean +- std | base mean +- std | delta [95% CI] | p | threshold | verdict |",
