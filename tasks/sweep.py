@@ -49,8 +49,8 @@ class DeploymentRunner:
 
 def publish(key: str, rows: list[dict], report: str) -> None:
     """The leaderboard as a table artifact (``<key>-leaderboard``) and the report as markdown (``<key>-report``)."""
-    table = [{"trial": r["trial"], "state": r["state"], "value": r["value"], "steps": r["steps"],
-              "dev_sentence_nll": r["dev_sentence_nll"], "train_seconds": r["train_seconds"],
+    table = [{"trial": r["trial"], "duplicate_of": r["duplicate_of"], "state": r["state"], "value": r["value"],
+              "steps": r["steps"], "dev_sentence_nll": r["dev_sentence_nll"], "train_seconds": r["train_seconds"],
               **{f"param.{k}": v for k, v in r["params"].items()}} for r in rows]
     create_table_artifact(table, key=f"{key}-leaderboard", description="the sweep's trials, best dev score first")
     create_markdown_artifact(report, key=f"{key}-report",

@@ -15,7 +15,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.promotion import paired_bootstrap, pooled_bootstrap
 from pipeline.sweep.config import SweepConfig, base_point, check_space, expand, load_sweep
 from pipeline.sweep.search import Arm, Outcome, arms, confirm, open_study, search
-from pipeline.sweep.verdict import judge, leaderboard, winner, write_winner
+from pipeline.sweep.verdict import judge, leaderboard, markdown, winner, write_winner
 
 REFS = [f"ein mann mit einem roten hut steht vor dem haus nummer {i} und wartet auf den bus" for i in range(120)]
 
@@ -24,7 +24,7 @@ def _sweep(tmp_path: Path, **over) -> SweepConfig:
     tree = {"name": "t", "base": "multi30k-cpu", "deployment": "train-en-de/multi30k-cpu", "trials": 4,
             "max_in_flight": 2, "storage": f"sqlite:///{tmp_path / 'optuna.db'}", "poll_s": 0.01,
             "trial_overrides": {"export.engine": "none"},
-            "space": {"train.warmup_steps": {"type": "int", "low": 500, "high": 2000, "step": 250},
+            "space": {"train.warmup_steps": {"type": "int", "low": 500, "high": 2000, "step": 50},
                       "model": {"type": "group", "options": {
                           "small": {"model.d_model": 256, "model.d_ff": 1024},
                           "wide": {"model.d_model": 384, "model.d_ff": 1536, "model.n_heads": 6}}}},
@@ -125,9 +125,39 @@ def test_search_runs_the_base_first_caps_runs_in_flight_prunes_and_resumes(tmp_p
     # A second controller on the same storage: nothing runs again, and a larger budget goes on from there.
     again = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
     search(sweep, again, runner, lambda p: expand(sweep, p))
-    assert len(again.get_trials()) == 6 and len(runner.runs) == 6
+    runs = len(runner.runs)
+    assert len(again.get_trials()) == 6 and runs == len({tuple(t.params.values()) for t in trials})
     search(_sweep(tmp_path, trials=7), again, runner, lambda p: expand(sweep, p))
-    assert len(again.get_trials()) == 7 and len(runner.runs) == 7
+    assert len(again.get_trials()) == 7 and len(runner.runs) == runs + 1
+
+
+def test_a_resumed_search_draws_new_points_and_a_point_drawn_twice_is_not_trained_again(tmp_path):
+    sweep = _sweep(tmp_path, trials=2, max_in_flight=1)
+    point = base_point(sweep, load_config(sweep.base))
+    runner = ScriptedRunner()
+    search(sweep, open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu"), runner, lambda p: expand(sweep, p))
+    # a second controller goes on: its first draw is not the first draw of the controller before it
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    search(_sweep(tmp_path, trials=3, max_in_flight=1), study, runner, lambda p: expand(sweep, p))
+    first, second = study.trials[1], study.trials[2]
+    assert second.params != first.params and "duplicate_of" not in second.user_attrs
+    # A space of two points: every draw after both are measured is a twin, recorded with its twin's result (state,
+    # score, dev curve) and never started: a second run would resume from the first's checkpoints.
+    small = _sweep(tmp_path, name="two", trials=6, max_in_flight=1, storage=f"sqlite:///{tmp_path / 'two.db'}",
+                   space={"model": sweep.space["model"]})
+    study = open_study(small, tmp_path, {"model": point["model"]}, "multi30k-val.sacrebleu")
+    runner = ScriptedRunner()
+    search(small, study, runner, lambda p: {**expand(small, p), "train.warmup_steps": 500})
+    trials = study.get_trials()
+    assert len(trials) == 6 and len(runner.runs) == len({t.params["model"] for t in trials}) == 2
+    for t in trials:
+        twin = trials[t.user_attrs.get("duplicate_of", t.number)]
+        assert twin.number < t.number or twin is t
+        assert (t.state, t.value, t.intermediate_values, t.user_attrs["run_id"]) == \
+            (twin.state, twin.value, twin.intermediate_values, twin.user_attrs["run_id"])
+    rows = leaderboard(study)
+    assert sorted(r["duplicate_of"] is None for r in rows) == [False] * 4 + [True] * 2
+    assert "(= " in markdown(small, rows, [], [], None, "multi30k-val.sacrebleu")
 
 
 def _outputs(folder: Path, drop: float, seed: int) -> Path:

@@ -87,15 +87,18 @@ def distributions(sweep: SweepConfig) -> dict[str, BaseDistribution]:
 
 def open_study(sweep: SweepConfig, work_dir: Path, base: dict[str, Any], objective: str) -> optuna.Study:
     """Create the study, or load it to go on: maximising ``objective`` (the dev score's metric name), TPE seeded
-    with ``sweep.seed``, Hyperband (or no pruning). A new study's first trial is the base config itself (``base``,
-    its point of the space), so every sweep measures the incumbent under the same conditions as its
-    challengers."""
+    with ``sweep.seed`` plus the number of trials already in the study, Hyperband (or no pruning). A new study's
+    first trial is the base config itself (``base``, its point of the space), so every sweep measures the
+    incumbent under the same conditions as its challengers."""
     pruner = (optuna.pruners.HyperbandPruner(sweep.pruner.min_resource_s, sweep.pruner.max_resource_s,
                                              sweep.pruner.reduction_factor)
               if sweep.pruner.kind == "hyperband" else optuna.pruners.NopPruner())
     study = optuna.create_study(study_name=sweep.name, storage=storage_url(sweep, work_dir), direction="maximize",
                                 sampler=optuna.samplers.TPESampler(seed=sweep.seed), pruner=pruner,
                                 load_if_exists=True)
+    # A controller that goes on from stored trials must not replay the draws of the one before it: TPE's first
+    # trials are random, and the same seed would draw the same points again.
+    study.sampler = optuna.samplers.TPESampler(seed=sweep.seed + len(study.trials))
     study.set_user_attr("objective", objective)
     if _UID not in study.user_attrs:
         study.set_user_attr(_UID, uuid.uuid4().hex[:12])
@@ -119,26 +122,64 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
     """Run trials until ``sweep.trials`` are finished (completed, pruned or failed), at most ``max_in_flight`` at
     once. While a trial trains, every new dev evaluation is reported to Optuna at step = its training seconds, as
     the negative dev NLL per sentence (the study maximises); a trial the pruner stops is cancelled. A completed
-    trial's value is its dev score (``objective`` user attribute: the metric name). ``overrides_of(params)``: a
+    trial's value is its dev score (``objective`` user attribute: the metric name). A point drawn a second time
+    is not run again: the trial waits for its twin and records the twin's result. ``overrides_of(params)``: a
     trial's config overrides; ``logger``: where each start, prune and result is said (the flow run's logs)."""
     dists = distributions(sweep)
     active: dict[int, tuple[optuna.Trial, str]] = {}
+    waiting: dict[int, tuple[optuna.Trial, int]] = {}  # a twin's trial: its number -> (trial, the twin's number)
     for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):  # re-attach after a restart
         trial = optuna.Trial(study, frozen._trial_id)
-        active[frozen.number] = (trial, _start(study, runner, trial, frozen.params, overrides_of, logger))
+        if "duplicate_of" in frozen.user_attrs:
+            waiting[frozen.number] = (trial, frozen.user_attrs["duplicate_of"])
+        else:
+            active[frozen.number] = (trial, _start(study, runner, trial, frozen.params, overrides_of, logger))
     while True:
         finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
                                                                   TrialState.FAIL)))
-        while len(active) < sweep.max_in_flight and finished + len(active) < sweep.trials:
+        while len(active) < sweep.max_in_flight and finished + len(active) + len(waiting) < sweep.trials:
             trial = study.ask(dists)
-            active[trial.number] = (trial, _start(study, runner, trial, trial.params, overrides_of, logger))
-        if not active:
+            twin = _twin(study, trial)
+            if twin is None:
+                active[trial.number] = (trial, _start(study, runner, trial, trial.params, overrides_of, logger))
+            else:
+                trial.set_user_attr("duplicate_of", twin)
+                waiting[trial.number] = (trial, twin)
+                logger.info("trial %d: the point of trial %d again; it records that trial's result", trial.number,
+                            twin)
+        for number, (trial, twin) in list(waiting.items()):
+            if _copy(study, trial, twin):
+                del waiting[number]
+        if not active and not waiting:
             return
         for number, (trial, run_id) in list(active.items()):
             if _step(study, runner, trial, run_id, logger):
                 del active[number]
         if active:
             time.sleep(sweep.poll_s if poll_s is None else poll_s)
+
+
+def _twin(study: optuna.Study, trial: optuna.Trial) -> int | None:
+    """The first earlier trial of the same point. TPE can draw a point twice, and a second run of it would not be a
+    new measurement: its config is the same, so its training folder is too (the pipeline's cache is keyed on the
+    config), and it would resume from the first run's checkpoints with a fresh time budget."""
+    return next((t.number for t in study.get_trials(deepcopy=False)
+                 if t.number != trial.number and t.params == trial.params), None)
+
+
+def _copy(study: optuna.Study, trial: optuna.Trial, twin: int) -> bool:
+    """Record ``trial`` as what trial ``twin`` measured (its dev curve, state, score and run) once that one is
+    finished; False while it runs."""
+    done = next(t for t in study.get_trials(deepcopy=False) if t.number == twin)
+    if not done.state.is_finished():
+        return False
+    for name in ("run_id", "steps", "run_state"):
+        if name in done.user_attrs:
+            trial.set_user_attr(name, done.user_attrs[name])
+    for step, value in sorted(done.intermediate_values.items()):
+        trial.report(value, step)
+    study.tell(trial, done.value if done.state == TrialState.COMPLETE else None, state=done.state)
+    return True
 
 
 def _start(study: optuna.Study, runner: Runner, trial: optuna.Trial, params: dict[str, Any], overrides_of,
