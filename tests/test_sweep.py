@@ -14,7 +14,7 @@ import yaml
 from pipeline.config import ConfigError, load_config
 from pipeline.promotion import paired_bootstrap, pooled_bootstrap
 from pipeline.sweep.config import SweepConfig, base_point, check_space, expand, load_sweep
-from pipeline.sweep.search import Arm, Outcome, arms, confirm, open_study, search
+from pipeline.sweep.search import ATTEMPTS, Arm, Outcome, arms, confirm, open_study, run_key, search
 from pipeline.sweep.verdict import judge, leaderboard, markdown, winner, write_winner
 
 REFS = [f"ein mann mit einem roten hut steht vor dem haus nummer {i} und wartet auf den bus" for i in range(120)]
@@ -61,9 +61,12 @@ def test_sweep_config_names_bad_fields_and_the_base_must_be_a_point(tmp_path):
 
 
 class ScriptedRunner:
-    """In place of the work pool: a run's dev curve grows by one point per look; warm-up sets how good it is."""
+    """In place of the work pool: a run's dev curve grows by one point per look; warm-up sets how good it is. The
+    first run of each key ending in one of ``crash`` dies (CRASHED) at its second look; the next attempt resumes its
+    curve, as the pipeline resumes a run's checkpoints."""
 
-    def __init__(self, points: int = 6):
+    def __init__(self, points: int = 6, crash: tuple[str, ...] = ()):
+        self.crash = crash
         self.runs: dict[str, dict] = {}
         self.keys: dict[str, str] = {}
         self.points = points
@@ -75,7 +78,9 @@ class ScriptedRunner:
             return self.keys[key]
         run_id = f"run-{len(self.runs)}"
         self.keys[key] = run_id
-        self.runs[run_id] = {"overrides": overrides, "looks": 0, "state": "RUNNING"}
+        resumed = [r for r in self.runs.values() if r["overrides"] == overrides and r["state"] == "CRASHED"]
+        self.runs[run_id] = {"overrides": overrides, "looks": max((r["looks"] for r in resumed), default=0),
+                             "state": "RUNNING", "crash": key.endswith(self.crash) if self.crash else False}
         active = sum(r["state"] == "RUNNING" for r in self.runs.values())
         self.max_active = max(self.max_active, active)
         return run_id
@@ -88,7 +93,9 @@ class ScriptedRunner:
         run = self.runs[run_id]
         if run["state"] == "RUNNING":
             run["looks"] += 1
-            if run["looks"] >= self.points:
+            if run["crash"] and run["looks"] == 2:
+                run["state"] = "CRASHED"
+            elif run["looks"] >= self.points:
                 run["state"] = "COMPLETED"
         return run["state"]
 
@@ -225,6 +232,34 @@ def test_confirm_reuses_runs_by_key_and_keeps_failures_apart(tmp_path):
     n = len(runner.runs)
     confirm(sweep, study, runner, arms(sweep, study, point), lambda p: expand(sweep, p))
     assert len(runner.runs) == n  # the same keys: the runs it started before
+
+
+def test_a_crashed_run_is_resumed_by_its_next_attempt_and_a_restarted_controller_finds_it(tmp_path):
+    sweep = _sweep(tmp_path, trials=2, max_in_flight=1, pruner={"kind": "none"},
+                   confirm={"top_k": 1, "seeds": [1, 2], "resamples": 200})
+    point = base_point(sweep, load_config(sweep.base))
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    runner = ScriptedRunner(points=4, crash=("trial-1", "confirm-base-seed-2"))
+    search(sweep, study, runner, lambda p: expand(sweep, p))
+    trial = study.trials[1]
+    again = runner.keys[run_key(study, "trial-1-attempt-2")]
+    assert trial.state.name == "COMPLETE" and trial.user_attrs["run_id"] == again
+    assert runner.runs[runner.keys[run_key(study, "trial-1")]]["state"] == "CRASHED"
+    assert sorted(trial.intermediate_values) == [10, 20, 30, 40]  # one curve across both runs
+    done = confirm(sweep, study, runner, arms(sweep, study, point), lambda p: expand(sweep, p))
+    base = next(a for a in done if a.label == "base")
+    assert base.outcomes[2].state == "COMPLETED"
+    assert base.runs[2] == runner.keys[run_key(study, "confirm-base-seed-2-attempt-2")]
+    # A controller started again walks the same keys to the same runs: nothing new starts.
+    n = len(runner.runs)
+    confirm(sweep, study, runner, arms(sweep, study, point), lambda p: expand(sweep, p))
+    assert len(runner.runs) == n
+    # A run that crashes at every attempt fails its trial after ATTEMPTS runs.
+    always = ScriptedRunner(points=4, crash=tuple(f"trial-2{s}" for s in ("", "-attempt-2", "-attempt-3")))
+    search(_sweep(tmp_path, trials=3, max_in_flight=1, pruner={"kind": "none"}), study, always,
+           lambda p: expand(sweep, p))
+    assert study.trials[2].state.name == "FAIL" and study.trials[2].user_attrs["run_state"] == "CRASHED"
+    assert len(always.runs) == ATTEMPTS
 
 
 # ------------------------------------------------------------------------------------------- on the local stack

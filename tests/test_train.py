@@ -437,12 +437,23 @@ def test_torchrun_command_passes_init_checkpoint(tmp_path):
 
 
 @pytest.mark.integration
-def test_max_minutes_stops_and_checkpoints(shared_data, shards, tmp_path):
+def test_max_minutes_stops_and_checkpoints_and_counts_over_resumes(shared_data, shards, tmp_path):
     cfg = config(shared_data, "train.max_steps=100000", "train.max_minutes=0.05")
     out = train(cfg, shards, tmp_path / "run")
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["stopped_by"] == "max_minutes" and 0 < summary["steps"] < 100000
-    assert summary["checkpoints"][-1]["step"] == summary["steps"]
+    assert summary["checkpoints"][-1]["step"] == summary["steps"] and summary["train_seconds"] >= 3
+    last = load_checkpoint(out / "checkpoints" / summary["checkpoints"][-1]["file"])
+    assert last["train_seconds"] >= 3
+    # Run again (a crashed run's retry, a re-run): the budget is spent, so not one more update is trained.
+    train(cfg, shards, out)
+    again = json.loads((out / "train_summary.json").read_text())
+    assert (again["stopped_by"], again["steps"]) == ("max_minutes", summary["steps"])
+    # A larger budget continues the same run for the difference only.
+    train(config(shared_data, "train.max_steps=100000", "train.max_minutes=0.1"), shards, out)
+    longer = json.loads((out / "train_summary.json").read_text())
+    assert longer["steps"] > summary["steps"] and longer["train_seconds"] >= 6
+    assert longer["wall_seconds"] < summary["wall_seconds"] + 1.5  # ~3 s more training, not 6
 
 
 # ---------------------------------------------------------------------------------------------- accumulation

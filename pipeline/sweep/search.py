@@ -31,6 +31,7 @@ log = logging.getLogger("aiayn.sweep")
 
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 _UID = "sweep_uid"  # study attribute: this study's identity in idempotency keys (a re-created study gets a new one)
+ATTEMPTS = 3  # runs of one trial or confirmation run whose process died (CRASHED) before the sweep gives up on it
 
 
 @dataclass(frozen=True)
@@ -153,8 +154,11 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
         if not active and not waiting:
             return
         for number, (trial, run_id) in list(active.items()):
-            if _step(study, runner, trial, run_id, logger):
+            now = _step(study, runner, trial, run_id, overrides_of, logger)
+            if now is None:
                 del active[number]
+            else:
+                active[number] = (trial, now)
         if active:
             time.sleep(sweep.poll_s if poll_s is None else poll_s)
 
@@ -162,7 +166,7 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
 def _twin(study: optuna.Study, trial: optuna.Trial) -> int | None:
     """The first earlier trial of the same point. TPE can draw a point twice, and a second run of it would not be a
     new measurement: its config is the same, so its training folder is too (the pipeline's cache is keyed on the
-    config), and it would resume from the first run's checkpoints with a fresh time budget."""
+    config), and it would continue the first run's training from its checkpoints."""
     return next((t.number for t in study.get_trials(deepcopy=False)
                  if t.number != trial.number and t.params == trial.params), None)
 
@@ -182,19 +186,32 @@ def _copy(study: optuna.Study, trial: optuna.Trial, twin: int) -> bool:
     return True
 
 
+def _launch(study: optuna.Study, runner: Runner, what: str, overrides: dict[str, Any]) -> str:
+    """Start run ``what`` of this study (``trial-3``), or find it started. A run whose process died (the machine
+    went away under it: CRASHED) is followed by a next attempt (``trial-3-attempt-2``, up to :data:`ATTEMPTS`),
+    which resumes its training from the checkpoints in the same folder: the training budget, time included,
+    counts over resumes, so the trial trains no longer than one that never stopped. Every key is idempotent,
+    so a controller started again walks the same chain to the attempt in flight."""
+    for attempt in range(1, ATTEMPTS + 1):
+        label = what if attempt == 1 else f"{what}-attempt-{attempt}"
+        run_id = runner.start(run_key(study, label), f"{study.study_name}-{label}", overrides)
+        if attempt == ATTEMPTS or runner.state(run_id) != "CRASHED":
+            return run_id
+    raise AssertionError("unreachable")
+
+
 def _start(study: optuna.Study, runner: Runner, trial: optuna.Trial, params: dict[str, Any], overrides_of,
            logger: logging.Logger | logging.LoggerAdapter) -> str:
-    run_id = runner.start(run_key(study, f"trial-{trial.number}"), f"{study.study_name}-trial-{trial.number}",
-                          overrides_of(params))
+    run_id = _launch(study, runner, f"trial-{trial.number}", overrides_of(params))
     trial.set_user_attr("run_id", run_id)
     logger.info("trial %d: run %s with %s", trial.number, run_id, params)
     return run_id
 
 
-def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
-          logger: logging.Logger | logging.LoggerAdapter) -> bool:
-    """Look at one running trial once: report its new dev points, prune it, or record how it ended. True when
-    the trial is over."""
+def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str, overrides_of,
+          logger: logging.Logger | logging.LoggerAdapter) -> str | None:
+    """Look at one running trial once: report its new dev points, prune it, resume it when its run crashed, or
+    record how it ended. The run to look at next; None when the trial is over."""
     state = runner.state(run_id)
     frozen = study._storage.get_trial(trial._trial_id)
     last = _reported(frozen)
@@ -209,24 +226,30 @@ def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
                                       f"{nll:.3f})")
                 study.tell(trial, state=TrialState.PRUNED)
                 logger.info("trial %d pruned at %d s (dev NLL/sentence %.3f)", trial.number, int(seconds), nll)
-                return True
+                return None
     if state not in FINAL:
-        return False
+        return run_id
+    if state == "CRASHED":
+        again = _launch(study, runner, f"trial-{trial.number}", overrides_of(frozen.params))
+        if again != run_id:
+            trial.set_user_attr("run_id", again)
+            logger.warning("trial %d: run %s crashed; run %s resumes its training", trial.number, run_id, again)
+            return again
     if state != "COMPLETED":
         trial.set_user_attr("run_state", state)
         study.tell(trial, state=TrialState.FAIL)
         logger.warning("trial %d: its run ended %s", trial.number, state)
-        return True
+        return None
     outcome = runner.outcome(run_id)
     objective = study.user_attrs["objective"]
     if objective not in outcome.metrics:
         trial.set_user_attr("run_state", f"COMPLETED without {objective}")
         study.tell(trial, state=TrialState.FAIL)
-        return True
+        return None
     trial.set_user_attr("steps", outcome.steps)
     study.tell(trial, outcome.metrics[objective])
     logger.info("trial %d: %s %.2f", trial.number, objective, outcome.metrics[objective])
-    return True
+    return None
 
 
 @dataclass
@@ -260,20 +283,32 @@ def arms(sweep: SweepConfig, study: optuna.Study, base: dict[str, Any]) -> list[
 def confirm(sweep: SweepConfig, study: optuna.Study, runner: Runner, candidates: list[Arm], overrides_of,
             poll_s: float | None = None, logger: logging.Logger | logging.LoggerAdapter = log) -> list[Arm]:
     """Train every arm with every seed of ``confirm.seeds`` (``train.seed``), at most ``max_in_flight`` at once,
-    and wait for all. A run of the same config and seed as a search trial reuses its training (the pipeline's
-    cache is keyed on the config), so seed 1 of a trial costs its evaluation only."""
+    and wait for all, resuming a crashed run as :func:`_launch` does. A run of the same config and seed as a search
+    trial reuses its training (the pipeline's cache is keyed on the config), so seed 1 of a trial costs its
+    evaluation only."""
+    def launch(arm: Arm, seed: int) -> str:
+        return _launch(study, runner, f"confirm-{arm.label}-seed-{seed}",
+                       {**overrides_of(arm.params), "train.seed": seed})
+
     pending = [(arm, seed) for arm in candidates for seed in sweep.confirm.seeds]
     active: dict[str, tuple[Arm, int]] = {}
     while pending or active:
         while pending and len(active) < sweep.max_in_flight:
             arm, seed = pending.pop(0)
-            overrides = {**overrides_of(arm.params), "train.seed": seed}
-            run_id = runner.start(run_key(study, f"confirm-{arm.label}-seed-{seed}"),
-                                  f"{study.study_name}-confirm-{arm.label}-seed-{seed}", overrides)
+            run_id = launch(arm, seed)
             arm.runs[seed] = run_id
             active[run_id] = (arm, seed)
         for run_id, (arm, seed) in list(active.items()):
             state = runner.state(run_id)
+            if state == "CRASHED":  # resumed by its next attempt, if one is left
+                again = launch(arm, seed)
+                if again != run_id:
+                    logger.warning("confirmation %s seed %d: run %s crashed; run %s resumes it", arm.label, seed,
+                                   run_id, again)
+                    arm.runs[seed] = again
+                    del active[run_id]
+                    active[again] = (arm, seed)
+                    continue
             if state in FINAL:
                 arm.outcomes[seed] = runner.outcome(run_id) if state == "COMPLETED" else Outcome(state)
                 logger.info("confirmation %s seed %d: %s", arm.label, seed, state)

@@ -33,11 +33,13 @@ class Start(NamedTuple):
     dev: dict[str, float]  # the last dev metrics recorded (empty: none yet)
     init: dict | None  # the checkpoint the run's weights started from: path, sha256, its step
     resumed: bool  # True when the run continues from its own checkpoint (already saved at ``step``)
+    train_seconds: float  # wall-clock seconds trained up to ``step`` (counted over resumes)
 
 
 def _fresh(init: dict | None = None) -> Start:
     """A run's first step, its weights new (``init`` None) or from another run's checkpoint ``init``."""
-    return Start(step=0, epoch=0, batch_pos=0, totals=[0.0, 0.0, 0.0], dev={}, init=init, resumed=False)
+    return Start(step=0, epoch=0, batch_pos=0, totals=[0.0, 0.0, 0.0], dev={}, init=init, resumed=False,
+                 train_seconds=0.0)
 
 
 def resume(ckpt_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
@@ -82,7 +84,8 @@ def _restore(state: dict, path: Path, model: Transformer, optimizer: torch.optim
     log.info("resuming from %s: step %d, epoch %d, batch %d", path, step, state["epoch"], state["batch_pos"])
     # A resumed run keeps where its weights first came from; its own checkpoint now supersedes that file.
     return Start(step=step, epoch=state["epoch"], batch_pos=state["batch_pos"], totals=list(state["totals"]),
-                 dev=state["dev"], init=state.get("init_checkpoint"), resumed=True)
+                 dev=state["dev"], init=state.get("init_checkpoint"), resumed=True,
+                 train_seconds=float(state.get("train_seconds", 0.0)))  # 0: written before it was recorded
 
 
 def _init_from(path: Path, model: Transformer, tokenizer_sha256: str) -> Start:

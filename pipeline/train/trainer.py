@@ -13,9 +13,11 @@ averages gradients over ranks, so each rank back-propagates ``loss_sum * world /
 
 Dev loss is computed by all ranks, each on every world-th dev batch, and the sums are all-reduced.
 
-Stopping. At ``max_steps`` updates (counted over resumes) or after ``max_minutes`` of this invocation's wall
-clock, whichever comes first; a final checkpoint is always written. Time-based decisions (``max_minutes``,
-``checkpoint_every_minutes``) are taken by rank 0 and shared, so that all ranks act on the same step.
+Stopping. At ``max_steps`` updates or after ``max_minutes`` of wall clock, whichever comes first, both counted
+over resumes (each checkpoint records the seconds trained up to it): a run that crashed and resumed trains as long
+as one that did not, and raising either budget continues the run. A final checkpoint is always written.
+Time-based decisions (``max_minutes``, ``checkpoint_every_minutes``) are taken by rank 0 and shared, so that all
+ranks act on the same step.
 """
 
 from __future__ import annotations
@@ -337,6 +339,11 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                    tokenizer_sha256, info, init_checkpoint)
     step_fn.refresh_work()  # the weights resumed or initialised from
     step, epoch, batch_pos, last_dev, init = start.step, start.epoch, start.batch_pos, start.dev, start.init
+
+    def trained_seconds() -> float:
+        """Wall-clock seconds trained so far, over resumes (also the resource a sweep prunes on)."""
+        return start.train_seconds + time.monotonic() - started
+
     totals = torch.tensor(start.totals, dtype=torch.float64, device=info.device)  # [3]: tgt, src tokens, sentences
     accum = accumulation_steps(t.update_tokens, t.max_tokens, info.world_size)
     group = accum * info.world_size
@@ -372,7 +379,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                      "scheduler": step_fn.scheduler.state_dict(), "step": step, "epoch": epoch,
                      "batch_pos": batch_pos, "totals": totals.tolist(), "rng": rngs, "world_size": info.world_size,
                      "config": cfg.model_dump(mode="json"), "model_config": model.config, "shards": shards,
-                     "tokenizer_sha256": tokenizer_sha256, "init_checkpoint": init, "dev": last_dev}
+                     "tokenizer_sha256": tokenizer_sha256, "init_checkpoint": init, "dev": last_dev,
+                     "train_seconds": trained_seconds()}
             entry = save_checkpoint(ckpt_dir, state, step, t.keep_last_checkpoints)
             log.info("checkpoint %s (sha256 %s...)", ckpt_dir / entry["file"], entry["sha256"][:12])
 
@@ -385,14 +393,16 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                                "train.update_tokens")
     saved_step = step if start.resumed else -1
     dev_step = step if last_dev else -1
-    stopped_by = "max_steps"
+    budget_s = t.max_minutes * 60 if t.max_minutes is not None else math.inf
+    out_of_time = step < t.max_steps and start.train_seconds >= budget_s  # resumed with its time already spent
+    stopped_by = "max_minutes" if out_of_time else "max_steps"
     last_ckpt_time = interval_start = time.monotonic()
     paused = 0.0  # seconds of the log interval spent on dev loss and checkpoints (not training)
     interval_sums = torch.zeros(2, dtype=torch.float64, device=info.device)  # loss, nll (this rank)
     interval_counts = torch.zeros(3, dtype=torch.float64, device=info.device)  # global tgt, src, sentences
     interval_steps = 0
 
-    while step < t.max_steps:
+    while step < t.max_steps and not out_of_time:
         if batch_pos + group > len(batches):
             epoch, batch_pos = epoch + 1, 0
             batches = usable_batches(train_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
@@ -432,11 +442,10 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         pause_start = time.monotonic()
         if step % t.dev_every_steps == 0:
             last_dev, dev_step = dev_loss(step_fn, dev_ds, dev_batches), step
-            # train_seconds: the wall-clock this process has trained, the resource a sweep prunes on
-            log_metrics({**last_dev, "train_seconds": time.monotonic() - started})
+            log_metrics({**last_dev, "train_seconds": trained_seconds()})
         # Time-based decisions are rank 0's, shared with all ranks so that they act on the same step.
         now = time.monotonic()
-        out_of_time, ckpt_due = _rank0_decides([t.max_minutes is not None and now - started >= t.max_minutes * 60,
+        out_of_time, ckpt_due = _rank0_decides([trained_seconds() >= budget_s,
                                                 now - last_ckpt_time >= t.checkpoint_every_minutes * 60], info)
         if step % t.checkpoint_every_steps == 0 or ckpt_due:
             checkpoint()
@@ -444,13 +453,12 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         paused += time.monotonic() - pause_start
         if out_of_time:
             stopped_by = "max_minutes"
-            break
 
     if saved_step != step:
         checkpoint()
     if dev_step != step:
         last_dev = dev_loss(step_fn, dev_ds, dev_batches)
-        log_metrics({**last_dev, "train_seconds": time.monotonic() - started})
+        log_metrics({**last_dev, "train_seconds": trained_seconds()})
     # Every rank's step and parameter digest: DDP replicas must agree; a mismatch shows up in the summary.
     ranks = all_gather_object({"rank": info.rank, "step": step, "params_sha256": _params_digest(model)}, info)
     if info.is_main:
@@ -458,7 +466,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         summary = {"steps": step, "epoch": epoch, "stopped_by": stopped_by, "world_size": info.world_size,
                    "accumulation_steps": accum, "tokens": {"src": int(src), "tgt": int(tgt), "sentences": int(sents)},
                    "final_dev": last_dev, "ranks": ranks, "checkpoints": read_index(ckpt_dir), "init_checkpoint": init,
-                   "wall_seconds": round(time.monotonic() - started, 3), "out_dir": str(out_dir)}
+                   "wall_seconds": round(time.monotonic() - started, 3),
+                   "train_seconds": round(trained_seconds(), 3), "out_dir": str(out_dir)}
         write_json(out_dir / "train_summary.json", summary)
         log.info("training stopped (%s) at step %d; outputs in %s", stopped_by, step, out_dir)
         for s in all_sinks:
