@@ -62,7 +62,7 @@ def test_sweep_config_names_bad_fields_and_the_base_must_be_a_point(tmp_path):
 
 class ScriptedRunner:
     """In place of the work pool: a run's dev curve grows by one point per look; warm-up sets how good it is. The
-    first run of each key ending in one of ``crash`` dies (CRASHED) at its second look; the next attempt resumes its
+    run of each key ending in one of ``crash`` dies (CRASHED) at its second look; the next attempt resumes its
     curve, as the pipeline resumes a run's checkpoints."""
 
     def __init__(self, points: int = 6, crash: tuple[str, ...] = ()):
@@ -79,8 +79,9 @@ class ScriptedRunner:
         run_id = f"run-{len(self.runs)}"
         self.keys[key] = run_id
         resumed = [r for r in self.runs.values() if r["overrides"] == overrides and r["state"] == "CRASHED"]
-        self.runs[run_id] = {"overrides": overrides, "looks": max((r["looks"] for r in resumed), default=0),
-                             "state": "RUNNING", "crash": key.endswith(self.crash) if self.crash else False}
+        looks = max((r["looks"] for r in resumed), default=0)
+        self.runs[run_id] = {"overrides": overrides, "looks": looks, "from": looks, "state": "RUNNING",
+                             "crash": key.endswith(self.crash) if self.crash else False}
         active = sum(r["state"] == "RUNNING" for r in self.runs.values())
         self.max_active = max(self.max_active, active)
         return run_id
@@ -93,7 +94,7 @@ class ScriptedRunner:
         run = self.runs[run_id]
         if run["state"] == "RUNNING":
             run["looks"] += 1
-            if run["crash"] and run["looks"] == 2:
+            if run["crash"] and run["looks"] == run["from"] + 2:
                 run["state"] = "CRASHED"
             elif run["looks"] >= self.points:
                 run["state"] = "COMPLETED"
@@ -255,7 +256,10 @@ def test_a_crashed_run_is_resumed_by_its_next_attempt_and_a_restarted_controller
     confirm(sweep, study, runner, arms(sweep, study, point), lambda p: expand(sweep, p))
     assert len(runner.runs) == n
     # A run that crashes at every attempt fails its trial after ATTEMPTS runs.
-    always = ScriptedRunner(points=4, crash=tuple(f"trial-2{s}" for s in ("", "-attempt-2", "-attempt-3")))
+    always = ScriptedRunner(points=20, crash=tuple(f"trial-2{s}" for s in ("", "-attempt-2", "-attempt-3")))
+    new_point = next(p for p in ({"train.warmup_steps": w, "model": "wide"} for w in (2000, 1950))
+                     if p not in [t.params for t in study.trials])
+    study.enqueue_trial(new_point)  # a point of its own: a twin of an earlier trial would not run
     search(_sweep(tmp_path, trials=3, max_in_flight=1, pruner={"kind": "none"}), study, always,
            lambda p: expand(sweep, p))
     assert study.trials[2].state.name == "FAIL" and study.trials[2].user_attrs["run_state"] == "CRASHED"
