@@ -168,6 +168,14 @@ def test_a_resumed_search_draws_new_points_and_a_point_drawn_twice_is_not_traine
     assert "(= " in markdown(small, rows, [], [], None, "multi30k-val.sacrebleu")
 
 
+def test_the_report_writes_stepped_floats_as_a_reader_would(tmp_path):
+    sweep = _sweep(tmp_path, space={"train.label_smoothing": {"type": "float", "low": 0.0, "high": 0.2, "step": 0.05}})
+    row = {"trial": 1, "state": "COMPLETE", "value": 40.0, "params": {"train.label_smoothing": 0.15000000000000002},
+           "base": False, "steps": 10, "dev_sentence_nll": 30.0, "train_seconds": 100, "run_id": "r",
+           "duplicate_of": None}
+    assert "| 0.15 |" in markdown(sweep, [row], [], [], None, "multi30k-val.sacrebleu")
+
+
 def _outputs(folder: Path, drop: float, seed: int) -> Path:
     """An evaluation folder whose dev hypotheses drop each word with probability ``drop``."""
     rng = random.Random(seed)

@@ -138,7 +138,7 @@ def markdown(sweep: SweepConfig, rows: list[dict], dev: list[Verdict], tests: li
     for r in rows:
         twin = f" (= {r['duplicate_of']})" if r.get("duplicate_of") is not None else ""
         out.append(f"| {r['trial']}{' (base)' if r['base'] else ''}{twin} | {r['state']} | "
-                   + " | ".join(str(r["params"].get(k, "")) for k in keys)
+                   + " | ".join(_value(r["params"].get(k, "")) for k in keys)
                    + f" | {_f(r['value'])} | {r['steps'] or ''} | {_f(r['dev_sentence_nll'], '.3f')} | "
                      f"{r['train_seconds'] if r['train_seconds'] is not None else ''} |")
     if chosen is None:
@@ -156,6 +156,11 @@ def markdown(sweep: SweepConfig, rows: list[dict], dev: list[Verdict], tests: li
     out += ["", f"**Winner: {chosen.label}**" + (f" ({chosen.params})" if chosen.label != "base" else
                                                   ": no candidate was significantly better on dev")]
     return "\n".join(out) + "\n"
+
+
+def _value(value: Any) -> str:
+    """A searched value as a reader writes it: 0.15, not Optuna's stepped 0.15000000000000002."""
+    return format(value, ".10g") if isinstance(value, float) else str(value)
 
 
 def _f(value: float | None, fmt: str = ".2f") -> str:
