@@ -168,6 +168,19 @@ def test_a_resumed_search_draws_new_points_and_a_point_drawn_twice_is_not_traine
     assert "(= " in markdown(small, rows, [], [], None, "multi30k-val.sacrebleu")
 
 
+def test_an_enqueued_hunch_trains_its_whole_budget_though_behind_at_every_rung(tmp_path):
+    hunch = {"train.warmup_steps": 2000, "model": "small"}  # the worst point of the scripted runner
+    sweep = _sweep(tmp_path, trials=2, max_in_flight=1, enqueue=[hunch],  # one Hyperband bracket: base and hunch meet
+                   pruner={"min_resource_s": 10, "max_resource_s": 20, "reduction_factor": 3})
+    study = open_study(sweep, tmp_path, base_point(sweep, load_config(sweep.base)), "multi30k-val.sacrebleu")
+    runner = ScriptedRunner()
+    search(sweep, study, runner, lambda p: expand(sweep, p))
+    base, tried = study.get_trials()
+    assert tried.params == hunch and all(tried.intermediate_values[s] < v for s, v in base.intermediate_values.items())
+    # behind the base at every rung, it is neither pruned nor cancelled: a drawn point so far behind would be
+    assert tried.state.name == "COMPLETE" and not runner.cancelled and len(tried.intermediate_values) == runner.points
+
+
 def test_the_report_writes_stepped_floats_as_a_reader_would(tmp_path):
     sweep = _sweep(tmp_path, space={"train.label_smoothing": {"type": "float", "low": 0.0, "high": 0.2, "step": 0.05}})
     row = {"trial": 1, "state": "COMPLETE", "value": 40.0, "params": {"train.label_smoothing": 0.15000000000000002},

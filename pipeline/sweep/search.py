@@ -186,6 +186,13 @@ def _copy(study: optuna.Study, trial: optuna.Trial, twin: int) -> bool:
     return True
 
 
+def _enqueued(trial: FrozenTrial) -> bool:
+    """The base or a hunch of the sweep's ``enqueue``: it trains its whole budget, never pruned. A hunch is there
+    because its curve is expected to cross the others' late (a larger shape is behind early by construction), and
+    the base is what every other trial is measured against; their values still set the rungs' bars."""
+    return "fixed_params" in trial.system_attrs  # how Optuna marks a trial made by enqueue_trial
+
+
 def _launch(study: optuna.Study, runner: Runner, what: str, overrides: dict[str, Any]) -> str:
     """Start run ``what`` of this study (``trial-3``), or find it started. A run whose process died (the machine
     went away under it: CRASHED) is followed by a next attempt (``trial-3-attempt-2``, up to :data:`ATTEMPTS`),
@@ -221,7 +228,7 @@ def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
             last = int(seconds)
             # Asked after every point, also of a run that has ended: the pruner records a trial's value at each rung
             # when it passes it, and later trials are measured against those values.
-            if trial.should_prune() and state not in FINAL:
+            if trial.should_prune() and state not in FINAL and not _enqueued(frozen):
                 runner.cancel(run_id, f"pruned by the sweep at {int(seconds)} s of training (dev NLL/sentence "
                                       f"{nll:.3f})")
                 study.tell(trial, state=TrialState.PRUNED)
