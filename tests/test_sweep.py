@@ -181,6 +181,27 @@ def test_an_enqueued_hunch_trains_its_whole_budget_though_behind_at_every_rung(t
     assert tried.state.name == "COMPLETE" and not runner.cancelled and len(tried.intermediate_values) == runner.points
 
 
+def test_hunches_follow_the_sweep_file_added_ones_join_and_a_waiting_one_taken_out_is_withdrawn(tmp_path):
+    one, two, three = ({"train.warmup_steps": w, "model": "wide"} for w in (500, 600, 700))
+    point = base_point(_sweep(tmp_path), load_config("multi30k-cpu"))
+    open_study(_sweep(tmp_path, enqueue=[one, two]), tmp_path, point, "multi30k-val.sacrebleu")
+    # the file changes before the search starts: hunch one is taken out, three is added (two stays, queued once)
+    sweep = _sweep(tmp_path, trials=3, max_in_flight=1, enqueue=[two, three])
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    search(sweep, study, ScriptedRunner(), lambda p: expand(sweep, p))
+    trials = study.get_trials()
+    withdrawn = [t for t in trials if "withdrawn" in t.user_attrs]
+    assert [t.system_attrs["fixed_params"] for t in withdrawn] == [one] and withdrawn[0].state.name == "FAIL"
+    measured = [t for t in trials if t not in withdrawn]
+    assert [t.params for t in measured] == [point, two, three]  # three trials measured: the withdrawn one is not one
+    assert all(t.state.name == "COMPLETE" for t in measured)
+    rows = leaderboard(study)
+    assert next(r for r in rows if r["trial"] == withdrawn[0].number)["params"] == one
+    assert "FAIL (taken out of enqueue before it ran)" in markdown(sweep, rows, [], [], None, "multi30k-val.sacrebleu")
+    open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")  # again: nothing new is queued
+    assert len(study.get_trials()) == len(trials)
+
+
 def test_the_report_writes_stepped_floats_as_a_reader_would(tmp_path):
     sweep = _sweep(tmp_path, space={"train.label_smoothing": {"type": "float", "low": 0.0, "high": 0.2, "step": 0.05}})
     row = {"trial": 1, "state": "COMPLETE", "value": 40.0, "params": {"train.label_smoothing": 0.15000000000000002},
@@ -307,12 +328,12 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
              "trial_overrides": {**QUICK, "train.max_steps": 100000, "train.max_minutes": 0.25,
                                  "train.dev_every_steps": 10, "train.checkpoint_every_steps": 50,
                                  "average.last_n": 1, "export.engine": "none", "tracking.attention_sentences": 0},
-             # trial 1 learns nothing; trial 2 trains as the base (its training comes from the cache) and decodes
-             # with another length penalty
+             # trial 1 (enqueued) trains as the base (its training comes from the cache) and decodes with another
+             # length penalty; trial 2 is TPE's first draw, which with seed 0 is lr x0.001: it learns nothing and,
+             # drawn rather than enqueued (a hunch trains its whole budget), is pruned
              "space": {"train.lr_scale": {"type": "categorical", "choices": [1.0, 0.001]},
                        "decode.length_penalty": {"type": "categorical", "choices": [1.0, 0.6]}},
-             "enqueue": [{"train.lr_scale": 0.001, "decode.length_penalty": 1.0},
-                         {"train.lr_scale": 1.0, "decode.length_penalty": 0.6}],
+             "seed": 0, "enqueue": [{"train.lr_scale": 1.0, "decode.length_penalty": 0.6}],
              "pruner": {"min_resource_s": 4, "max_resource_s": 8, "reduction_factor": 3},  # one bracket
              "confirm": {"top_k": 1, "seeds": [1, 2], "resamples": 200}}
     path = tmp_path / "itest.yaml"
@@ -332,20 +353,21 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
     children = _api_runs(prefect, searched) + _api_runs(prefect, run_id)
     trials = {r["name"]: r for r in children}
     assert trials["itest-trial-0"]["state"]["type"] == "COMPLETED"
-    assert trials["itest-trial-1"]["state"]["type"] == "CANCELLED"  # lr x0.001 learns nothing: pruned
-    assert re.search(r"trial 1 pruned at \d+ s \(dev NLL/sentence", prefect.logs(searched))
+    assert re.search(r"trial 2: run \S+ with \{'train.lr_scale': 0.001", prefect.logs(searched))
+    assert trials["itest-trial-2"]["state"]["type"] == "CANCELLED"  # lr x0.001 learns nothing: pruned
+    assert re.search(r"trial 2 pruned at \d+ s \(dev NLL/sentence", prefect.logs(searched))
     assert all(r["idempotency_key"].startswith("sweep-itest-") for r in children)
     assert all(r["parameters"]["register_model"] is False for r in children)
-    assert trials["itest-trial-2"]["state"]["type"] == "COMPLETED"
+    assert trials["itest-trial-1"]["state"]["type"] == "COMPLETED"
     confirmations = sorted(n for n in trials if "-confirm-" in n)
-    assert confirmations == ["itest-confirm-base-seed-1", "itest-confirm-base-seed-2", "itest-confirm-trial-2-seed-1",
-                             "itest-confirm-trial-2-seed-2"]
+    assert confirmations == ["itest-confirm-base-seed-1", "itest-confirm-base-seed-2", "itest-confirm-trial-1-seed-1",
+                             "itest-confirm-trial-1-seed-2"]
     assert all(trials[n]["state"]["type"] == "COMPLETED" for n in confirmations)
     keys = {a["key"]: a for a in prefect.artifacts(run_id)}
     assert keys["sweep-itest-leaderboard"]["type"] == "table"
     report = keys["sweep-itest-report"]["data"]
-    assert "| 1 | PRUNED |" in report and "| 0 (base) | COMPLETE |" in report and "| 2 | COMPLETE |" in report
-    assert "| trial-2 | dev | 2 |" in report and "**Winner: " in report
+    assert "| 2 | PRUNED |" in report and "| 0 (base) | COMPLETE |" in report and "| 1 | COMPLETE |" in report
+    assert "| trial-1 | dev | 2 |" in report and "**Winner: " in report
     (dev,) = [v for v in json.loads((stack["home"] / "work" / "sweeps" / "itest" / "confirmation.json").read_text())
               if v["split"] == "dev"]
     assert dev["seeds"] == [1, 2] and dev["threshold"] == 0.05 and dev["comparison"]["segments"] == 2 * 1014
@@ -359,7 +381,7 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
     runs = mlflow.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     names = {r.info.run_name for r in runs}
     assert {"trial-0", "trial-1", "trial-2", "confirm-base-seed-1", "confirm-base-seed-2"} <= names
-    pruned = next(r for r in runs if r.info.run_name == "trial-1")
+    pruned = next(r for r in runs if r.info.run_name == "trial-2")
     assert pruned.data.tags["state"] == "PRUNED" and mlflow.get_metric_history(pruned.info.run_id, "dev_sentence_nll")
     assert {a.path for a in mlflow.list_artifacts(parent.info.run_id, "sweep")} >= {
         "sweep/leaderboard.json", "sweep/report.md", "sweep/winner.yaml", "sweep/confirmation.json"}

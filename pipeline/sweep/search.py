@@ -104,9 +104,20 @@ def open_study(sweep: SweepConfig, work_dir: Path, base: dict[str, Any], objecti
     if _UID not in study.user_attrs:
         study.set_user_attr(_UID, uuid.uuid4().hex[:12])
         study.enqueue_trial(base, user_attrs={"base": True})
-        for point in sweep.enqueue:
-            study.enqueue_trial(point)
+    _sync_hunches(sweep, study)
     return study
+
+
+def _sync_hunches(sweep: SweepConfig, study: optuna.Study) -> None:
+    """The sweep file's ``enqueue`` is the truth for the hunches not yet started: one added after the study began
+    joins it at the next run (once: a point already tried is not queued again), and a waiting one no longer in the
+    file is withdrawn (FAIL with user attribute ``withdrawn``; it does not count against ``trials``)."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        if not t.user_attrs.get("base") and t.system_attrs.get("fixed_params") not in sweep.enqueue:
+            study._storage.set_trial_user_attr(t._trial_id, "withdrawn", "taken out of enqueue before it ran")
+            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    for point in sweep.enqueue:
+        study.enqueue_trial(point, skip_if_exists=True)
 
 
 def run_key(study: optuna.Study, what: str) -> str:
@@ -136,8 +147,8 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
         else:
             active[frozen.number] = (trial, _start(study, runner, trial, frozen.params, overrides_of, logger))
     while True:
-        finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
-                                                                  TrialState.FAIL)))
+        finished = sum("withdrawn" not in t.user_attrs for t in study.get_trials(
+            deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
         while len(active) < sweep.max_in_flight and finished + len(active) + len(waiting) < sweep.trials:
             trial = study.ask(dists)
             twin = _twin(study, trial)

@@ -22,13 +22,16 @@ from pipeline.sweep.search import Arm
 
 def leaderboard(study: optuna.Study) -> list[dict[str, Any]]:
     """One row per trial, best dev score first (then pruned, failed and running ones): its values, state, dev
-    score, updates made, last reported dev NLL per sentence and training seconds, its run, and the trial it
-    repeats (``duplicate_of``: a point drawn twice is recorded, not run, again)."""
+    score, updates made, last reported dev NLL per sentence and training seconds, its run, the trial it
+    repeats (``duplicate_of``: a point drawn twice is recorded, not run, again) and why it failed or was withdrawn
+    (``note``)."""
     rows = []
     for t in study.get_trials(deepcopy=False):
         last = max(t.intermediate_values, default=None)
         rows.append({"trial": t.number, "state": t.state.name, "value": t.value if t.state.name == "COMPLETE" else None,
-                     "params": t.params, "base": bool(t.user_attrs.get("base")), "steps": t.user_attrs.get("steps"),
+                     "params": t.params or t.system_attrs.get("fixed_params", {}),  # a withdrawn one was never asked
+                     "base": bool(t.user_attrs.get("base")), "steps": t.user_attrs.get("steps"),
+                     "note": t.user_attrs.get("withdrawn") or t.user_attrs.get("run_state"),
                      "dev_sentence_nll": -t.intermediate_values[last] if last is not None else None,
                      "train_seconds": last, "run_id": t.user_attrs.get("run_id"),
                      "duplicate_of": t.user_attrs.get("duplicate_of")})
@@ -137,7 +140,8 @@ def markdown(sweep: SweepConfig, rows: list[dict], dev: list[Verdict], tests: li
            "|---|---|" + "---|" * (len(keys) + 4)]
     for r in rows:
         twin = f" (= {r['duplicate_of']})" if r.get("duplicate_of") is not None else ""
-        out.append(f"| {r['trial']}{' (base)' if r['base'] else ''}{twin} | {r['state']} | "
+        state = f"{r['state']} ({r['note']})" if r.get("note") else r["state"]
+        out.append(f"| {r['trial']}{' (base)' if r['base'] else ''}{twin} | {state} | "
                    + " | ".join(_value(r["params"].get(k, "")) for k in keys)
                    + f" | {_f(r['value'])} | {r['steps'] or ''} | {_f(r['dev_sentence_nll'], '.3f')} | "
                      f"{r['train_seconds'] if r['train_seconds'] is not None else ''} |")
