@@ -113,7 +113,7 @@ def _sync_hunches(sweep: SweepConfig, study: optuna.Study) -> None:
     joins it at the next run (once: a point already tried is not queued again), and a waiting one no longer in the
     file is withdrawn (FAIL with user attribute ``withdrawn``; it does not count against ``trials``)."""
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        if not t.user_attrs.get("base") and t.system_attrs.get("fixed_params") not in sweep.enqueue:
+        if not t.user_attrs.get("base") and enqueued_point(t) not in sweep.enqueue:
             study._storage.set_trial_user_attr(t._trial_id, "withdrawn", "taken out of enqueue before it ran")
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
     for point in sweep.enqueue:
@@ -197,11 +197,10 @@ def _copy(study: optuna.Study, trial: optuna.Trial, twin: int) -> bool:
     return True
 
 
-def _enqueued(trial: FrozenTrial) -> bool:
-    """The base or a hunch of the sweep's ``enqueue``: it trains its whole budget, never pruned. A hunch is there
-    because its curve is expected to cross the others' late (a larger shape is behind early by construction), and
-    the base is what every other trial is measured against; their values still set the rungs' bars."""
-    return "fixed_params" in trial.system_attrs  # how Optuna marks a trial made by enqueue_trial
+def enqueued_point(trial: FrozenTrial) -> dict[str, Any] | None:
+    """The point a trial was enqueued with (the base or a hunch of the sweep's ``enqueue``); None for a drawn one.
+    Optuna keeps it in the trial's system attribute ``fixed_params``, set by ``enqueue_trial``."""
+    return trial.system_attrs.get("fixed_params")
 
 
 def _launch(study: optuna.Study, runner: Runner, what: str, overrides: dict[str, Any]) -> str:
@@ -238,8 +237,10 @@ def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
             trial.report(-nll if math.isfinite(nll) else float("nan"), int(seconds))
             last = int(seconds)
             # Asked after every point, also of a run that has ended: the pruner records a trial's value at each rung
-            # when it passes it, and later trials are measured against those values.
-            if trial.should_prune() and state not in FINAL and not _enqueued(frozen):
+            # when it passes it, and later trials are measured against those values. The base and the hunches train
+            # their whole budget: a hunch is there because its curve is expected to cross the others' late (a larger
+            # shape is behind early by construction), and the base is what every other trial is measured against.
+            if trial.should_prune() and state not in FINAL and enqueued_point(frozen) is None:
                 runner.cancel(run_id, f"pruned by the sweep at {int(seconds)} s of training (dev NLL/sentence "
                                       f"{nll:.3f})")
                 study.tell(trial, state=TrialState.PRUNED)
