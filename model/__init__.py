@@ -10,7 +10,7 @@ from .embedding import ScaledEmbedding
 from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, ResidualConnection
 from .loss import LabelSmoothedCrossEntropy
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoid_table
-from .schedule import TransformerLRLambda, transformer_lr, transformer_lr_scheduler
+from .schedule import TransformerLRLambda, cooldown_factor, transformer_lr, transformer_lr_scheduler
 from .transformer import Decoder, Encoder, Transformer
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Transformer",
     "TransformerLRLambda",
     "attention_with_weights",
+    "cooldown_factor",
     "reorder_cache",
     "sinusoid_table",
     "transformer_lr",

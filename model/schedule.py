@@ -1,4 +1,5 @@
-"""The paper's learning-rate schedule (section 5.3): linear warm-up, then inverse square root decay."""
+"""The paper's learning-rate schedule (section 5.3): linear warm-up, then inverse square root decay; and a
+budget cooldown on top of it (not in the paper)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ def transformer_lr(step: int, d_model: int, warmup_steps: int, lr_scale: float =
     if step <= 0:
         return 0.0
     return lr_scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
+
+
+def cooldown_factor(progress: float, fraction: float) -> float:
+    """Multiplier of the learning rate at ``progress`` (0 to 1) through a training budget whose last ``fraction``
+    cools down: 1 before it, then linear to 0 at the budget's end; 1 throughout when ``fraction`` is 0."""
+    if fraction <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (1.0 - progress) / fraction))
 
 
 @dataclass

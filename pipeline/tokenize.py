@@ -41,7 +41,7 @@ TOKENIZER_FORMAT = "aiayn-tokenizer/1"
 MODEL_FILE = "spm.model"
 VOCAB_FILE = "spm.vocab"
 # TokenizerConfig fields that only affect encoding into shards, not the model (kept out of its fingerprint).
-ENCODE_ONLY_FIELDS = frozenset({"shard_rows", "num_workers"})
+ENCODE_ONLY_FIELDS = frozenset({"shard_rows", "num_workers", "sampling_alpha", "sampled_copies"})
 # Fixed trainer options, part of the fingerprint. The thread count is a constant, not the machine's core count:
 # unigram training results depend on it (BPE's do not), and the model file records it. The input_sentence_size
 # sample is drawn here (seeded numpy) and sentencepiece gets exactly it: its own sampler ignores the seed.
@@ -285,6 +285,14 @@ class Tokenizer:
         if self.words is None:
             return self.sp.encode(list(texts), num_threads=num_threads)
         return [[self._word_id(w) for w in text.split()] for text in texts]
+
+    def sample_batch(self, texts: Sequence[str], alpha: float) -> list[list[int]]:
+        """One sampled segmentation of each sentence (BPE-dropout for bpe, subword sampling for unigram), without
+        bos/eos: a random draw (sentencepiece's generator cannot be seeded reproducibly across processes)."""
+        if self.words is not None or self.manifest["model_type"] == "char":
+            raise TokenizerError(f"{self.model_path}: a {self.manifest['model_type']} model has one segmentation per "
+                                 "sentence; set tokenizer.sampling_alpha: 0")
+        return self.sp.encode(list(texts), enable_sampling=True, alpha=alpha, nbest_size=-1, num_threads=1)
 
     def _word_id(self, word: str) -> int:
         found = self.words.get(word)

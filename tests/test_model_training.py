@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr, transformer_lr_scheduler
+from model import LabelSmoothedCrossEntropy, Transformer, cooldown_factor, transformer_lr, transformer_lr_scheduler
 
 PAD = 0
 
@@ -113,6 +113,11 @@ def test_lambda_lr_factory_counts_updates_from_one():
     restored = transformer_lr_scheduler(torch.optim.Adam([param]), d_model=1, warmup_steps=1)
     restored.load_state_dict(scheduler.state_dict())  # the schedule's fields travel in the state dict
     assert restored.get_last_lr()[0] == pytest.approx(transformer_lr(25, 64, 10, 0.5), rel=1e-12)
+
+
+def test_cooldown_is_one_then_linear_to_zero_at_the_budgets_end():
+    assert [cooldown_factor(p, 0.25) for p in (0.0, 0.75, 0.875, 1.0, 1.2)] == [1.0, 1.0, 0.5, 0.0, 0.0]
+    assert cooldown_factor(0.99, 0.0) == 1.0  # no cooldown: the paper's schedule to the end
 
 
 # -------------------------------------------------------------------------------------------- learning

@@ -455,6 +455,8 @@ def test_parsing_configs_and_their_validation(tmp_path) -> None:
         load_config("ptb-sample-cpu", ["tokenizer.byte_fallback=true"])
     with pytest.raises(ConfigError, match="needs tokenizer.model_type 'word'"):
         load_config("ptb-sample-cpu", ["tokenizer.model_type=bpe", "tokenizer.byte_fallback=true"])
+    with pytest.raises(ConfigError, match="sampling_alpha needs model_type 'bpe' or 'unigram'"):
+        load_config("ptb-sample-cpu", ["tokenizer.sampling_alpha=0.1"])  # a word model has one segmentation
     with pytest.raises(ConfigError, match="'include'.*for format 'ptb' only"):
         load_config("multi30k-cpu", ["data.dev.include=['*.en']"])
 

@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.fsutil import sha256_file
 from pipeline.shards import (CHUNK_ROWS, ShardDataset, ShardError, build_shards, read_shard_manifest, shard_schema,
-                             token_batches)
+                             token_batches, train_splits)
 from pipeline.tokenize import Tokenizer, train_tokenizer
 from tests.test_tokenize import multi30k_corpus
 
@@ -78,6 +78,29 @@ def test_byte_identical_whatever_the_workers_and_a_rerun_is_a_noop(corpus: Path,
     assert {p.name: p.stat().st_mtime_ns for p in shards.iterdir()} == mtimes
     other = build_shards(corpus, tok.dir, CFG.model_copy(update={"shard_rows": 50_000}), tmp_path)
     assert other.name != shards.name
+
+
+@pytest.mark.integration
+def test_sampled_copies_segment_the_same_pairs_otherwise_and_a_rerun_keeps_them(
+        corpus: Path, tok: Tokenizer, shards: Path, work: Path, tmp_path: Path) -> None:
+    cfg = CFG.model_copy(update={"sampling_alpha": 0.1, "sampled_copies": 2})
+    sampled = build_shards(corpus, tok.dir, cfg, work)
+    m = read_shard_manifest(sampled)
+    assert m["sampling"] == {"alpha": 0.1, "copies": 2}
+    assert train_splits(m) == ["train.sampled1", "train.sampled2"] and train_splits(read_shard_manifest(shards)) == [
+        "train"]
+    # the deterministic splits are the same bytes as without sampling: dev, test and decoding see one segmentation
+    assert {k: v for k, v in files(sampled).items() if k != "manifest.json" and "sampled" not in k} == {
+        k: v for k, v in files(shards).items() if k != "manifest.json"}
+    src, tgt = corpus_texts(corpus, "train")
+    det, one, two = (ShardDataset(sampled, k, tokenizer=tok) for k in ("train", *train_splits(m)))
+    assert len(one) == len(two) == len(det) == len(src)
+    for i in range(0, len(src), 997):  # the same text in other pieces
+        assert (tok.decode(one.ids(i, "src")), tok.decode(two.ids(i, "tgt"))) == (src[i], tgt[i])
+    assert one.tgt_len.sum() > 1.2 * det.tgt_len.sum() and not np.array_equal(one.tgt_len, two.tgt_len)
+    # a folder once drawn is kept: a re-run reads the same copies
+    drawn = files(sampled)
+    assert build_shards(corpus, tok.dir, cfg, work) == sampled and files(sampled) == drawn
 
 
 # ------------------------------------------------------------------------------------------ format, manifest

@@ -202,6 +202,28 @@ def test_hunches_follow_the_sweep_file_added_ones_join_and_a_waiting_one_taken_o
     assert len(study.get_trials()) == len(trials)
 
 
+def test_a_dimension_added_to_a_running_study_is_the_base_value_in_the_trials_before_it(tmp_path):
+    sweep = _sweep(tmp_path, trials=2, max_in_flight=1)
+    runner = ScriptedRunner()
+    search(sweep, open_study(sweep, tmp_path, base_point(sweep, load_config(sweep.base)), "multi30k-val.sacrebleu"),
+           runner, lambda p: expand(sweep, p))
+    # The file gains label smoothing; trials 0 and 1 ran at the base config's 0.1. A hunch of trial 1's point at
+    # 0.1 is trial 1 again (recorded, not run); the confirmation still finds the base among the trials.
+    ls = {"type": "categorical", "choices": [0.1, 0.2]}
+    grown = _sweep(tmp_path, trials=3, max_in_flight=1, space={**sweep.space, "train.label_smoothing": ls})
+    point = base_point(grown, load_config(grown.base))
+    assert point["train.label_smoothing"] == 0.1
+    study = open_study(grown, tmp_path, point, "multi30k-val.sacrebleu")
+    hunch = {**study.trials[1].params, "train.label_smoothing": 0.1}
+    grown = grown.model_copy(update={"enqueue": [hunch]})
+    study = open_study(grown, tmp_path, point, "multi30k-val.sacrebleu")
+    search(grown, study, runner, lambda p: expand(grown, p))
+    assert len(runner.runs) == 2 and study.trials[2].user_attrs["duplicate_of"] == 1
+    base, *candidates = arms(grown, study, point)
+    assert base.search_value == study.trials[0].value and [a.params for a in candidates] == [hunch]
+    assert [r["params"]["train.label_smoothing"] for r in leaderboard(study)] == [0.1] * 3
+
+
 def test_the_report_writes_stepped_floats_as_a_reader_would(tmp_path):
     sweep = _sweep(tmp_path, space={"train.label_smoothing": {"type": "float", "low": 0.0, "high": 0.2, "step": 0.05}})
     row = {"trial": 1, "state": "COMPLETE", "value": 40.0, "params": {"train.label_smoothing": 0.15000000000000002},

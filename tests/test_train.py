@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from model import Transformer
+from model import Transformer, transformer_lr
 from pipeline.checkpoint import (CheckpointError, check_compatible, find_latest, load_checkpoint, read_index,
                                  save_checkpoint)
-from pipeline.shards import ShardDataset
+from pipeline.shards import ShardDataset, build_shards
 from pipeline.train import TrainStep, accumulation_steps, make_batch, setup, train, usable_batches
 from tests.conftest import resolved_tiny_config, tiny_config
 
@@ -138,6 +138,23 @@ def test_exact_resume_across_epoch_boundary(shared_data, shards, tmp_path):
     assert_same_tensors(a["optimizer"], b["optimizer"])
     assert_same_rng(a["rng"], b["rng"])
     assert a["totals"] == b["totals"]
+
+
+@pytest.mark.integration
+def test_epochs_cycle_through_the_sampled_copies_of_the_training_split(shared_data, tiny_stack, tmp_path):
+    extra = ["tokenizer.sampling_alpha=0.1", "tokenizer.sampled_copies=2", "train.max_tokens=65536",
+             "train.update_tokens=65536"]  # one batch per update, a dozen or two per epoch
+    cfg = config(shared_data, *extra)
+    sampled = build_shards(tiny_stack.corpus, tiny_stack.tokenizer, cfg.tokenizer, tmp_path)
+    copies = [ShardDataset(sampled, k) for k in ("train.sampled1", "train.sampled2")]
+    epochs = [usable_batches(ds, 65536, cfg.model.max_positions, cfg.train.seed, e) for e, ds in enumerate(copies)]
+    # the whole of epoch 0, then the first update of epoch 1
+    state = final_state(train(config(shared_data, *extra, f"train.max_steps={len(epochs[0]) + 1}"), sampled,
+                              tmp_path / "run"))
+    assert (state["epoch"], state["batch_pos"]) == (1, 1)
+    # target tokens (+ eos) trained: all of copy 1 and the first batch of copy 2 (the "train" split holds fewer)
+    want = sum(int(copies[e].tgt_len[b].sum()) + len(b) for e, bs in enumerate((epochs[0], epochs[1][:1])) for b in bs)
+    assert state["totals"][0] == want
 
 
 @pytest.mark.integration
@@ -457,6 +474,21 @@ def test_max_minutes_stops_and_checkpoints_and_counts_over_resumes(shared_data, 
 
 
 # ---------------------------------------------------------------------------------------------- accumulation
+
+
+@pytest.mark.integration
+def test_cooldown_takes_the_learning_rate_linearly_to_zero_at_the_end_of_the_budget(shared_data, shards, tmp_path):
+    cfg = config(shared_data, "train.max_steps=20", "train.cooldown=0.5")
+    rows = [r for r in metrics(train(cfg, shards, tmp_path / "steps")) if "lr" in r]
+    d, warmup = cfg.model.d_model, cfg.train.warmup_steps
+    # the update numbered s trains at the paper's rate of step s times the cooldown at (s - 1) / 20 of the budget
+    assert [r["lr"] for r in rows] == pytest.approx(
+        [transformer_lr(r["step"], d, warmup) * min(1.0, (1 - (r["step"] - 1) / 20) / 0.5) for r in rows], rel=1e-9)
+    assert rows[-1]["step"] == 20 and rows[-1]["lr"] < 0.11 * transformer_lr(20, d, warmup)
+    # on the clock: the last updates before max_minutes run at a small fraction of the paper's rate
+    timed = config(shared_data, "train.max_steps=100000", "train.max_minutes=0.05", "train.cooldown=1.0")
+    rows = [r for r in metrics(train(timed, shards, tmp_path / "minutes")) if "lr" in r]
+    assert rows[-1]["lr"] < 0.2 * transformer_lr(rows[-1]["step"], d, warmup)
 
 
 @pytest.mark.integration

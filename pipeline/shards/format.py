@@ -11,6 +11,18 @@ SHARDS_FORMAT = "aiayn-shards/1"
 CHUNK_ROWS = 16_384  # rows per record batch and per task sent to a worker (part of the format)
 
 
+def sampled_split(copy: int) -> str:
+    """Split key of sampled copy ``copy`` (1-based) of the training split (tokenizer.sampling_alpha)."""
+    return f"train.sampled{copy}"
+
+
+def train_splits(manifest: dict) -> list[str]:
+    """The training splits that epochs cycle through, in order: the sampled copies when the shards have them
+    (epoch e trains on copy e mod len), else the one deterministic ``train``."""
+    copies = manifest.get("sampling", {}).get("copies", 0)
+    return [sampled_split(k) for k in range(1, copies + 1)] or ["train"]
+
+
 class ShardError(UserError, ValueError):
     """Shards that cannot be written or trusted; the message names the file and what to do."""
 

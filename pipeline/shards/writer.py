@@ -8,6 +8,12 @@ Encoding streams: the main process reads the Parquet split in chunks of :data:`C
 (each with its own sentencepiece model) encode them, and the main process writes the results in order, one
 record batch per chunk. At most ``2 * num_workers`` chunks are in flight, so memory does not grow with the
 corpus, and the output does not depend on the number of workers.
+
+Sampled copies (``tokenizer.sampling_alpha`` > 0, BPE-dropout): the training split is encoded again
+``sampled_copies`` times with sentencepiece's sampling, as splits ``train.sampled1``... They are a random draw,
+not a function of the inputs: sentencepiece's sampling generator cannot be seeded reproducibly across processes
+(``set_random_generator_seed(5)`` gives other pieces in another process). The folder is still named by its inputs
+and never drawn again once written, and a run records the shards' fingerprint, so a resume reads the same copies.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, sha256_file, stage_
 from pipeline.proc import exit_with_parent
 from pipeline.tokenize import Tokenizer, verify_file
 
-from .format import CHUNK_ROWS, SHARDS_FORMAT, ShardError, shard_schema
+from .format import CHUNK_ROWS, SHARDS_FORMAT, ShardError, sampled_split, shard_schema
 
 log = logging.getLogger("aiayn.shards")
 
@@ -57,9 +63,10 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
                          "train_tokenizer with this config")
     corpus = read_manifest(corpus_dir)
     splits = dict(sorted(corpus["splits"].items()))
+    sampling = {"alpha": cfg.sampling_alpha, "copies": cfg.sampled_copies} if cfg.sampling_alpha else None
     identity = {"format": SHARDS_FORMAT, "code": _code_hash(),
                 "chunk_rows": CHUNK_ROWS, "shard_rows": cfg.shard_rows, "tokenizer_sha256": tok.sha256,
-                "corpus": {key: s["sha256"] for key, s in splits.items()}}
+                "corpus": {key: s["sha256"] for key, s in splits.items()}, "sampling": sampling}
     out, fingerprint, done = stage_folder(work_dir, "shards", identity)
     if done:
         return out
@@ -71,16 +78,23 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
     schema = shard_schema(tok.dtype)
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])  # bool [vocab]
     entries = {}
-    encoded_rows, total_rows = 0, sum(s["rows"] for s in splits.values())
+    # (split key, corpus split key, copy): every corpus split once, then the sampled copies of the training split
+    jobs = [(key, key, 0) for key in splits]
+    if sampling:
+        jobs += [(sampled_split(k), "train", k) for k in range(1, sampling["copies"] + 1)]
+    encoded_rows, total_rows = 0, sum(splits[source]["rows"] for _, source, _ in jobs)
     ctx = multiprocessing.get_context("spawn")  # no fork: callers (Prefect, torch) may hold threads and locks
     init = (str(tok.dir), tok.dtype.str, os.getpid())
     with atomic_dir(out) as tmp, ProcessPoolExecutor(cfg.num_workers, mp_context=ctx, initializer=_init_worker,
                                                      initargs=init) as pool:
-        for key, s in splits.items():
+        for key, source, copy in jobs:
+            s = splits[source]
             writer = _ShardSplitWriter(tmp, key, schema, tok.is_unknown, is_byte)
             plan = _plan(s["rows"], cfg.shard_rows)
             chunks = _read_chunks(corpus_dir / s["file"], [stop - start for _, start, stop in plan])
-            results = _ordered(pool, _encode_chunk, chunks, _IN_FLIGHT_PER_WORKER * cfg.num_workers)
+            alpha = cfg.sampling_alpha if copy else 0.0
+            results = _ordered(pool, _encode_chunk, ((c, alpha) for c in chunks),
+                               _IN_FLIGHT_PER_WORKER * cfg.num_workers)
             for (shard, start, stop), encoded in zip(plan, results):
                 writer.write(shard, start, *encoded)
                 encoded_rows += stop - start
@@ -101,6 +115,7 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
             "corpus": {"fingerprint": corpus["fingerprint"], "src_lang": corpus["src_lang"],
                        "tgt_lang": corpus["tgt_lang"]},
             "splits": entries,
+            **({"sampling": sampling} if sampling else {}),
         })
     rows = sum(e["rows"] for e in entries.values())
     elapsed = time.perf_counter() - started
@@ -175,15 +190,20 @@ def _init_worker(tokenizer_dir: str, dtype: str, parent: int) -> None:
     _worker_dtype = np.dtype(dtype)
 
 
-def _encode_chunk(payload: pa.Buffer) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Worker: one chunk -> (src offsets int32 [n+1], src ids [tokens], tgt offsets, tgt ids)."""
+def _encode_chunk(job: tuple[pa.Buffer, float]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Worker: one chunk and its sampling alpha (0: the deterministic segmentation) -> (src offsets int32 [n+1],
+    src ids [tokens], tgt offsets, tgt ids)."""
+    payload, alpha = job
     table = pa.ipc.open_stream(payload).read_all()
-    return (*_encode_texts(table.column("src").to_pylist()), *_encode_texts(table.column("tgt").to_pylist()))
+    src, tgt = table.column("src").to_pylist(), table.column("tgt").to_pylist()
+    if alpha:
+        return (*_layout(_worker_tok.sample_batch(src, alpha)), *_layout(_worker_tok.sample_batch(tgt, alpha)))
+    encode = _worker_tok.encode_batch  # one thread: the worker processes are the parallelism
+    return (*_layout(encode(src, num_threads=1)), *_layout(encode(tgt, num_threads=1)))
 
 
-def _encode_texts(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Worker: texts -> (offsets int32 [n+1], concatenated ids [tokens]), the Arrow list layout."""
-    ids = _worker_tok.encode_batch(texts, num_threads=1)  # the worker processes are the parallelism
+def _layout(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Worker: piece ids of each text -> (offsets int32 [n+1], concatenated ids [tokens]), the Arrow list layout."""
     offsets = np.zeros(len(ids) + 1, np.int32)  # [n+1]
     np.cumsum(np.fromiter(map(len, ids), np.int32, count=len(ids)), out=offsets[1:])
     flat = np.fromiter(chain.from_iterable(ids), _worker_dtype, count=int(offsets[-1]))  # [tokens]

@@ -31,6 +31,7 @@ log = logging.getLogger("aiayn.sweep")
 
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 _UID = "sweep_uid"  # study attribute: this study's identity in idempotency keys (a re-created study gets a new one)
+_BASE_POINT = "base_point"  # study attribute: the base config's point of the space as the sweep file has it now
 ATTEMPTS = 3  # runs of one trial or confirmation run whose process died (CRASHED) before the sweep gives up on it
 
 
@@ -101,6 +102,7 @@ def open_study(sweep: SweepConfig, work_dir: Path, base: dict[str, Any], objecti
     # trials are random, and the same seed would draw the same points again.
     study.sampler = optuna.samplers.TPESampler(seed=sweep.seed + len(study.trials))
     study.set_user_attr("objective", objective)
+    study.set_user_attr(_BASE_POINT, base)
     if _UID not in study.user_attrs:
         study.set_user_attr(_UID, uuid.uuid4().hex[:12])
         study.enqueue_trial(base, user_attrs={"base": True})
@@ -174,12 +176,19 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
             time.sleep(sweep.poll_s if poll_s is None else poll_s)
 
 
+def point(study: optuna.Study, trial: FrozenTrial | optuna.Trial) -> dict[str, Any]:
+    """The whole point a trial ran at. A dimension added to the space after a trial ran is not in its params: its
+    run took the base config's value of it (a trial overrides only its own params), so that value fills it in."""
+    return {**study.user_attrs.get(_BASE_POINT, {}), **trial.params}
+
+
 def _twin(study: optuna.Study, trial: optuna.Trial) -> int | None:
     """The first earlier trial of the same point. TPE can draw a point twice, and a second run of it would not be a
     new measurement: its config is the same, so its training folder is too (the pipeline's cache is keyed on the
     config), and it would continue the first run's training from its checkpoints."""
+    here = point(study, trial)
     return next((t.number for t in study.get_trials(deepcopy=False)
-                 if t.number != trial.number and t.params == trial.params), None)
+                 if t.number != trial.number and t.params and point(study, t) == here), None)
 
 
 def _copy(study: optuna.Study, trial: optuna.Trial, twin: int) -> bool:
@@ -285,18 +294,14 @@ class Arm:
 
 def arms(sweep: SweepConfig, study: optuna.Study, base: dict[str, Any]) -> list[Arm]:
     """The base and the ``confirm.top_k`` best completed trials other than the base point (by search dev score)."""
-    done = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.params != base]
-    done.sort(key=lambda t: (-t.value, t.number))
-    seen: list[dict] = []
-    best = []
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    done = sorted((t for t in complete if point(study, t) != base), key=lambda t: (-t.value, t.number))
+    best: dict[str, tuple[dict, FrozenTrial]] = {}
     for t in done:  # TPE may draw one point twice: confirm it once
-        if t.params not in seen:
-            seen.append(t.params)
-            best.append(t)
-    base_trial = next((t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                       if t.params == base), None)
+        best.setdefault(repr(sorted(point(study, t).items())), (point(study, t), t))
+    base_trial = next((t for t in complete if point(study, t) == base), None)
     return [Arm("base", base, None, base_trial.value if base_trial else None),
-            *(Arm(f"trial-{t.number}", t.params, t.number, t.value) for t in best[: sweep.confirm.top_k])]
+            *(Arm(f"trial-{t.number}", p, t.number, t.value) for p, t in list(best.values())[: sweep.confirm.top_k])]
 
 
 def confirm(sweep: SweepConfig, study: optuna.Study, runner: Runner, candidates: list[Arm], overrides_of,

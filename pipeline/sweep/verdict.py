@@ -17,7 +17,7 @@ import yaml
 from pipeline.fsutil import write_text
 from pipeline.promotion import Comparison, pooled_bootstrap
 from pipeline.sweep.config import SweepConfig, expand
-from pipeline.sweep.search import Arm, enqueued_point
+from pipeline.sweep.search import Arm, enqueued_point, point
 
 
 def leaderboard(study: optuna.Study) -> list[dict[str, Any]]:
@@ -29,7 +29,8 @@ def leaderboard(study: optuna.Study) -> list[dict[str, Any]]:
     for t in study.get_trials(deepcopy=False):
         last = max(t.intermediate_values, default=None)
         rows.append({"trial": t.number, "state": t.state.name, "value": t.value if t.state.name == "COMPLETE" else None,
-                     "params": t.params or enqueued_point(t) or {},  # a withdrawn one was never asked
+                     # a withdrawn one was never asked
+                     "params": point(study, t) if t.params else enqueued_point(t) or {},
                      "base": bool(t.user_attrs.get("base")), "steps": t.user_attrs.get("steps"),
                      "note": t.user_attrs.get("withdrawn") or t.user_attrs.get("run_state"),
                      "dev_sentence_nll": -t.intermediate_values[last] if last is not None else None,

@@ -5,7 +5,8 @@ the same list on every rank. One update consumes a *group* of ``accumulation * w
 batches: rank ``r`` takes batches ``r, r + world, r + 2 world, ...`` of the group, one per micro-step. A
 trailing part of an epoch too short for a whole group is skipped (the next epoch reshuffles), so every update
 holds the same number of batches on every rank. The checkpoint records (epoch, batch position), which with
-the seed fully determines the rest of the order.
+the seed fully determines the rest of the order. With sampled copies of the training split (BPE-dropout,
+``tokenizer.sampling_alpha``), epoch ``e`` reads copy ``e mod copies``: another segmentation of the same pairs.
 
 Normalisation. The loss of an update is the sum of per-token losses over every micro-batch of every rank,
 divided by the total number of target tokens of the update (all-reduced before the forward passes). DDP
@@ -16,8 +17,9 @@ Dev loss is computed by all ranks, each on every world-th dev batch, and the sum
 Stopping. At ``max_steps`` updates or after ``max_minutes`` of wall clock, whichever comes first, both counted
 over resumes (each checkpoint records the seconds trained up to it): a run that crashed and resumed trains as long
 as one that did not, and raising either budget continues the run. A final checkpoint is always written.
-Time-based decisions (``max_minutes``, ``checkpoint_every_minutes``) are taken by rank 0 and shared, so that all
-ranks act on the same step.
+Time-based decisions (``max_minutes``, ``checkpoint_every_minutes``, the clock of ``train.cooldown``, which lowers
+the learning rate linearly to 0 over the budget's last fraction) are taken by rank 0 and shared, so that all ranks
+act on the same step.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler
+from model import LabelSmoothedCrossEntropy, Transformer, cooldown_factor, transformer_lr_scheduler
 from pipeline.checkpoint import read_index, save_checkpoint
 from pipeline.config import RunConfig, dump_config, write_resolved
 from pipeline.errors import UserError
 from pipeline.fsutil import MANIFEST, exclusive, remove_stale_temps, sha256_file, write_json
-from pipeline.shards import ShardDataset, token_batches
+from pipeline.shards import ShardDataset, token_batches, train_splits
 
 from .distributed import DistInfo, all_gather_object, all_reduce_sum, rng_state, seed_everything, setup
 from .metrics import ConsoleSink, JsonlSink, MetricsSink, matmul_roofline, peak_flops, peak_memory_mb, perplexity
@@ -186,12 +188,15 @@ class TrainStep:
             sums += torch.stack([loss.detach(), nll.detach()]).double()
         return sums, counts
 
-    def apply(self, want_norm: bool) -> tuple[float, Tensor | None]:
-        """Clip (if configured), step Adam and the schedule, clear gradients. Returns (lr used, grad norm or None)."""
+    def apply(self, want_norm: bool, lr_factor: float = 1.0) -> tuple[float, Tensor | None]:
+        """Clip (if configured), step Adam at the schedule's rate times ``lr_factor`` (the budget cooldown), step
+        the schedule, clear gradients. Returns (lr used, grad norm or None)."""
         norm = None
         if self.clip_norm > 0 or want_norm:
             max_norm = self.clip_norm if self.clip_norm > 0 else math.inf  # inf: measure without clipping
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        for group in self.optimizer.param_groups:  # LambdaLR sets each step's rate afresh: the factor never compounds
+            group["lr"] *= lr_factor
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -221,12 +226,13 @@ def dev_loss(step_fn: TrainStep, ds: ShardDataset, batches: list[np.ndarray]) ->
             "dev_sentence_nll": nll / max(sentences, 1.0)}
 
 
-def _rank0_decides(flags: list[bool], info: DistInfo) -> list[bool]:
-    """Rank 0's ``flags`` on every rank (one tiny all-reduce; no collective, no device sync in one process)."""
+def _rank0_decides(values: list[float], info: DistInfo) -> list[float]:
+    """Rank 0's ``values`` (numbers and flags) on every rank (one tiny all-reduce; no collective, no device sync in
+    one process)."""
     if not info.distributed:
-        return flags
-    t = torch.tensor([int(f) if info.is_main else 0 for f in flags], dtype=torch.int64, device=info.device)
-    return [bool(v) for v in all_reduce_sum(t, info).tolist()]
+        return values
+    t = torch.tensor([float(v) if info.is_main else 0.0 for v in values], dtype=torch.float64, device=info.device)
+    return all_reduce_sum(t, info).tolist()
 
 
 def _flops_peak(cfg: RunConfig, info: DistInfo, bf16: bool, vocab: int) -> tuple[float | None, str | None]:
@@ -325,6 +331,9 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     t = cfg.train
     ckpt_dir = out_dir / "checkpoints"
     dev_ds = ShardDataset(shard_dir, "dev", verify=info.is_main)
+    splits = train_splits(train_ds.manifest)
+    epoch_sets = [train_ds] if splits == ["train"] else [ShardDataset(shard_dir, k, verify=info.is_main)
+                                                           for k in splits]
     shards = {"fingerprint": train_ds.manifest["fingerprint"],
               "manifest_sha256": sha256_file(Path(shard_dir) / MANIFEST)}
     tokenizer_sha256 = train_ds.manifest["tokenizer"]["sha256"]
@@ -386,7 +395,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
 
     dev_batches = usable_batches(dev_ds, t.max_tokens, cfg.model.max_positions, seed=0, epoch=0,
                                  limit=t.dev_max_sentences)
-    batches = usable_batches(train_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
+    epoch_ds = epoch_sets[epoch % len(epoch_sets)]
+    batches = usable_batches(epoch_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
     if len(batches) < group:
         raise TrainConfigError(f"the train split has {len(batches)} batches of max_tokens={t.max_tokens}, fewer "
                                f"than one update needs ({accum} per rank x {info.world_size} ranks); lower "
@@ -395,6 +405,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     dev_step = step if last_dev else -1
     budget_s = t.max_minutes * 60 if t.max_minutes is not None else math.inf
     out_of_time = step < t.max_steps and start.train_seconds >= budget_s  # resumed with its time already spent
+    shared_seconds = start.train_seconds  # rank 0's training seconds as of the last decision (the cooldown's clock)
     stopped_by = "max_minutes" if out_of_time else "max_steps"
     last_ckpt_time = interval_start = time.monotonic()
     paused = 0.0  # seconds of the log interval spent on dev loss and checkpoints (not training)
@@ -405,12 +416,14 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     while step < t.max_steps and not out_of_time:
         if batch_pos + group > len(batches):
             epoch, batch_pos = epoch + 1, 0
-            batches = usable_batches(train_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
-        micro = [make_batch(train_ds, batches[batch_pos + k * info.world_size + info.rank], info.device)
+            epoch_ds = epoch_sets[epoch % len(epoch_sets)]
+            batches = usable_batches(epoch_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
+        micro = [make_batch(epoch_ds, batches[batch_pos + k * info.world_size + info.rank], info.device)
                  for k in range(accum)]
         sums, counts = step_fn.accumulate(micro)
         log_now = (step + 1) % t.log_every_steps == 0
-        lr, norm = step_fn.apply(want_norm=log_now)
+        progress = max(step / t.max_steps, shared_seconds / budget_s)  # through the budget, before this update
+        lr, norm = step_fn.apply(want_norm=log_now, lr_factor=cooldown_factor(progress, t.cooldown))
         step, batch_pos, interval_steps = step + 1, batch_pos + group, interval_steps + 1
         interval_sums += sums
         interval_counts += counts
@@ -445,8 +458,9 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
             log_metrics({**last_dev, "train_seconds": trained_seconds()})
         # Time-based decisions are rank 0's, shared with all ranks so that they act on the same step.
         now = time.monotonic()
-        out_of_time, ckpt_due = _rank0_decides([trained_seconds() >= budget_s,
-                                                now - last_ckpt_time >= t.checkpoint_every_minutes * 60], info)
+        shared_seconds, out_of_time, ckpt_due = _rank0_decides(
+            [trained_seconds(), trained_seconds() >= budget_s, now - last_ckpt_time >= t.checkpoint_every_minutes * 60],
+            info)
         if step % t.checkpoint_every_steps == 0 or ckpt_due:
             checkpoint()
             saved_step, last_ckpt_time = step, time.monotonic()
