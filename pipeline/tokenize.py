@@ -289,9 +289,6 @@ class Tokenizer:
     def sample_batch(self, texts: Sequence[str], alpha: float) -> list[list[int]]:
         """One sampled segmentation of each sentence (BPE-dropout for bpe, subword sampling for unigram), without
         bos/eos: a random draw (sentencepiece's generator cannot be seeded reproducibly across processes)."""
-        if self.words is not None or self.manifest["model_type"] == "char":
-            raise TokenizerError(f"{self.model_path}: a {self.manifest['model_type']} model has one segmentation per "
-                                 "sentence; set tokenizer.sampling_alpha: 0")
         return self.sp.encode(list(texts), enable_sampling=True, alpha=alpha, nbest_size=-1, num_threads=1)
 
     def _word_id(self, word: str) -> int:

@@ -5,7 +5,7 @@ The format is documented in docs/formats.md ("Token shards").
 """
 
 from .batching import token_batches
-from .format import CHUNK_ROWS, SHARDS_FORMAT, ShardError, sampled_split, shard_schema, train_splits
+from .format import CHUNK_ROWS, SHARDS_FORMAT, ShardError, shard_schema, train_splits
 from .reader import ShardDataset, read_shard_manifest
 from .writer import build_shards
 
@@ -16,7 +16,6 @@ __all__ = [
     "ShardError",
     "build_shards",
     "read_shard_manifest",
-    "sampled_split",
     "shard_schema",
     "token_batches",
     "train_splits",

@@ -78,21 +78,20 @@ def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, wo
     schema = shard_schema(tok.dtype)
     is_byte = np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)])  # bool [vocab]
     entries = {}
-    # (split key, corpus split key, copy): every corpus split once, then the sampled copies of the training split
-    jobs = [(key, key, 0) for key in splits]
+    # (split key, corpus split key, sampling alpha): every corpus split once, then the sampled copies of "train"
+    jobs = [(key, key, 0.0) for key in splits]
     if sampling:
-        jobs += [(sampled_split(k), "train", k) for k in range(1, sampling["copies"] + 1)]
+        jobs += [(sampled_split(k), "train", cfg.sampling_alpha) for k in range(1, sampling["copies"] + 1)]
     encoded_rows, total_rows = 0, sum(splits[source]["rows"] for _, source, _ in jobs)
     ctx = multiprocessing.get_context("spawn")  # no fork: callers (Prefect, torch) may hold threads and locks
     init = (str(tok.dir), tok.dtype.str, os.getpid())
     with atomic_dir(out) as tmp, ProcessPoolExecutor(cfg.num_workers, mp_context=ctx, initializer=_init_worker,
                                                      initargs=init) as pool:
-        for key, source, copy in jobs:
+        for key, source, alpha in jobs:
             s = splits[source]
             writer = _ShardSplitWriter(tmp, key, schema, tok.is_unknown, is_byte)
             plan = _plan(s["rows"], cfg.shard_rows)
             chunks = _read_chunks(corpus_dir / s["file"], [stop - start for _, start, stop in plan])
-            alpha = cfg.sampling_alpha if copy else 0.0
             results = _ordered(pool, _encode_chunk, ((c, alpha) for c in chunks),
                                _IN_FLIGHT_PER_WORKER * cfg.num_workers)
             for (shard, start, stop), encoded in zip(plan, results):

@@ -296,12 +296,13 @@ def arms(sweep: SweepConfig, study: optuna.Study, base: dict[str, Any]) -> list[
     """The base and the ``confirm.top_k`` best completed trials other than the base point (by search dev score)."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     done = sorted((t for t in complete if point(study, t) != base), key=lambda t: (-t.value, t.number))
-    best: dict[str, tuple[dict, FrozenTrial]] = {}
+    best: list[tuple[dict, FrozenTrial]] = []
     for t in done:  # TPE may draw one point twice: confirm it once
-        best.setdefault(repr(sorted(point(study, t).items())), (point(study, t), t))
+        if point(study, t) not in [p for p, _ in best]:
+            best.append((point(study, t), t))
     base_trial = next((t for t in complete if point(study, t) == base), None)
     return [Arm("base", base, None, base_trial.value if base_trial else None),
-            *(Arm(f"trial-{t.number}", p, t.number, t.value) for p, t in list(best.values())[: sweep.confirm.top_k])]
+            *(Arm(f"trial-{t.number}", p, t.number, t.value) for p, t in best[: sweep.confirm.top_k])]
 
 
 def confirm(sweep: SweepConfig, study: optuna.Study, runner: Runner, candidates: list[Arm], overrides_of,

@@ -395,8 +395,12 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
 
     dev_batches = usable_batches(dev_ds, t.max_tokens, cfg.model.max_positions, seed=0, epoch=0,
                                  limit=t.dev_max_sentences)
-    epoch_ds = epoch_sets[epoch % len(epoch_sets)]
-    batches = usable_batches(epoch_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
+    def epoch_batches(epoch: int) -> tuple[ShardDataset, list[np.ndarray]]:
+        """The split epoch ``epoch`` reads and its batches."""
+        ds = epoch_sets[epoch % len(epoch_sets)]
+        return ds, usable_batches(ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
+
+    epoch_ds, batches = epoch_batches(epoch)
     if len(batches) < group:
         raise TrainConfigError(f"the train split has {len(batches)} batches of max_tokens={t.max_tokens}, fewer "
                                f"than one update needs ({accum} per rank x {info.world_size} ranks); lower "
@@ -416,8 +420,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     while step < t.max_steps and not out_of_time:
         if batch_pos + group > len(batches):
             epoch, batch_pos = epoch + 1, 0
-            epoch_ds = epoch_sets[epoch % len(epoch_sets)]
-            batches = usable_batches(epoch_ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
+            epoch_ds, batches = epoch_batches(epoch)
         micro = [make_batch(epoch_ds, batches[batch_pos + k * info.world_size + info.rank], info.device)
                  for k in range(accum)]
         sums, counts = step_fn.accumulate(micro)
@@ -458,9 +461,9 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
             log_metrics({**last_dev, "train_seconds": trained_seconds()})
         # Time-based decisions are rank 0's, shared with all ranks so that they act on the same step.
         now = time.monotonic()
-        shared_seconds, out_of_time, ckpt_due = _rank0_decides(
-            [trained_seconds(), trained_seconds() >= budget_s, now - last_ckpt_time >= t.checkpoint_every_minutes * 60],
-            info)
+        shared_seconds, ckpt_due = _rank0_decides(
+            [trained_seconds(), now - last_ckpt_time >= t.checkpoint_every_minutes * 60], info)
+        out_of_time = shared_seconds >= budget_s
         if step % t.checkpoint_every_steps == 0 or ckpt_due:
             checkpoint()
             saved_step, last_ckpt_time = step, time.monotonic()
