@@ -18,8 +18,8 @@ from prefect.runtime import flow_run
 from pipeline import tracking
 from pipeline.config import ensure_work_dir, resolve_config
 from pipeline.fsutil import write_text
-from pipeline.sweep.config import base_point, check_space, expand, load_sweep
-from pipeline.sweep.search import arms, open_study, search
+from pipeline.sweep.config import base_point, check_space, expand, load_sweep, variations
+from pipeline.sweep.search import arms, finished, open_study, search
 from pipeline.sweep.search import confirm as confirm_arms
 from pipeline.sweep.verdict import Verdict, judge, leaderboard, markdown, winner, write_winner
 from tasks.sweep import DeploymentRunner, publish
@@ -46,13 +46,16 @@ def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trial
     work = ensure_work_dir(base.work_dir)
     folder = work / "sweeps" / cfg.name
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
+    runner = DeploymentRunner(cfg.deployment, {"config": cfg.base, "data_root": data_root, "tracking_uri": uri,
+                                               "register_model": False}, folder, [f"sweep:{cfg.name}"])
+    # every field and kind of value a trial or a confirmation run sends, against the deployment, before anything
+    runner.check([*((f"space.{key} = {value!r}", o) for key, value, o in variations(cfg, point)),
+                  ("the confirmation", {**expand(cfg, point), "train.seed": cfg.confirm.seeds[0]})])
     tracking.connect(uri, base.tracking.experiment)
     objective = f"{base.data.dev.name}.{base.promotion_metric}"
     study = open_study(cfg, work, point, objective)
     parent = tracking.start_sweep_run(base.tracking.experiment, cfg.name, cfg.model_dump(mode="json"),
                                       {"prefect.flow_run_id": str(flow_run.get_id() or "")})
-    runner = DeploymentRunner(cfg.deployment, {"config": cfg.base, "data_root": data_root, "tracking_uri": uri,
-                                               "register_model": False}, folder, [f"sweep:{cfg.name}"])
 
     search(cfg, study, runner, lambda params: expand(cfg, params), logger=logger)
     rows = leaderboard(study)
@@ -64,7 +67,7 @@ def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trial
     if not confirm:
         _conclude(folder, parent, key, rows, markdown(cfg, rows, [], [], None, objective), [], None, {},
                   {"winner": "pending confirmation"})
-        logger.info("sweep %s: %d trials finished; confirmation left to a later run", cfg.name, len(rows))
+        logger.info("sweep %s: %d trials finished; confirmation left to a later run", cfg.name, finished(study))
         return {"winner": None, "leaderboard": rows, "verdicts": []}
     candidates = confirm_arms(cfg, study, runner, arms(cfg, study, point), lambda params: expand(cfg, params),
                               logger=logger)

@@ -4,6 +4,7 @@ artifacts (leaderboard table, report)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -11,9 +12,12 @@ from uuid import UUID
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelling
+from prefect.utilities.schema_tools import ValidationError, validate
 
 from pipeline import tracking
+from pipeline.config import ConfigError
 from pipeline.sweep.search import Outcome
 
 
@@ -24,6 +28,31 @@ class DeploymentRunner:
 
     def __init__(self, deployment: str, parameters: dict[str, Any], folder: Path, tags: list[str]):
         self.deployment, self.parameters, self.folder, self.tags = deployment, parameters, Path(folder), tags
+
+    def check(self, runs: Iterable[tuple[str, dict[str, Any]]]) -> None:
+        """Refuse, before any run starts, overrides the deployment's parameter schema refuses: ``runs`` are
+        (what, overrides) pairs. The server validates each new run against the schema the deployment was applied
+        with, built from the code of that day, so a config field added since is refused ("Additional properties
+        are not allowed") only when its first trial is created; the same check here fails the sweep at once, with
+        the fix."""
+        with get_client(sync_client=True) as client:
+            try:
+                deployment = client.read_deployment_by_name(self.deployment)
+            except ObjectNotFound:
+                raise ConfigError(f"deployment {self.deployment!r} does not exist on {client.api_url}: apply the "
+                                  f"deployments (`.venv/bin/python -m ops.localstack up`, or `prefect deploy --all` "
+                                  f"against that server)") from None
+        if deployment.enforce_parameter_schema is False:
+            return
+        for what, overrides in runs:
+            try:
+                validate({**self.parameters, "overrides": overrides}, deployment.parameter_openapi_schema,
+                         raise_on_error=True)
+            except ValidationError as e:
+                raise ConfigError(f"deployment {self.deployment!r} refuses the parameters of {what}: {e}. Its "
+                                  f"parameter schema is the code's as of when it was applied: after a config field "
+                                  f"was added, apply the deployments again (`.venv/bin/python -m ops.localstack up`, "
+                                  f"or `prefect deploy --all`)") from None
 
     def start(self, key: str, name: str, overrides: dict[str, Any]) -> str:
         run = run_deployment(self.deployment, parameters={**self.parameters, "overrides": overrides}, timeout=0,

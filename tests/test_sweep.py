@@ -181,6 +181,22 @@ def test_an_enqueued_hunch_trains_its_whole_budget_though_behind_at_every_rung(t
     assert tried.state.name == "COMPLETE" and not runner.cancelled and len(tried.intermediate_values) == runner.points
 
 
+def test_a_hunch_is_the_base_with_its_values_and_never_a_draw_in_the_dimensions_it_leaves_out(tmp_path):
+    sweep = _sweep(tmp_path, trials=2, max_in_flight=1, enqueue=[{"model": "wide"}])
+    point = base_point(sweep, load_config(sweep.base))
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    # a study that queued the hunch as Optuna takes it (the left-out warm-up would be drawn): replaced, not run
+    study.enqueue_trial({"model": "wide"})
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    runner = ScriptedRunner()
+    search(sweep, study, runner, lambda p: expand(sweep, p))
+    measured = [t for t in study.get_trials() if "withdrawn" not in t.user_attrs]
+    assert [t.params for t in measured] == [point, {**point, "model": "wide"}]
+    assert [r["overrides"]["train.warmup_steps"] for r in runner.runs.values()] == [point["train.warmup_steps"]] * 2
+    (old,) = [t for t in study.get_trials() if "withdrawn" in t.user_attrs]
+    assert old.system_attrs["fixed_params"] == {"model": "wide"} and not old.params
+
+
 def test_hunches_follow_the_sweep_file_added_ones_join_and_a_waiting_one_taken_out_is_withdrawn(tmp_path):
     one, two, three = ({"train.warmup_steps": w, "model": "wide"} for w in (500, 600, 700))
     point = base_point(_sweep(tmp_path), load_config("multi30k-cpu"))
@@ -414,6 +430,42 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
     assert {r["id"] for r in _api_runs(prefect, again)} <= {r["id"] for r in children}
     total = prefect_runs_tagged(prefect, "sweep:itest")
     assert len(total) == len(children)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_deployment_applied_before_a_field_existed_fails_the_sweep_before_anything_starts(stack, tmp_path):
+    """A deployment's parameter schema is the code's as of when it was applied: one applied before
+    ``train.cooldown`` existed makes the server refuse the first trial that sends it (409, "Additional properties
+    are not allowed"). The sweep checks every field and value its runs would send against the deployment first
+    and fails naming the dimension and the fix, before any trial run, study or MLflow run exists."""
+    import copy
+
+    from tests.conftest import api
+
+    prefect = stack["prefect"]
+    (current,) = api(prefect.api, "/deployments/filter", {"flows": {"name": {"any_": ["train-en-de"]}},
+                                                           "deployments": {"name": {"any_": ["multi30k-cpu"]}}})
+    schema = copy.deepcopy(current["parameter_openapi_schema"])
+    defs = schema.get("definitions") or schema["$defs"]
+    del defs["FlowOverrides"]["properties"]["train.cooldown"]  # as applied before the field was added
+    api(prefect.api, "/deployments/", {"name": "before-cooldown", "flow_id": current["flow_id"],
+                                       "entrypoint": current["entrypoint"], "work_pool_name": current["work_pool_name"],
+                                       "parameter_openapi_schema": schema, "enforce_parameter_schema": True})
+    sweep = {"name": "stale", "base": "multi30k-cpu-hub", "deployment": "train-en-de/before-cooldown", "trials": 2,
+             "trial_overrides": {"export.engine": "none"},
+             "space": {"train.warmup_steps": {"type": "categorical", "choices": [1000, 500]},
+                       "train.cooldown": {"type": "categorical", "choices": [0.0, 0.3]}}}
+    path = tmp_path / "stale.yaml"
+    path.write_text(yaml.safe_dump(sweep), encoding="utf-8")
+    status, out, run_id = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path)}, timeout=300)
+    logs = prefect.logs(run_id)
+    assert status != 0 and prefect.flow_run(run_id)["state"]["type"] == "FAILED", out[-3000:]
+    assert re.search(r"deployment 'train-en-de/before-cooldown' refuses the parameters of space\.train\.cooldown = "
+                     r"0\.0: .*'train\.cooldown' was unexpected.*apply the deployments again \(`\.venv/bin/python -m "
+                     r"ops\.localstack up`", logs), logs[-3000:]
+    assert _api_runs(prefect, run_id) == [] and not prefect_runs_tagged(prefect, "sweep:stale")
+    assert not (stack["home"] / "work" / "sweeps" / "stale").exists()  # no study, no leaderboard
 
 
 def _api_runs(prefect, parent_id: str) -> list[dict]:

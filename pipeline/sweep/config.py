@@ -8,6 +8,7 @@ a trial is exactly what a user gets from ``-p overrides=...``, and a winner is a
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import yaml
@@ -85,8 +86,8 @@ class SweepConfig(_Strict):
     # Fixed overrides of every trial (not searched): e.g. no serving export, no registration side effects.
     trial_overrides: dict[str, Any] = {}
     space: dict[str, Param] = Field(min_length=1)
-    # Points to try right after the base (trial 0), in order: hunches worth a full trial ({dotted key: value}, a
-    # subset of the space's keys; the rest is sampled).
+    # Points to try right after the base (trial 0), in order: hunches worth a full trial, each the base with the
+    # values it names ({dotted key: value}, keys of the space; the rest is the base's, never drawn).
     enqueue: list[dict[str, Any]] = []
     pruner: PrunerConfig = PrunerConfig()
     confirm: ConfirmConfig = ConfirmConfig()
@@ -184,15 +185,22 @@ def base_point(sweep: SweepConfig, base: RunConfig) -> dict[str, Any]:
     return point
 
 
-def check_space(sweep: SweepConfig, point: dict[str, Any], data_root: str | None = None) -> None:
-    """Resolve the base with each value of each dimension in turn (every choice and option, both ends of a range),
-    so that a value the config refuses (``d_model`` not divisible by ``n_heads``, ...) fails the sweep before its
-    first trial, naming the dimension, instead of failing trials one by one hours later."""
+def variations(sweep: SweepConfig, point: dict[str, Any]) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """``point`` with each value of each dimension in turn (every choice and option, both ends of a range):
+    (dimension, value, the trial's overrides). Every field and every kind of value a trial can send is in one."""
     for key, spec in sweep.space.items():
         values = (list(spec.options) if spec.type == "group" else spec.choices if spec.type == "categorical"
                   else [int(spec.low), int(spec.high)] if spec.type == "int" else [spec.low, spec.high])
         for value in values:
-            try:
-                load_config(sweep.base, expand(sweep, {**point, key: value}), data_root=data_root)
-            except ConfigError as e:
-                raise ConfigError(f"sweep {sweep.name}: space.{key} = {value!r} makes an invalid config: {e}") from None
+            yield key, value, expand(sweep, {**point, key: value})
+
+
+def check_space(sweep: SweepConfig, point: dict[str, Any], data_root: str | None = None) -> None:
+    """Resolve the base with every one of :func:`variations`, so that a value the config refuses (``d_model`` not
+    divisible by ``n_heads``, ...) fails the sweep before its first trial, naming the dimension, instead of failing
+    trials one by one hours later."""
+    for key, value, overrides in variations(sweep, point):
+        try:
+            load_config(sweep.base, overrides, data_root=data_root)
+        except ConfigError as e:
+            raise ConfigError(f"sweep {sweep.name}: space.{key} = {value!r} makes an invalid config: {e}") from None

@@ -110,15 +110,23 @@ def open_study(sweep: SweepConfig, work_dir: Path, base: dict[str, Any], objecti
     return study
 
 
+def hunches(sweep: SweepConfig, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sweep file's ``enqueue`` as whole points: each hunch is the base with the values it names. Optuna would
+    draw the dimensions an enqueued point leaves out, so a hunch "x1.5 rate with a cooldown" would also train with
+    whatever else TPE drew (BPE-dropout, say), and measure neither."""
+    return [{**base, **hunch} for hunch in sweep.enqueue]
+
+
 def _sync_hunches(sweep: SweepConfig, study: optuna.Study) -> None:
     """The sweep file's ``enqueue`` is the truth for the hunches not yet started: one added after the study began
     joins it at the next run (once: a point already tried is not queued again), and a waiting one no longer in the
     file is withdrawn (FAIL with user attribute ``withdrawn``; it does not count against ``trials``)."""
+    wanted = hunches(sweep, study.user_attrs[_BASE_POINT])
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        if not t.user_attrs.get("base") and enqueued_point(t) not in sweep.enqueue:
+        if not t.user_attrs.get("base") and enqueued_point(t) not in wanted:
             study._storage.set_trial_user_attr(t._trial_id, "withdrawn", "taken out of enqueue before it ran")
             study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-    for point in sweep.enqueue:
+    for point in wanted:
         study.enqueue_trial(point, skip_if_exists=True)
 
 
@@ -149,9 +157,7 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
         else:
             active[frozen.number] = (trial, _start(study, runner, trial, frozen.params, overrides_of, logger))
     while True:
-        finished = sum("withdrawn" not in t.user_attrs for t in study.get_trials(
-            deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
-        while len(active) < sweep.max_in_flight and finished + len(active) + len(waiting) < sweep.trials:
+        while len(active) < sweep.max_in_flight and finished(study) + len(active) + len(waiting) < sweep.trials:
             trial = study.ask(dists)
             twin = _twin(study, trial)
             if twin is None:
@@ -174,6 +180,12 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
                 active[number] = (trial, now)
         if active:
             time.sleep(sweep.poll_s if poll_s is None else poll_s)
+
+
+def finished(study: optuna.Study) -> int:
+    """The trials that count against ``trials``: completed, pruned or failed; a withdrawn hunch is none of them."""
+    return sum("withdrawn" not in t.user_attrs for t in study.get_trials(
+        deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)))
 
 
 def point(study: optuna.Study, trial: FrozenTrial | optuna.Trial) -> dict[str, Any]:
