@@ -7,8 +7,8 @@ a trial is exactly what a user gets from ``-p overrides=...``, and a winner is a
 
 from __future__ import annotations
 
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml

@@ -157,7 +157,8 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
         else:
             active[frozen.number] = (trial, _start(study, runner, trial, frozen.params, overrides_of, logger))
     while True:
-        while len(active) < sweep.max_in_flight and finished(study) + len(active) + len(waiting) < sweep.trials:
+        done = finished(study)
+        while len(active) < sweep.max_in_flight and done + len(active) + len(waiting) < sweep.trials:
             trial = study.ask(dists)
             twin = _twin(study, trial)
             if twin is None:
