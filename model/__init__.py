@@ -8,7 +8,7 @@ from .attention import MultiHeadAttention, attention_with_weights
 from .cache import AttentionCache, DecoderCache, reorder_cache
 from .embedding import ScaledEmbedding
 from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, ResidualConnection
-from .loss import LabelSmoothedCrossEntropy
+from .loss import LabelSmoothedCrossEntropy, symmetric_kl
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoid_table
 from .schedule import TransformerLRLambda, cooldown_factor, transformer_lr, transformer_lr_scheduler
 from .transformer import Decoder, Encoder, Transformer
@@ -33,6 +33,7 @@ __all__ = [
     "cooldown_factor",
     "reorder_cache",
     "sinusoid_table",
+    "symmetric_kl",
     "transformer_lr",
     "transformer_lr_scheduler",
 ]

@@ -1,4 +1,4 @@
-"""Label-smoothed cross-entropy (paper section 5.4, epsilon_ls = 0.1).
+"""Label-smoothed cross-entropy (paper section 5.4, epsilon_ls = 0.1), and the symmetric KL divergence of R-Drop.
 
 Target distribution, as in fairseq (``label_smoothed_nll_loss``) and tensor2tensor: ``1 - eps`` on the reference
 token and ``eps / (V - 1)`` on each of the other ``V - 1`` vocabulary entries, the padding token included (it
@@ -93,3 +93,66 @@ class LabelSmoothedCrossEntropy(nn.Module):
             logits.reshape(-1, vocab), target.reshape(-1), self.smoothing, self.ignore_index
         )  # each (tokens,)
         return loss.sum(), nll.sum(), target.ne(self.ignore_index).sum()
+
+
+def _log_softmax_and_softmax(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """float32 (log p, p, log-sum-exp) of logits ``x`` (rows, vocab), with one exp per element."""
+    x = x.to(torch.float32, copy=True)  # (rows, vocab): a copy, worked on in place below
+    top = x.amax(-1, keepdim=True)  # (rows, 1)
+    p = (x - top).exp_()
+    total = p.sum(-1, keepdim=True)
+    lse = top + total.log()  # (rows, 1)
+    return x.sub_(lse), p.div_(total), lse.squeeze(-1)
+
+
+class _SymmetricKL(torch.autograd.Function):
+    """Per-row ``(KL(p||q) + KL(q||p)) / 2`` of ``p = softmax(a)``, ``q = softmax(b)``, chunk by chunk.
+
+    Gradients (``d = log p - log q``): ``d/da_k = (p_k (d_k - KL(p||q) + 1) - q_k) / 2`` and
+    ``d/db_k = (q_k (-d_k - KL(q||p) + 1) - p_k) / 2``. As for the loss above, backward recomputes the softmaxes
+    from the logits and one log-sum-exp per row, and no float32 (tokens, vocab) tensor is materialised: autograd
+    over ``log_softmax`` of the whole tensors took 5x the time (0.80 s against 0.16 s for 4,096 x 8,000 bf16
+    logits, 2 threads).
+    """
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, keep: Tensor) -> Tensor:
+        # a, b: (tokens, vocab) logits of two passes; keep: (tokens,) bool, False on padding
+        tokens, vocab = a.shape
+        lse_a, lse_b, kl_pq, kl_qp = (torch.empty(tokens, dtype=torch.float32, device=a.device) for _ in range(4))
+        rows = max(1, _CHUNK_ELEMENTS // vocab)
+        for r in range(0, tokens, rows):
+            chunk = slice(r, r + rows)
+            lp, p, lse_a[chunk] = _log_softmax_and_softmax(a[chunk])  # (rows, vocab) each
+            lq, q, lse_b[chunk] = _log_softmax_and_softmax(b[chunk])
+            d = lp.sub_(lq)  # log p - log q
+            kl_pq[chunk] = (p * d).sum(-1)
+            kl_qp[chunk] = -(q * d).sum(-1)
+        ctx.save_for_backward(a, b, lse_a, lse_b, kl_pq, kl_qp, keep)
+        ctx.rows = rows
+        return (0.5 * (kl_pq + kl_qp)).masked_fill(~keep, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        a, b, lse_a, lse_b, kl_pq, kl_qp, keep = ctx.saved_tensors
+        half = (0.5 * grad * keep)[:, None]  # (tokens, 1)
+        grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+        rows = ctx.rows
+        for r in range(0, a.size(0), rows):
+            chunk = slice(r, r + rows)
+            lp = a[chunk].to(torch.float32, copy=True).sub_(lse_a[chunk, None])  # (rows, vocab)
+            lq = b[chunk].to(torch.float32, copy=True).sub_(lse_b[chunk, None])
+            d = lp - lq
+            p, q = lp.exp_(), lq.exp_()
+            grad_a[chunk] = (p * (d - kl_pq[chunk, None] + 1.0) - q).mul_(half[chunk])
+            grad_b[chunk] = (q * (1.0 - kl_qp[chunk, None] - d) - p).mul_(half[chunk])
+        return grad_a, grad_b, None
+
+
+def symmetric_kl(logits_a: Tensor, logits_b: Tensor, target: Tensor, ignore_index: int = 0) -> Tensor:
+    """R-Drop's consistency term (Liang et al., 2021; not in the paper): summed over the non-padding positions of
+    ``target``, ``(KL(p||q) + KL(q||p)) / 2`` of the distributions two passes predict, ``p = softmax(logits_a)``,
+    ``q = softmax(logits_b)``. logits_*: (..., vocab); target: (...). Returns a 0-d float32 tensor."""
+    vocab = logits_a.size(-1)
+    keep = target.reshape(-1).ne(ignore_index)  # (tokens,)
+    return _SymmetricKL.apply(logits_a.reshape(-1, vocab), logits_b.reshape(-1, vocab), keep).sum()

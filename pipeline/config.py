@@ -280,6 +280,12 @@ class TrainConfig(_Strict):
     adam_beta2: float = Field(default=0.98, ge=0, lt=1)
     adam_eps: float = Field(default=1e-9, gt=0)
     label_smoothing: float = Field(default=0.1, ge=0, lt=1)
+    # Not in the paper: R-Drop (Liang et al., 2021). Above 0, every batch runs through the model twice in one
+    # forward (the batch repeated, so each copy draws its own dropout masks) and the update's loss is the mean of
+    # the two copies' smoothed cross-entropies plus alpha / 2 times the symmetric KL divergence of their predicted
+    # distributions, per target token (the R-Drop paper's loss, halved): a regulariser that spends compute, each
+    # update costing ~2.2x. 0 = one pass (the paper).
+    rdrop_alpha: float = Field(default=0.0, ge=0)
     clip_norm: float = Field(default=0.0, ge=0)  # 0 = no clipping (paper)
     seed: int = 1
     checkpoint_every_steps: int = Field(default=1000, ge=1)

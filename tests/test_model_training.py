@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import LabelSmoothedCrossEntropy, Transformer, cooldown_factor, transformer_lr, transformer_lr_scheduler
+from model import (LabelSmoothedCrossEntropy, Transformer, cooldown_factor, symmetric_kl, transformer_lr,
+                   transformer_lr_scheduler)
 
 PAD = 0
 
@@ -78,6 +79,33 @@ def test_hand_written_gradient_equals_autograd():
         ref = logits.clone().requires_grad_()
         _reference_loss(ref, target, 0.1)[which].backward()
         assert torch.allclose(ours.grad, ref.grad, atol=1e-6)
+
+
+def test_symmetric_kl_is_the_mean_of_both_divergences_over_real_positions_with_their_gradients():
+    torch.manual_seed(0)
+    # 3 x 400 rows of 1,000 pieces: three chunks of 524 rows, the last one partial
+    a = torch.randn(3, 400, 1000, dtype=torch.float64, requires_grad=True)
+    b = (a.detach() + 0.5 * torch.randn(3, 400, 1000, dtype=torch.float64)).requires_grad_()
+    target = torch.randint(1, 1000, (3, 400))
+    target[1, 300:] = PAD
+    kl = symmetric_kl(a, b, target, PAD)
+    kl.backward()
+    ra, rb = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    lp, lq = ra.log_softmax(-1), rb.log_softmax(-1)
+    per_row = 0.5 * (F.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)
+                     + F.kl_div(lp, lq, log_target=True, reduction="none").sum(-1))  # KL(p||q), KL(q||p)
+    expected = per_row[target.ne(PAD)].sum()
+    expected.backward()
+    assert kl.dtype == torch.float32 and kl.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(a.grad.float(), ra.grad.float(), atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(b.grad.float(), rb.grad.float(), atol=1e-6, rtol=1e-4)
+    assert a.grad[1, 300:].abs().max() == 0  # padding positions: no term, no gradient
+    same = symmetric_kl(a.detach(), a.detach(), target, PAD)
+    assert same.item() == pytest.approx(0.0, abs=1e-4)  # two equal passes agree: nothing to pull together
+    single = a.detach().float()
+    kept = single.clone()
+    symmetric_kl(single, b.detach().float(), target, PAD)
+    assert torch.equal(single, kept)  # float32 logits (no copy needed to compute in float32) are left as they were
 
 
 # ----------------------------------------------------------------------------------------------- schedule

@@ -521,6 +521,35 @@ def test_accumulation_equals_one_big_batch(shared_data, shards):
 
 
 @pytest.mark.integration
+def test_rdrop_runs_each_batch_twice_under_its_own_dropout_and_adds_their_symmetric_kl(shared_data, shards):
+    cfg = config(shared_data, "model.dropout=0.3", "train.precision=fp32", "train.rdrop_alpha=2.0")
+    ds = ShardDataset(shards, "train")
+    info = setup()
+    torch.manual_seed(0)
+    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
+    batch = make_batch(ds, usable_batches(ds, 512, 1024, seed=1, epoch=0)[0], info.device)
+    step = TrainStep(copy.deepcopy(model), cfg, info, ds.special.pad)
+    torch.manual_seed(5)  # the dropout masks
+    sums, counts = step.accumulate([batch])
+
+    # By hand: one forward of the batch repeated (each copy its own masks), plain autograd for the KL.
+    ref = copy.deepcopy(model)
+    torch.manual_seed(5)
+    logits = ref(batch.src.repeat(2, 1), batch.tgt_in.repeat(2, 1))  # [2B, T, V]
+    loss, nll, n = step.criterion(logits, batch.tgt_out.repeat(2, 1))
+    lp, lq = logits.log_softmax(-1).chunk(2)  # [B, T, V] each
+    real = batch.tgt_out.ne(ds.special.pad)
+    kl = 0.5 * (torch.nn.functional.kl_div(lq, lp, log_target=True, reduction="none")
+                + torch.nn.functional.kl_div(lp, lq, log_target=True, reduction="none")).sum(-1)[real].sum()
+    assert kl.item() > 0.01 * loss.item()  # the two passes really differ
+    ((loss + 2.0 * kl) / 2 / batch.n_tgt).backward()
+    assert int(n) == 2 * batch.n_tgt and counts[0].item() == batch.n_tgt  # the update counts each token once
+    torch.testing.assert_close(sums, torch.stack([loss, nll]).detach().double() / 2)  # logged: the passes' mean
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(step.model.get_parameter(name).grad, p.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.mark.integration
 def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared_data, shards):
     cfg = config(shared_data, "model.dropout=0.0", "train.precision=bf16")
     ds = ShardDataset(shards, "train")

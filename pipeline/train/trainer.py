@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from model import LabelSmoothedCrossEntropy, Transformer, cooldown_factor, transformer_lr_scheduler
+from model import LabelSmoothedCrossEntropy, Transformer, cooldown_factor, symmetric_kl, transformer_lr_scheduler
 from pipeline.checkpoint import read_index, save_checkpoint
 from pipeline.config import RunConfig, dump_config, write_resolved
 from pipeline.errors import UserError
@@ -135,6 +135,8 @@ class TrainStep:
         net = self.ddp if self.ddp is not None else self.work
         self.net = torch.compile(net) if t.compile else net
         self.criterion = LabelSmoothedCrossEntropy(t.label_smoothing, pad_id)
+        self.rdrop_alpha = t.rdrop_alpha
+        self.passes = 2 if t.rdrop_alpha > 0 else 1  # R-Drop: each batch twice, under independent dropout
         self.optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(t.adam_beta1, t.adam_beta2),
                                           eps=t.adam_eps, foreach=True)
         self.scheduler = transformer_lr_scheduler(self.optimizer, cfg.model.d_model, t.warmup_steps, t.lr_scale)
@@ -166,7 +168,9 @@ class TrainStep:
 
         Returns (local sums float64 [2]: loss, nll; global counts float64 [3]: target tokens, source tokens,
         sentences of the whole update over all ranks). Gradients equal those of
-        ``sum(loss over every rank's batches) / total target tokens``.
+        ``sum(loss over every rank's batches) / total target tokens``. With R-Drop (``train.rdrop_alpha``) a
+        batch's loss is ``(loss(pass 1) + loss(pass 2) + alpha * symmetric KL) / 2`` and the sums returned are the
+        two passes' means, comparable with a one-pass run's.
         """
         dev = self.info.device
         counts = torch.tensor([sum(b.n_tgt for b in batches), sum(b.n_src for b in batches),
@@ -180,12 +184,17 @@ class TrainStep:
             sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
             with sync:
                 with self.autocast():
-                    logits = self.net(b.src, b.tgt_in)  # [B, T, V]
-                loss, nll, _ = self.criterion(logits, b.tgt_out)
-                (loss * scale).backward()
+                    logits = self.net(b.src.repeat(self.passes, 1), b.tgt_in.repeat(self.passes, 1))  # [pB, T, V]
+                loss, nll, _ = self.criterion(logits, b.tgt_out.repeat(self.passes, 1))
+                objective = loss
+                if self.passes == 2:
+                    rows = len(b.src)  # slices, not chunk(): autograd refuses saved views of a multi-view op
+                    objective = objective + self.rdrop_alpha * symmetric_kl(logits[:rows], logits[rows:], b.tgt_out,
+                                                                            self.criterion.ignore_index)
+                (objective * (scale / self.passes)).backward()
             if self.master_weights and (self.ddp is None or last):
                 self._gradients_to_master()
-            sums += torch.stack([loss.detach(), nll.detach()]).double()
+            sums += torch.stack([loss.detach(), nll.detach()]).double() / self.passes
         return sums, counts
 
     def apply(self, want_norm: bool, lr_factor: float = 1.0) -> tuple[float, Tensor | None]:
@@ -444,7 +453,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                        "step_time_s": seconds / interval_steps, "peak_memory_mb": peak_memory_mb(info.device),
                        "epoch": epoch, "tgt_tokens": totals[0].item()}
             if flops_peak:
-                achieved = model.flops_per_token(n_src / n_sent, n_tgt / n_sent) * n_tgt / seconds / info.world_size
+                achieved = (model.flops_per_token(n_src / n_sent, n_tgt / n_sent) * n_tgt * step_fn.passes / seconds
+                            / info.world_size)
                 if achieved > flops_peak:  # the start-up measurement was no peak: never report MFU above 1
                     log.warning("achieved %.3g FLOP/s per process, above the measured peak %.3g (%s): the peak is "
                                 "raised to it", achieved, flops_peak, peak_source)
