@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import (LabelSmoothedCrossEntropy, Transformer, cooldown_factor, symmetric_kl, transformer_lr,
                    transformer_lr_scheduler)
@@ -106,6 +107,37 @@ def test_symmetric_kl_is_the_mean_of_both_divergences_over_real_positions_with_t
     kept = single.clone()
     symmetric_kl(single, b.detach().float(), target, PAD)
     assert torch.equal(single, kept)  # float32 logits (no copy needed to compute in float32) are left as they were
+
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched (each one a kernel launch on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_loss_and_kl_off_the_cpu_run_in_a_few_large_chunks_not_cache_sized_ones():
+    # A WMT update on a GPU: 25,000 target tokens x 37,000 pieces (meta tensors: shapes only, no memory). Chunks
+    # sized for a CPU's cache would be 14 rows, ~1,800 chunks and ~20,000 kernel launches for the loss alone; the
+    # H200 then ran 7x slower (bench/results/gpu_h200_2026-11-26_*).
+    shape = (25_000, 37_000)
+    target = torch.randint(1, 37_000, (shape[0],)).to("meta")
+    for name, terms in [("loss", 1), ("kl", 2)]:
+        logits = [torch.empty(shape, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(terms)]
+        with _OpCounter() as counter:
+            if name == "loss":
+                out = LabelSmoothedCrossEntropy(0.1, PAD)(logits[0], target)[0]
+            else:
+                out = symmetric_kl(*logits, target, PAD)
+            out.backward()
+        assert logits[0].grad.shape == shape
+        assert counter.ops < 1_000, f"{name}: {counter.ops} operators for one batch"
 
 
 # ----------------------------------------------------------------------------------------------- schedule
