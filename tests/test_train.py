@@ -549,6 +549,22 @@ def test_rdrop_runs_each_batch_twice_under_its_own_dropout_and_adds_their_symmet
         torch.testing.assert_close(step.model.get_parameter(name).grad, p.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+
+@pytest.mark.integration
+def test_rdrop_mfu_counts_both_passes(shared_data, shards, tmp_path):
+    # The same batches with and without R-Drop: FLOP/s achieved per target token/s is the model's FLOPs per token,
+    # twice over with R-Drop (each batch runs forward and backward twice).
+    per_token = {}
+    for alpha in ("0.0", "1.0"):
+        out = train(config(shared_data, "train.max_steps=4", f"train.rdrop_alpha={alpha}"), shards,
+                    tmp_path / alpha)
+        logged = [m for m in metrics(out) if "mfu" in m]
+        per_token[alpha] = [m["mfu"] * m["mfu_peak_tflops"] * 1e12 / m["tgt_tokens_per_s"] for m in logged]
+    assert len(per_token["0.0"]) == 2
+    for one, two in zip(per_token["0.0"], per_token["1.0"], strict=True):
+        assert two == pytest.approx(2 * one, rel=1e-6)
+
+
 @pytest.mark.integration
 def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared_data, shards):
     cfg = config(shared_data, "model.dropout=0.0", "train.precision=bf16")
