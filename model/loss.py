@@ -128,7 +128,7 @@ class _SymmetricKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: Tensor, b: Tensor, keep: Tensor) -> Tensor:
         # a, b: (tokens, vocab) logits of two passes; keep: (tokens,) bool, False on padding
-        tokens, vocab = a.shape
+        tokens = a.size(0)
         lse_a, lse_b, kl_pq, kl_qp = (torch.empty(tokens, dtype=torch.float32, device=a.device) for _ in range(4))
         rows = _chunk_rows(a)
         for r in range(0, tokens, rows):

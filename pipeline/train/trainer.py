@@ -163,6 +163,10 @@ class TrainStep:
                     p.grad.add_(w.grad)
                 w.grad = None
 
+    def _each_pass(self, rows: Tensor) -> Tensor:
+        # [B, L] -> [passes * B, L]: R-Drop's copies of the batch; the batch itself (no copy) for one pass
+        return rows.repeat(self.passes, 1) if self.passes > 1 else rows
+
     def accumulate(self, batches: Sequence[Batch]) -> tuple[Tensor, Tensor]:
         """Forward and backward over ``batches``, leaving the update's gradient in ``.grad``.
 
@@ -184,8 +188,8 @@ class TrainStep:
             sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
             with sync:
                 with self.autocast():
-                    logits = self.net(b.src.repeat(self.passes, 1), b.tgt_in.repeat(self.passes, 1))  # [pB, T, V]
-                loss, nll, _ = self.criterion(logits, b.tgt_out.repeat(self.passes, 1))
+                    logits = self.net(self._each_pass(b.src), self._each_pass(b.tgt_in))  # [pB, T, V]
+                loss, nll, _ = self.criterion(logits, self._each_pass(b.tgt_out))
                 objective = loss
                 if self.passes == 2:
                     rows = len(b.src)  # slices, not chunk(): autograd refuses saved views of a multi-view op
