@@ -45,7 +45,7 @@ def test_the_embedded_defaults_take_the_measured_recipe_and_the_paper_presets_st
     else: the paper rows keep P_drop, a fixed N and alpha 0.6."""
     for name in ("multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly"):
         cfg = load_config(name)
-        assert (cfg.model.dropout, cfg.average.choose_from, cfg.decode.length_penalty) == (0.2, [1, 5, 10, 20], 1.0)
+        assert (cfg.model.dropout, cfg.average.choose_from, cfg.decode.length_penalty) == (0.2, [1, 5, 10, 20], 1.4)
     for name in ("wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big"):
         cfg = load_config(name)
         assert (cfg.average.choose_from, cfg.decode.length_penalty) == ([], 0.6), name
@@ -76,8 +76,10 @@ def test_the_multi30k_en_fr_config_is_the_cpu_recipe_on_french_targets() -> None
     assert (fr.data.dev.name, fr.data.dev.path) == ("multi30k-val", "multi30k/val")
     assert [(s.name, s.path) for s in fr.data.test] == [("test2016", "multi30k/test2016")]
     assert fr.train.max_minutes == 30.0
-    for section in ("tokenizer", "model", "train", "average", "decode", "export"):
+    for section in ("tokenizer", "model", "train", "average", "export"):
         assert getattr(fr, section) == getattr(de, section), section
+    # the alpha its README figures were measured with; the preset's 1.4 was measured on En-De only
+    assert fr.decode == de.decode.model_copy(update={"length_penalty": 1.0})
     assert fr.data.cleaning == de.data.cleaning and fr.data.root == de.data.root
     assert load_config("multi30k-en-fr-cpu", data_root="/corpora").data.root == "/corpora"
 
