@@ -360,6 +360,7 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
 
     from tests.conftest import QUICK
 
+    alpha = load_config("multi30k-cpu-hub").decode.length_penalty  # the base must be a point of the space
     sweep = {"name": "itest", "base": "multi30k-cpu-hub", "deployment": "train-en-de/multi30k-cpu", "trials": 3,
              "max_in_flight": 1, "poll_s": 1,
              # long enough in seconds for the pruner to look (training seconds are its resource), short in BLEU
@@ -370,7 +371,7 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
              # length penalty; trial 2 is TPE's first draw, which with seed 1 is lr x0.001: it learns nothing and,
              # drawn rather than enqueued (a hunch trains its whole budget), is pruned
              "space": {"train.lr_scale": {"type": "categorical", "choices": [1.0, 0.001]},
-                       "decode.length_penalty": {"type": "categorical", "choices": [1.0, 0.6]}},
+                       "decode.length_penalty": {"type": "categorical", "choices": [alpha, 0.6]}},
              "seed": 1, "enqueue": [{"train.lr_scale": 1.0, "decode.length_penalty": 0.6}],
              "pruner": {"min_resource_s": 4, "max_resource_s": 8, "reduction_factor": 3},  # one bracket
              "confirm": {"top_k": 1, "seeds": [1, 2], "resamples": 200}}
