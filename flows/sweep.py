@@ -1,5 +1,6 @@
-"""The recipe search: ``sweep-en-de`` (any translation pair: the base config says which), a controller flow over
-trial runs of the pipeline's own deployment.
+"""The recipe search: ``sweep-translation`` (any translation pair: the base config says which), a controller flow
+over trial runs of the pipeline's own deployment. ``sweep-en-de`` is its former name, kept so that what started it
+(``prefect deployment run 'sweep-en-de/multi30k-cpu'``, schedules, scripts) still does: the same body, two names.
 
     open the Optuna study (resumable) -> search: trials as flow runs on the work pool, pruned on dev NLL
     -> confirm: the top trials and the base with paired seeds -> verdicts (pooled paired bootstrap, Bonferroni)
@@ -25,9 +26,9 @@ from pipeline.sweep.verdict import Verdict, judge, leaderboard, markdown, winner
 from tasks.sweep import DeploymentRunner, publish
 
 
-@flow(name="sweep-en-de", log_prints=True)
-def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: int | None = None,
-                max_in_flight: int | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
+@flow(name="sweep-translation", log_prints=True)
+def sweep_translation(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: int | None = None,
+                      max_in_flight: int | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
     """Search the recipe of a run config on dev, confirm the best with paired seeds, write the winner as a preset.
 
     Args:
@@ -38,6 +39,26 @@ def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trial
         confirm: False stops after the search with the leaderboard published: a long sweep spread over several
             windows of machine time (``-p trials=4 -p confirm=false``, then more); a later run goes on from there.
     """
+    return _run_sweep(sweep, data_root, trials, max_in_flight, tracking_uri, confirm)
+
+
+@flow(name="sweep-en-de", log_prints=True)
+def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: int | None = None,
+                max_in_flight: int | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
+    """``sweep-translation`` under its former name, kept for compatibility (it runs any language pair, not only
+    En-De): the same sweep, parameters and study; a run of either re-attaches to the other's trials.
+
+    Args:
+        sweep, data_root, trials, max_in_flight, tracking_uri, confirm: as for ``sweep-translation``.
+    """
+    get_run_logger().info("flow sweep-en-de is kept for compatibility: it is sweep-translation under its former "
+                          "name; run 'sweep-translation/multi30k-cpu' instead")
+    return _run_sweep(sweep, data_root, trials, max_in_flight, tracking_uri, confirm)
+
+
+def _run_sweep(sweep: str, data_root: str | None, trials: int | None, max_in_flight: int | None,
+               tracking_uri: str | None, confirm: bool) -> dict:
+    """The body of both sweep flows (their parameters): the study, the search, the confirmation and the winner."""
     logger = get_run_logger()
     cfg = load_sweep(sweep, {k: v for k, v in (("trials", trials), ("max_in_flight", max_in_flight)) if v})
     base = resolve_config(cfg.base, cfg.trial_overrides, data_root=data_root)  # what every trial starts from

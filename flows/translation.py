@@ -86,8 +86,9 @@ def train_translation(config: ConfigName | str, data_root: str | None = None,
         config: required: a translation config under configs/ (e.g. ``multi30k-en-fr-cpu``) or the path of one
             (absolute, or relative to the project folder), e.g. a config written for a new language pair.
         data_root, overrides, max_steps, max_minutes, precision, tracking_uri, register_model: as for
-            ``train-en-de``. The model registers as ``transformer-<src_lang>-<tgt_lang>`` unless
-            ``tracking.registered_model`` names another.
+            ``train-en-de``.
+
+    The model registers as ``transformer-<src_lang>-<tgt_lang>`` unless ``tracking.registered_model`` names another.
     """
     return _train("train-translation", config, data_root, overrides, max_steps, max_minutes, precision,
                   tracking_uri, register_model)

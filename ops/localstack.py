@@ -327,19 +327,29 @@ class Stack:
         return stopped
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (defaults that come from the environment are resolved in main, so the generated
+    reference does not depend on the shell it was made in)."""
     p = argparse.ArgumentParser(prog="python -m ops.localstack", description=__doc__.splitlines()[0])
     p.add_argument("action", choices=["up", "down", "status"])
-    p.add_argument("--home", type=Path, default=Path(os.environ.get("AIAYN_STACK_HOME", REPO / "runs" / "stack")),
-                   help="where the stack keeps its databases, artifacts, logs and PID records (default runs/stack)")
-    p.add_argument("--prefect-port", type=int, default=4200)
-    p.add_argument("--mlflow-port", type=int, default=5000)
+    p.add_argument("--home", type=Path,
+                   help="where the stack keeps its databases, artifacts, logs and PID records (default: env "
+                        "AIAYN_STACK_HOME, else runs/stack)")
+    p.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server's port on 127.0.0.1")
+    p.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server's port on 127.0.0.1")
     p.add_argument("--data-root", type=Path, help="local corpora for flow runs (sets AIAYN_DATA_ROOT for the worker)")
     p.add_argument("--work-dir", type=Path, help="where flow runs write stage outputs (AIAYN_WORK_DIR)")
-    p.add_argument("--result-storage", default=os.environ.get("AIAYN_RESULT_STORAGE"),
+    p.add_argument("--result-storage",
                    help="where cached stage results go: a folder, or 'block:<type>/<name>', a Prefect storage block "
-                        "for workers on other machines (default: the stack's PREFECT_HOME; env AIAYN_RESULT_STORAGE)")
-    args = p.parse_args(argv)
+                        "for workers on other machines (default: env AIAYN_RESULT_STORAGE, else the stack's "
+                        "PREFECT_HOME)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.home = args.home or Path(os.environ.get("AIAYN_STACK_HOME", REPO / "runs" / "stack"))
+    args.result_storage = args.result_storage or os.environ.get("AIAYN_RESULT_STORAGE")
     stack = Stack(args.home)
     try:
         if args.action == "up":

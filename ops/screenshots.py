@@ -73,13 +73,20 @@ def capture(api_url: str, tracking_uri: str, flow_run_id: str, out: Path | None 
     return out, rendered
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("flow_run_id")
-    p.add_argument("--out", type=Path, help="the folder for the PNGs (default: see above)")
-    p.add_argument("--prefect-api-url", default=os.environ.get("PREFECT_API_URL", "http://127.0.0.1:4200/api"))
-    p.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000"))
-    args = p.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (environment defaults are resolved in main, not here)."""
+    p = argparse.ArgumentParser(prog="python -m ops.screenshots", description=__doc__.splitlines()[0])
+    p.add_argument("flow_run_id", help="the flow run whose pages to capture")
+    p.add_argument("--out", type=Path, help="the folder for the PNGs (default: the work dir's screenshots/<flow run>)")
+    p.add_argument("--prefect-api-url", help="default: env PREFECT_API_URL, else http://127.0.0.1:4200/api")
+    p.add_argument("--tracking-uri", help="default: env MLFLOW_TRACKING_URI, else http://127.0.0.1:5000")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.prefect_api_url = args.prefect_api_url or os.environ.get("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    args.tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     try:
         out, pages = capture(args.prefect_api_url, args.tracking_uri, args.flow_run_id, args.out)
     except (BrowserError, tracking.TrackingError, OSError) as e:

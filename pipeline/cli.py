@@ -37,7 +37,7 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="override a field, e.g. --set train.max_steps=200 (value parsed as YAML)")
     p.add_argument("--data-root", help="folder holding local corpora (default: data.root; env AIAYN_DATA_ROOT)")
     p.add_argument("--work-dir", help="folder for stage outputs (default: work_dir; env AIAYN_WORK_DIR)")
-    p.add_argument("--verbose", "-v", action="store_true")
+    p.add_argument("--verbose", "-v", action="store_true", help="log at DEBUG level")
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal, Mapping, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from pipeline.errors import UserError
 from pipeline.fsutil import write_text
@@ -67,17 +68,33 @@ class SourceSpec(_Strict):
       ``[0[2-9]/*.mrg, 1?/*.mrg, 2[01]/*.mrg]``. Pairs are (words, linearised tree); the gold tree is kept.
     """
 
-    name: str = Field(min_length=1)
-    format: SourceFormat
-    path: str | None = None
-    files: dict[str, str] | None = None
-    columns: list[str] | None = None
-    fields: dict[str, str] | None = None
-    dataset: str | None = None
-    subset: str | None = None
-    split: str | None = None
-    revision: str | None = None
-    include: list[str] | None = None  # ptb: glob patterns under the folder ``path``
+    name: str = Field(min_length=1, description=(
+        "The source's name: it names its files (test.<name>.parquet), tags and reported scores, so it must match "
+        "[A-Za-z0-9][A-Za-z0-9._-]* and be unique among the dev and test sets."))
+    format: SourceFormat = Field(description=(
+        "How the corpus is stored: text, tsv, sgm, parquet, arrow, hf_disk, hub or ptb (see the section's "
+        "description for what each reads)."))
+    path: str | None = Field(default=None, description=(
+        "Where a local source is, relative to data.root: a file prefix (text), a file or glob (tsv), a file or "
+        "folder (parquet, arrow, hf_disk, ptb). None for sources named by files or a hub dataset."))
+    files: dict[str, str] | None = Field(default=None, description=(
+        "One file per language, {language: file} relative to data.root (text, sgm). None = files found from path."))
+    columns: list[str] | None = Field(default=None, description=(
+        "tsv only: the language of each column, in order (e.g. [en, de]); required for tsv."))
+    fields: dict[str, str] | None = Field(default=None, description=(
+        "parquet, arrow, hf_disk, hub: the column holding each language, {language: column}. None = columns named "
+        "by language, or a 'translation' struct column as on the Hugging Face hub."))
+    dataset: str | None = Field(default=None, description=(
+        "hub only: the Hugging Face dataset's name (e.g. wmt14); required for hub."))
+    subset: str | None = Field(default=None, description=(
+        "hub only: the dataset's configuration (e.g. de-en). None = the dataset's default."))
+    split: str | None = Field(default=None, description=(
+        "hub only: the dataset split to read (train, validation, test); required for hub."))
+    revision: str | None = Field(default=None, description=(
+        "hub only: the dataset revision (a commit or tag) to pin. None = the newest."))
+    include: list[str] | None = Field(default=None, description=(
+        "ptb only: glob patterns selecting the treebank files under the folder path (read sorted by path), "
+        "e.g. WSJ sections. None = path is one file."))
 
     @field_validator("name")
     @classmethod
@@ -126,13 +143,21 @@ class CleaningConfig(_Strict):
     (Moses ``clean-corpus-n.perl -ratio 1.5 ... 1 250``); the paper does not say.
     """
 
-    nfc: bool = True
-    normalize_whitespace: bool = True
-    min_words: int = Field(default=1, ge=0)
-    max_words: int = Field(default=250, ge=1)
-    max_ratio: float = Field(default=1.5, gt=0)  # Moses: drop if len(a)/len(b) or len(b)/len(a) exceeds it
-    dedup: bool = True
-    decontaminate: Literal["off", "pair", "source", "either"] = "pair"
+    nfc: bool = Field(default=True, description="Normalise every split's text to Unicode NFC.")
+    normalize_whitespace: bool = Field(default=True, description=(
+        "Collapse every run of whitespace (tabs and no-break spaces included) to one space and strip both ends, "
+        "in every split."))
+    min_words: int = Field(default=1, ge=0, description=(
+        "Training split: drop a pair whose source or target has fewer words (space-separated) than this."))
+    max_words: int = Field(default=250, ge=1, description=(
+        "Training split: drop a pair whose source or target has more words (space-separated) than this."))
+    max_ratio: float = Field(default=1.5, gt=0, description=(
+        "Training split: drop a pair whose word-count ratio (longer side over shorter side) exceeds this, as "
+        "Moses' clean-corpus-n.perl -ratio does."))
+    dedup: bool = Field(default=True, description="Training split: drop exact duplicate pairs, keeping the first.")
+    decontaminate: Literal["off", "pair", "source", "either"] = Field(default="pair", description=(
+        "Training split: drop pairs that also occur in the dev or test sets. pair: the same source and target; "
+        "source: the same source; either: the same source or the same target; off: keep them."))
 
     @model_validator(mode="after")
     def _bounds(self) -> "CleaningConfig":
@@ -142,19 +167,30 @@ class CleaningConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    root: str = "../shared/data"  # every local source path resolves inside this folder
-    src_lang: str = "en"
-    tgt_lang: str = "de"
-    train: list[SourceSpec] = Field(min_length=1)
-    dev: SourceSpec
-    test: list[SourceSpec] = Field(default_factory=list)
-    cleaning: CleaningConfig = CleaningConfig()
-    # Parsing targets (``ptb`` sources): every preterminal written as the placeholder ``XX`` (Vinyals et al.
-    # 2015, which the paper follows), or as its word (``words``: not the paper; the decoder then copies each
-    # word, which teaches it the word-by-word alignment to the source in far fewer updates, see
-    # configs/presets/parsing-cpu.yaml). Scoring is the same: the tree's leaves are the input words either way.
-    tree_leaves: Literal["XX", "words"] = "XX"
-    write_batch_rows: int = Field(default=65_536, ge=1)  # rows held in memory per write; bounds peak RSS
+    """The corpora: training sources, the dev set, the test sets, the language pair and the cleaning rules."""
+
+    root: str = Field(default="../shared/data", description=(
+        "Folder holding the local corpora: every local source path resolves inside it (overridden by "
+        "--data-root or AIAYN_DATA_ROOT)."))
+    src_lang: str = Field(default="en", description="Source language code (e.g. en); it names files and columns.")
+    tgt_lang: str = Field(default="de", description="Target language code (e.g. de); must differ from src_lang.")
+    train: list[SourceSpec] = Field(min_length=1, description=(
+        "The training sources, concatenated and cleaned into one training split. Paper: WMT 2014 (En-De, En-Fr)."))
+    dev: SourceSpec = Field(description=(
+        "The dev set: dev loss, choosing N for checkpoint averaging, and promotion are measured on it. It should "
+        "be held-out data of a training source's domain. Paper: newstest2013."))
+    test: list[SourceSpec] = Field(default_factory=list, description=(
+        "Test sets scored after training and reported (never filtered, never chosen on). Paper: newstest2014."))
+    cleaning: CleaningConfig = Field(default=CleaningConfig(), description=(
+        "Cleaning rules for the training split (dev and test sets are only normalised)."))
+    tree_leaves: Literal["XX", "words"] = Field(default="XX", description=(
+        "Parsing only: how a tree's preterminals are written in the target. XX: the placeholder XX (Vinyals et "
+        "al., 2015, which the paper follows); words: the word itself (not in the paper; the decoder then copies "
+        "each word). Scoring is the same either way."))
+    # why ``words`` exists: copying each word teaches the decoder the word-by-word alignment to the source in far
+    # fewer updates (configs/presets/parsing-cpu.yaml)
+    write_batch_rows: int = Field(default=65_536, ge=1, description=(
+        "Rows held in memory per write of the data stage; bounds its peak memory."))
 
     def dev_domain_mismatch(self) -> str | None:
         """Why the dev set looks out of the training data's domain (its origin differs from every training
@@ -183,38 +219,49 @@ class DataConfig(_Strict):
 class SpecialIds(_Strict):
     """Fixed special ids, read by the model code from this one place."""
 
-    pad: int = 0
-    unk: int = 1
-    bos: int = 2
-    eos: int = 3
+    pad: int = Field(default=0, description="Id of the padding token (ignored by the loss and attention).")
+    unk: int = Field(default=1, description="Id of the unknown token <unk>.")
+    bos: int = Field(default=2, description="Id of the beginning-of-sentence token that starts every decoder input.")
+    eos: int = Field(default=3, description="Id of the end-of-sentence token that ends every sequence.")
 
 
 class TokenizerConfig(_Strict):
     """Shared source-target sentencepiece model (paper: BPE ~37k for En-De, 32k word-pieces for En-Fr)."""
 
-    model_type: Literal["bpe", "unigram", "word", "char"] = "bpe"
-    vocab_size: int = Field(default=37_000, ge=8)
-    character_coverage: float = Field(default=1.0, gt=0, le=1)
-    input_sentence_size: int = Field(default=10_000_000, ge=0)  # sentences sampled to train; 0 = all
-    seed: int = Field(default=0, ge=0)  # draws the input_sentence_size sample
-    # Characters outside the vocabulary become byte pieces instead of <unk>: encoding is lossless, as with the
-    # paper's invertible subword encoder, also on test text with characters the training split never had.
-    byte_fallback: bool = True
-    # Word model only: a word outside the vocabulary becomes the unknown token of its class (its shape:
-    # lower-case, capitalised, all capitals, with a digit, other; a hyphen; a suffix such as -ing, -ed, -s) instead
-    # of the one <unk>, as parsers of small treebanks do (Petrov et al., 2006). Not in the paper (subword text
-    # has no unknown words).
-    unknown_word_classes: bool = False
-    # BPE-dropout (Provilkov et al., 2020; subword regularisation, Kudo, 2018 for unigram). Not in the paper: its
-    # 4.5M-pair corpus is seen ~20 times, Multi30k's 29k pairs ~40 times in the 30-minute CPU run. With alpha > 0
-    # the training split is also encoded ``sampled_copies`` times with sentencepiece's sampling (bpe: each merge
-    # is skipped with probability alpha; unigram: segmentations drawn with smoothing alpha), and epoch e trains on
-    # copy e mod sampled_copies; dev, test and decoding keep the one deterministic segmentation. 0 = off (paper).
-    sampling_alpha: float = Field(default=0.0, ge=0, lt=1)
-    sampled_copies: int = Field(default=8, ge=1)
-    shard_rows: int = Field(default=1_000_000, ge=1)
-    num_workers: int = Field(default=2, ge=1)
-    special: SpecialIds = SpecialIds()
+    model_type: Literal["bpe", "unigram", "word", "char"] = Field(default="bpe", description=(
+        "The sentencepiece model: bpe (byte-pair encoding), unigram (word-pieces), word or char. Paper: BPE for "
+        "En-De, word-pieces for En-Fr; parsing needs word."))
+    vocab_size: int = Field(default=37_000, ge=8, description=(
+        "Size of the shared source-target vocabulary, in pieces. Paper: about 37k for En-De, 32k for En-Fr."))
+    character_coverage: float = Field(default=1.0, gt=0, le=1, description=(
+        "Fraction of the training text's characters the vocabulary must cover (sentencepiece's "
+        "character_coverage); 1 = every character."))
+    input_sentence_size: int = Field(default=10_000_000, ge=0, description=(
+        "Sentences sampled from the training split to train the tokenizer on; 0 = all of them."))
+    seed: int = Field(default=0, ge=0, description="Seed of the input_sentence_size sample.")
+    byte_fallback: bool = Field(default=True, description=(
+        "Characters outside the vocabulary become byte pieces instead of <unk>, so encoding is lossless, also on "
+        "test text with characters the training split never had (as with the paper's invertible subword "
+        "encoder). Must be false for model_type word."))
+    unknown_word_classes: bool = Field(default=False, description=(
+        "Word model only: a word outside the vocabulary becomes the unknown token of its class (its shape, a "
+        "hyphen, a suffix such as -ing, -ed, -s) instead of the one <unk>, as parsers of small treebanks do "
+        "(Petrov et al., 2006). Not in the paper (subword text has no unknown words)."))
+    sampling_alpha: float = Field(default=0.0, ge=0, lt=1, description=(
+        "BPE-dropout (Provilkov et al., 2020; subword regularisation, Kudo, 2018, for unigram): above 0 the "
+        "training split is also encoded sampled_copies times with sentencepiece's sampling (bpe: each merge is "
+        "skipped with this probability; unigram: the smoothing), and epoch e trains on copy e mod sampled_copies; "
+        "dev, test and decoding keep the one deterministic segmentation. 0 = off (the paper). Not in the paper."))
+    # why: the paper's large corpus is seen few times; a small corpus (Multi30k) is seen many times in a CPU run
+    sampled_copies: int = Field(default=8, ge=1, description=(
+        "With sampling_alpha > 0: how many sampled segmentations of the training split are encoded (one per "
+        "epoch, cycling)."))
+    shard_rows: int = Field(default=1_000_000, ge=1, description=(
+        "Rows per token shard file (every shard but the last holds this many). Affects encoding only, not the "
+        "tokenizer model."))
+    num_workers: int = Field(default=2, ge=1, description=(
+        "Processes encoding text into token shards; the output does not depend on it."))
+    special: SpecialIds = Field(default=SpecialIds(), description="The fixed ids of the special tokens.")
 
     @model_validator(mode="after")
     def _word_has_no_bytes(self) -> "TokenizerConfig":
@@ -236,18 +283,34 @@ class TokenizerConfig(_Strict):
 class ModelConfig(_Strict):
     """Encoder-decoder hyperparameters (paper Table 3 'base' by default)."""
 
-    encoder_layers: int = Field(default=6, ge=1)  # N
-    decoder_layers: int = Field(default=6, ge=1)  # N
-    d_model: int = Field(default=512, ge=1)
-    d_ff: int = Field(default=2048, ge=1)
-    n_heads: int = Field(default=8, ge=1)  # h; d_k = d_v = d_model / h
-    dropout: float = Field(default=0.1, ge=0, lt=1)  # P_drop: sub-layer outputs, embeddings + positions
-    attention_dropout: float = Field(default=0.0, ge=0, lt=1)  # not in the paper; 0 = paper
-    activation_dropout: float = Field(default=0.0, ge=0, lt=1)  # inside the FFN; not in the paper
-    norm: Literal["post", "pre"] = "post"  # paper: post-norm LayerNorm(x + Dropout(Sublayer(x)))
-    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
-    share_embeddings: bool = True  # one matrix: source emb, target emb, pre-softmax projection
-    max_positions: int = Field(default=1024, ge=1)
+    encoder_layers: int = Field(default=6, ge=1, description=(
+        "Number of encoder layers. Paper: N = 6 (base and big), 4 for parsing."))
+    decoder_layers: int = Field(default=6, ge=1, description=(
+        "Number of decoder layers. Paper: N = 6 (base and big), 4 for parsing."))
+    d_model: int = Field(default=512, ge=1, description=(
+        "Width of the model (embeddings and every sub-layer's output). Paper: 512 base, 1024 big."))
+    d_ff: int = Field(default=2048, ge=1, description=(
+        "Inner size of the position-wise feed-forward network. Paper: 2048 base, 4096 big."))
+    n_heads: int = Field(default=8, ge=1, description=(
+        "Attention heads h; each head has d_k = d_v = d_model / h, so d_model must be divisible by it. "
+        "Paper: 8 base, 16 big."))
+    dropout: float = Field(default=0.1, ge=0, lt=1, description=(
+        "P_drop: dropout on every sub-layer output before the residual add and on embeddings plus positions. "
+        "Paper: 0.1 base, 0.3 big (0.1 for En-Fr)."))
+    attention_dropout: float = Field(default=0.0, ge=0, lt=1, description=(
+        "Dropout on the attention weights. 0 = off (the paper). Not in the paper."))
+    activation_dropout: float = Field(default=0.0, ge=0, lt=1, description=(
+        "Dropout inside the feed-forward network, after its activation. 0 = off (the paper). Not in the paper."))
+    norm: Literal["post", "pre"] = Field(default="post", description=(
+        "Where LayerNorm sits. post: LayerNorm(x + Dropout(Sublayer(x))) (the paper); pre: x + "
+        "Dropout(Sublayer(LayerNorm(x))), a more stable variant."))
+    positions: Literal["sinusoidal", "learned"] = Field(default="sinusoidal", description=(
+        "Positional encoding: sinusoidal (the paper) or learned embeddings (Table 3 row E)."))
+    share_embeddings: bool = Field(default=True, description=(
+        "One weight matrix for the source embedding, the target embedding and the pre-softmax projection (the "
+        "paper; needs the shared vocabulary)."))
+    max_positions: int = Field(default=1024, ge=1, description=(
+        "Longest sequence the model accepts, in tokens; a longer input is cut to fit (with a warning)."))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -266,48 +329,69 @@ class ModelConfig(_Strict):
 class TrainConfig(_Strict):
     """Optimisation (paper section 5). Token counts are target tokens."""
 
-    max_steps: int = Field(default=100_000, ge=1)
-    max_minutes: float | None = Field(default=None, gt=0)  # wall-clock budget; None = steps only
-    max_tokens: int = Field(default=4096, ge=1)  # per process per forward pass
-    update_tokens: int = Field(default=25_000, ge=1)  # per optimizer update, reached by accumulation
-    warmup_steps: int = Field(default=4000, ge=1)
-    lr_scale: float = Field(default=1.0, gt=0)  # multiplies d_model^-0.5 * min(step^-0.5, step*warmup^-1.5)
-    # Not in the paper: over the last `cooldown` fraction of the budget (max_steps or max_minutes, whichever ends
-    # first) the learning rate falls linearly to 0 (budgeted training, Li et al., 2020), so a run that stops on
-    # the clock ends annealed instead of mid-decay. 0 = the paper's schedule to the end.
-    cooldown: float = Field(default=0.0, ge=0, le=1)
-    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
-    adam_beta2: float = Field(default=0.98, ge=0, lt=1)
-    adam_eps: float = Field(default=1e-9, gt=0)
-    label_smoothing: float = Field(default=0.1, ge=0, lt=1)
-    # Not in the paper: R-Drop (Liang et al., 2021). Above 0, every batch runs through the model twice in one
-    # forward (the batch repeated, so each copy draws its own dropout masks) and the update's loss is the mean of
-    # the two copies' smoothed cross-entropies plus alpha / 2 times the symmetric KL divergence of their predicted
-    # distributions, per target token (the R-Drop paper's loss, halved): a regulariser that spends compute, each
-    # update taking ~2.6x the time (tiny preset, 2 threads: 1.07-1.11 s against 0.42 s per update in the training
-    # logs of the runs in the README). 0 = one pass (the paper).
-    rdrop_alpha: float = Field(default=0.0, ge=0)
-    clip_norm: float = Field(default=0.0, ge=0)  # 0 = no clipping (paper)
-    seed: int = 1
-    checkpoint_every_steps: int = Field(default=1000, ge=1)
-    checkpoint_every_minutes: float = Field(default=10.0, gt=0)  # paper: every 10 minutes
-    keep_last_checkpoints: int = Field(default=20, ge=1)
-    dev_every_steps: int = Field(default=1000, ge=1)
-    dev_max_sentences: int | None = Field(default=None, ge=1)  # dev loss on the first N dev pairs; None = all
-    log_every_steps: int = Field(default=100, ge=1)
-    # fp32: the paper's (its presets name it). auto (the CPU presets): bf16 where the hardware computes it natively
-    # (a CUDA device that supports it; a CPU with AMX tiles or AVX512-BF16, as torch reports), fp32 otherwise; the
-    # trainer logs which and why (pipeline.train.trainer.training_precision). bf16 on a CPU (a bf16 working copy of
-    # the model, fp32 weights and Adam: TrainStep) trained the tiny model ~2.1x and base ~2.1x faster than fp32 on
-    # the AMX machine at the same loss (bench/bench_vs_fairseq.py); on a CPU without native bf16 it is slower.
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    # champion: start from the weights of the registered model's current champion instead of a random
-    # initialisation (not the paper, which trains from scratch); the run then reuses the champion's tokenizer so
-    # the vocabularies match. The schedule (warm-up included) runs as configured, from step 0.
-    init_from: Literal["champion"] | None = None
-    # torch.compile; on the 2-core CPU here compiled steps were no faster than eager ones (~1.3x slower) after
-    # 80-100 s of compiling and a recompile for dynamic batch shapes, so off
-    compile: bool = False
+    max_steps: int = Field(default=100_000, ge=1, description=(
+        "Training stops after this many optimizer updates (or at max_minutes, whichever comes first), counted "
+        "over resumes. Paper: 100k base, 300k big."))
+    max_minutes: float | None = Field(default=None, gt=0, description=(
+        "Wall-clock training budget in minutes, counted over resumes; training stops at it or at max_steps, "
+        "whichever comes first. None = steps only (the paper)."))
+    max_tokens: int = Field(default=4096, ge=1, description=(
+        "Target tokens per batch, per process and forward pass (the micro-batch); bounds memory."))
+    update_tokens: int = Field(default=25_000, ge=1, description=(
+        "Target tokens per optimizer update, reached by gradient accumulation over micro-batches and processes. "
+        "Paper: about 25,000."))
+    warmup_steps: int = Field(default=4000, ge=1, description=(
+        "Updates over which the learning rate rises linearly before it decays with the inverse square root of "
+        "the step. Paper: 4000."))
+    lr_scale: float = Field(default=1.0, gt=0, description=(
+        "Multiplies the paper's learning rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); 1 = the paper."))
+    cooldown: float = Field(default=0.0, ge=0, le=1, description=(
+        "Over this last fraction of the budget (max_steps or max_minutes, whichever ends first) the learning rate "
+        "falls linearly to 0 (budgeted training, Li et al., 2020), so a run stopped by the clock ends annealed. "
+        "0 = the paper's schedule to the end. Not in the paper."))
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="Adam's beta1. Paper: 0.9.")
+    adam_beta2: float = Field(default=0.98, ge=0, lt=1, description="Adam's beta2. Paper: 0.98.")
+    adam_eps: float = Field(default=1e-9, gt=0, description="Adam's epsilon. Paper: 1e-9.")
+    label_smoothing: float = Field(default=0.1, ge=0, lt=1, description=(
+        "Label smoothing of the cross-entropy loss (hurts perplexity, helps BLEU). Paper: 0.1."))
+    rdrop_alpha: float = Field(default=0.0, ge=0, description=(
+        "R-Drop (Liang et al., 2021): above 0, every batch runs through the model twice in one forward (each copy "
+        "with its own dropout masks) and the loss is the mean of the two copies' smoothed cross-entropies plus "
+        "this alpha / 2 times the symmetric KL divergence of their predictions, per target token. A regulariser "
+        "that costs compute: each update takes about two passes' time or more. 0 = one pass (the paper). Not in "
+        "the paper."))
+    # the loss is the R-Drop paper's, halved
+    clip_norm: float = Field(default=0.0, ge=0, description=(
+        "Clip the gradient's global norm to this value; 0 = no clipping (the paper)."))
+    seed: int = Field(default=1, description=(
+        "Seed of the initial weights, the dropout streams and the data order (with the epoch)."))
+    checkpoint_every_steps: int = Field(default=1000, ge=1, description=(
+        "Write a checkpoint every this many updates (as well as every checkpoint_every_minutes)."))
+    checkpoint_every_minutes: float = Field(default=10.0, gt=0, description=(
+        "Write a checkpoint every this many minutes of training (as well as every checkpoint_every_steps). "
+        "Paper: every 10 minutes."))
+    keep_last_checkpoints: int = Field(default=20, ge=1, description=(
+        "Checkpoints kept on disk (the newest); older ones are deleted. Must cover the N averaged."))
+    dev_every_steps: int = Field(default=1000, ge=1, description="Compute the dev loss every this many updates.")
+    dev_max_sentences: int | None = Field(default=None, ge=1, description=(
+        "Compute the dev loss on the first this many dev pairs only; None = all of them."))
+    log_every_steps: int = Field(default=100, ge=1, description="Log training metrics every this many updates.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(default="auto", description=(
+        "Training precision. fp32: the paper's (its presets name it). bf16: a bf16 working copy of the model, "
+        "fp32 weights and Adam. auto: bf16 where the hardware computes it natively (a CUDA device that supports "
+        "it; a CPU with AMX tiles or AVX512-BF16), fp32 otherwise; the trainer logs which and why."))
+    # why auto and not always bf16: on a CPU without native bf16, bf16 trains slower than fp32; where it is native
+    # it trains faster at the same loss (bench/bench_vs_fairseq.py). auto is resolved by
+    # pipeline.train.trainer.training_precision.
+    init_from: Literal["champion"] | None = Field(default=None, description=(
+        "champion: start from the weights of the registered model's current champion (reusing its tokenizer so "
+        "the vocabularies match); the schedule, warm-up included, still runs from step 0. None = a random "
+        "initialisation (the paper, which trains from scratch)."))
+    compile: bool = Field(default=False, description=(
+        "Run the model under torch.compile. Off by default: the default was chosen by measurement (see the "
+        "results ledger)."))
+    # why off: on the 2-core CPU compiled steps were no faster than eager ones, after a long compile and a
+    # recompile for dynamic batch shapes
 
 
 class AverageConfig(_Strict):
@@ -318,8 +402,11 @@ class AverageConfig(_Strict):
     parsing: EVALB F1) picks N. The choice and every candidate's score are recorded (``choice.json``).
     """
 
-    last_n: int = Field(default=5, ge=1)  # paper: 5 for base, 20 for big
-    choose_from: list[int] = []
+    last_n: int = Field(default=5, ge=1, description=(
+        "Average the last this many checkpoints (used when choose_from is empty). Paper: 5 base, 20 big."))
+    choose_from: list[int] = Field(default=[], description=(
+        "Candidate values of N (distinct, positive): each average is decoded on dev and the best dev score picks "
+        "N. Empty = the fixed last_n (the paper). Not in the paper."))
 
     @field_validator("choose_from")
     @classmethod
@@ -332,25 +419,30 @@ class AverageConfig(_Strict):
 class DecodeConfig(_Strict):
     """Beam search (paper section 6.1): beam 4, GNMT length penalty alpha 0.6, max length = source + 50."""
 
-    beam_size: int = Field(default=4, ge=1)
-    length_penalty: float = Field(default=0.6, ge=0)
-    max_len_a: float = Field(default=1.0, ge=0)  # max output length = a * source_len + b
-    max_len_b: int = Field(default=50, ge=0)
-    # Shortest output, eos included (eos is blocked before it); not in the paper (1 = no limit). Benchmarks
-    # force equal output lengths with min_len = max_len_b, max_len_a = 0, as fairseq's --min-len does.
-    min_len: int = Field(default=1, ge=1)
-    batch_sentences: int = Field(default=64, ge=1)
-    # bf16: decode with a bf16 copy of the model (log-softmax float32, scores float64); fp32 = paper.
-    precision: Literal["fp32", "bf16"] = "fp32"
-    # Parsing only: beam search may write only well-formed trees over the input's words (brackets balance, n
-    # leaves, no empty constituent, one root; pipeline/parsing/constraint.py). Not in the paper, which does not
-    # say how ill-formed outputs were handled; false = free decoding, every output repaired afterwards.
-    tree_constraint: bool = True
-    # Parsing only, with tree_constraint: shape limits (pipeline/parsing/constraint.py) against an undertrained
-    # model's runs of brackets over one word. At most this many brackets opened in a row, and at most this many
-    # brackets over the same words (1 = no unary chains). Not in the paper; None = no limit.
-    tree_max_open_run: int | None = Field(default=None, ge=1)
-    tree_max_unary_chain: int | None = Field(default=None, ge=1)
+    beam_size: int = Field(default=4, ge=1, description="Beam width of beam search. Paper: 4 (21 for parsing).")
+    length_penalty: float = Field(default=0.6, ge=0, description=(
+        "GNMT length penalty alpha, lp(Y) = ((5 + |Y|) / 6)^alpha; 0 = none. Paper: 0.6 (0.3 for parsing)."))
+    max_len_a: float = Field(default=1.0, ge=0, description=(
+        "Longest output = max_len_a * source length + max_len_b, in tokens. Paper: 1 (source length + 50)."))
+    max_len_b: int = Field(default=50, ge=0, description=(
+        "Longest output = max_len_a * source length + max_len_b, in tokens. Paper: 50 (300 for parsing)."))
+    min_len: int = Field(default=1, ge=1, description=(
+        "Shortest output in tokens, eos included (eos is blocked before it); 1 = no limit. Not in the paper."))
+    # Benchmarks force equal output lengths with min_len = max_len_b, max_len_a = 0, as fairseq's --min-len does.
+    batch_sentences: int = Field(default=64, ge=1, description="Sentences per decoding batch (PyTorch).")
+    precision: Literal["fp32", "bf16"] = Field(default="fp32", description=(
+        "bf16: decode with a bf16 copy of the model (log-softmax in float32, scores in float64); fp32 = the paper."))
+    # the constraint and the shape limits below: pipeline/parsing/constraint.py
+    tree_constraint: bool = Field(default=True, description=(
+        "Parsing only: beam search may write only well-formed trees over the input's words (brackets balance, one "
+        "leaf per word, no empty constituent, one root); false = free decoding, every output repaired afterwards. "
+        "Not in the paper, which does not say how ill-formed outputs were handled."))
+    tree_max_open_run: int | None = Field(default=None, ge=1, description=(
+        "Parsing only, with tree_constraint: at most this many brackets opened in a row, against an undertrained "
+        "model's runs of brackets over one word. None = no limit. Not in the paper."))
+    tree_max_unary_chain: int | None = Field(default=None, ge=1, description=(
+        "Parsing only, with tree_constraint: at most this many brackets over the same words (1 = no unary "
+        "chains). None = no limit. Not in the paper."))
 
 
 class ExportConfig(_Strict):
@@ -359,12 +451,19 @@ class ExportConfig(_Strict):
     ``quantization``: its weights' type (int8: a quarter of float32's memory; int8_float32: int8 weights, float32
     activations). ``engine: none`` skips the export: the registered model serves with PyTorch."""
 
-    engine: Literal["ctranslate2", "none"] = "ctranslate2"
-    quantization: Literal["int8", "int8_float32", "float32", "bfloat16"] = "int8"
-    max_bleu_drop: float = Field(default=0.5, ge=0)
-    # Sentences per CTranslate2 batch when serving (decode.batch_sentences is PyTorch's): it runs larger batches
-    # faster on a CPU (beam 4 on 2 cores, tiny model: 64 -> 256 sentences, 125 -> 192 sentences/s).
-    batch_sentences: int = Field(default=256, ge=1)
+    engine: Literal["ctranslate2", "none"] = Field(default="ctranslate2", description=(
+        "ctranslate2: export the averaged model for serving; none: no export, the registered model serves with "
+        "PyTorch."))
+    quantization: Literal["int8", "int8_float32", "float32", "bfloat16"] = Field(default="int8", description=(
+        "The exported weights' type: int8 (a quarter of float32's memory), int8_float32 (int8 weights, float32 "
+        "activations), float32 or bfloat16."))
+    max_bleu_drop: float = Field(default=0.5, ge=0, description=(
+        "Quality gate: the export serves only if its dev sacreBLEU is at most this many points below the PyTorch "
+        "model's."))
+    batch_sentences: int = Field(default=256, ge=1, description=(
+        "Sentences per CTranslate2 batch when serving (decode.batch_sentences is PyTorch's). The default was "
+        "chosen by measurement (see the results ledger)."))
+    # why larger than decode.batch_sentences: CTranslate2 runs larger batches faster on a CPU
 
 
 class TrackingConfig(_Strict):
@@ -378,25 +477,33 @@ class TrackingConfig(_Strict):
     than ``guard_margin`` (chrF for translation, EVALB F1 for parsing). Not in the paper; a registry rule.
     """
 
-    experiment: str = Field(default="aiayn", min_length=1)
-    registered_model: str = ""  # empty: transformer-<src_lang>-<tgt_lang> (RunConfig.registered_model_name)
-    # "dev" (default: the in-domain dev set, data.dev) or the name of a test set (allowed; the decision then
-    # says that it selected on a test set, whose reported score is no longer an unbiased estimate).
-    promote_on: str = Field(default="dev", min_length=1)
-    # auto: sacrebleu for translation, f1 (EVALB, labelled) for parsing.
-    promote_metric: Literal["auto", "sacrebleu", "chrf", "f1"] = "auto"
-    promote_margin: float = Field(default=0.0, ge=0)  # in the metric's points
-    promote_p: float = Field(default=0.05, gt=0, le=1)
-    promote_resamples: int = Field(default=1000, ge=100)
-    guard_margin: float = Field(default=1.0, ge=0)  # largest allowed drop on any reported test set
-    attention_sentences: int = Field(default=3, ge=0)  # dev sentences drawn as attention heat-maps
+    experiment: str = Field(default="aiayn", min_length=1, description="The MLflow experiment runs are logged to.")
+    registered_model: str = Field(default="", description=(
+        "The MLflow registered model new versions go to; empty = transformer-<src_lang>-<tgt_lang>."))
+    promote_on: str = Field(default="dev", min_length=1, description=(
+        "The set promotion compares on: dev (the in-domain dev set, data.dev) or the name of a test set (allowed; "
+        "the decision then says it selected on a test set, whose reported score is no longer unbiased)."))
+    promote_metric: Literal["auto", "sacrebleu", "chrf", "f1"] = Field(default="auto", description=(
+        "The score promotion compares; auto = sacrebleu for translation, f1 (EVALB, labelled) for parsing."))
+    promote_margin: float = Field(default=0.0, ge=0, description=(
+        "How many points of promote_metric a new version must beat the champion by; 0 = any improvement."))
+    promote_p: float = Field(default=0.05, gt=0, le=1, description=(
+        "Significance level of the paired bootstrap test: the improvement must have p below this."))
+    promote_resamples: int = Field(default=1000, ge=100, description=(
+        "Resamples of the paired bootstrap test over the promotion set's segments."))
+    guard_margin: float = Field(default=1.0, ge=0, description=(
+        "Largest allowed drop, in points (chrF for translation, EVALB F1 for parsing), on any reported test set; "
+        "a larger drop blocks promotion."))
+    attention_sentences: int = Field(default=3, ge=0, description=(
+        "Dev sentences whose attention is logged as heat-maps; 0 = none."))
 
 
 # ------------------------------------------------------------------------------------------------- a run
 
 
 class LaunchConfig(_Strict):
-    """How the orchestrator starts training: torchrun's processes and rendezvous (not part of any hash).
+    """How the orchestrator starts training: torchrun's processes and rendezvous (no stage folder's hash or cache key
+    depends on it).
 
     One node (``nnodes: 1``): the training task runs torchrun itself. Several: the pipeline's flow run starts one
     run of the node flow per node (the deployment ``node_deployment``; on a Kubernetes pool, a pod per node), each
@@ -407,18 +514,26 @@ class LaunchConfig(_Strict):
     on this machine (the local process pool).
     """
 
-    nproc_per_node: int | Literal["auto"] = "auto"  # auto: one per visible GPU, else 1
-    nnodes: int = Field(default=1, ge=1)
-    # host:port where node 0 hosts the rendezvous; None: 127.0.0.1 and a free port (every node on this machine)
-    rdzv_endpoint: str | None = None
-    # The network interface (e.g. eth0) the nodes reach each other on; None: loopback (one machine only).
-    interface: str | None = None
-    rdzv_timeout_s: float = Field(default=600.0, gt=0)  # how long the nodes wait for each other to join
-    node_deployment: str = "train-node/local"  # the deployment of flows/nodes.py:train_node that runs a node
-    max_restarts: int = Field(default=0, ge=0)  # torchrun's elastic restarts of a node's failed worker group
-    # Reruns of the training stage after a failure (a node lost, a crash): every node resumes from the newest
-    # intact checkpoint. A refused config or input is never retried.
-    retries: int = Field(default=1, ge=0)
+    nproc_per_node: int | Literal["auto"] = Field(default="auto", description=(
+        "Training processes per node; auto = one per visible GPU, else 1."))
+    nnodes: int = Field(default=1, ge=1, description=(
+        "Nodes (machines or pods) training together; 1 = the training task runs torchrun itself."))
+    rdzv_endpoint: str | None = Field(default=None, description=(
+        "host:port where node 0 hosts the rendezvous; None = 127.0.0.1 and a free port (every node on this "
+        "machine)."))
+    interface: str | None = Field(default=None, description=(
+        "The network interface (e.g. eth0) the nodes reach each other on; every socket of the job listens "
+        "there. None = loopback (one machine only)."))
+    rdzv_timeout_s: float = Field(default=600.0, gt=0, description=(
+        "How long, in seconds, the nodes wait for each other to join the rendezvous."))
+    node_deployment: str = Field(default="train-node/local", description=(
+        "The Prefect deployment (<flow>/<deployment>) of flows/nodes.py:train_node that runs one node when "
+        "nnodes > 1."))
+    max_restarts: int = Field(default=0, ge=0, description=(
+        "torchrun's elastic restarts of a node's failed worker group; 0 = none."))
+    retries: int = Field(default=1, ge=0, description=(
+        "Reruns of the training stage after a failure (a node lost, a crash), each node resuming from the newest "
+        "intact checkpoint; a refused config or input is never retried. 0 = none."))
 
     @model_validator(mode="after")
     def _check(self) -> "LaunchConfig":
@@ -436,20 +551,26 @@ class LaunchConfig(_Strict):
 class RunConfig(_Strict):
     """Everything one pipeline run needs; resolved once and passed down."""
 
-    name: str = Field(min_length=1)
-    # translation: sentence pairs, BLEU. parsing (paper section 6.3): words -> linearised tree, EVALB F1.
-    task: Task = "translation"
-    preset: str = "base"  # the paper row (or CPU size) this run is built on; a tag, not a switch
-    work_dir: str = "runs"  # stage outputs go below it, in folders named by content hashes
-    data: DataConfig
-    tokenizer: TokenizerConfig = TokenizerConfig()
-    model: ModelConfig = ModelConfig()
-    train: TrainConfig = TrainConfig()
-    average: AverageConfig = AverageConfig()
-    decode: DecodeConfig = DecodeConfig()
-    export: ExportConfig = ExportConfig()
-    launch: LaunchConfig = LaunchConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    name: str = Field(min_length=1, description="The run config's name; tracking logs it as the config_name tag.")
+    task: Task = Field(default="translation", description=(
+        "translation: sentence pairs, scored by BLEU; parsing (paper section 6.3): words to a linearised tree, "
+        "scored by EVALB F1."))
+    preset: str = Field(default="base", description=(
+        "The paper row (or CPU size) this run is built on, e.g. base, big, tiny; a tag, not a switch."))
+    work_dir: str = Field(default="runs", description=(
+        "Folder for stage outputs, in sub-folders named by content hashes (overridden by --work-dir or "
+        "AIAYN_WORK_DIR)."))
+    data: DataConfig = Field(description="The corpora, language pair and cleaning rules.")
+    tokenizer: TokenizerConfig = Field(default=TokenizerConfig(), description="The shared subword tokenizer.")
+    model: ModelConfig = Field(default=ModelConfig(), description="The Transformer's hyperparameters.")
+    train: TrainConfig = Field(default=TrainConfig(), description="Optimisation, budget and checkpoints.")
+    average: AverageConfig = Field(default=AverageConfig(), description="Checkpoint averaging.")
+    decode: DecodeConfig = Field(default=DecodeConfig(), description="Beam search settings.")
+    export: ExportConfig = Field(default=ExportConfig(), description="The serving export and its quality gate.")
+    launch: LaunchConfig = Field(default=LaunchConfig(), description=(
+        "How training processes are started (no stage folder's hash or cache key depends on it)."))
+    tracking: TrackingConfig = Field(default=TrackingConfig(), description=(
+        "MLflow experiment, registered model and promotion rule."))
 
     @property
     def exports(self) -> bool:
@@ -850,21 +971,33 @@ ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", 
                      "wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"]
 
 
-def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, type with its constraints) of every field of ``model`` that is not itself a config section."""
+def _leaf_field_infos(model: type[BaseModel], prefix: str = "") -> list[tuple[str, FieldInfo]]:
+    """(dotted key, pydantic field) of every field of ``model`` that is not itself a config section."""
     out = []
     for name, field in model.model_fields.items():
         kind = field.annotation
         if isinstance(kind, type) and issubclass(kind, BaseModel) and prefix + name != "data.dev":
-            out += _leaf_fields(kind, f"{prefix}{name}.")
+            out += _leaf_field_infos(kind, f"{prefix}{name}.")
         else:
-            out.append((prefix + name, Annotated[kind, *field.metadata] if field.metadata else kind))
+            out.append((prefix + name, field))
     return out
 
 
+def _constrained_type(field: FieldInfo) -> Any:
+    """A field's type with its constraints (``Annotated[int, Ge(1)]``)."""
+    return Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+
+
+def _leaf_fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, type with its constraints) of every field of ``model`` that is not itself a config section."""
+    return [(key, _constrained_type(field)) for key, field in _leaf_field_infos(model, prefix)]
+
+
 def _flow_overrides_model() -> type[BaseModel]:
-    fields = {key.replace(".", "__"): (kind | None, Field(default=None, alias=key))
-              for key, kind in _leaf_fields(RunConfig) if key not in ("name",)}
+    # each field keeps its description: Prefect's run form shows it
+    fields = {key.replace(".", "__"): (_constrained_type(field) | None,
+                                       Field(default=None, alias=key, description=field.description))
+              for key, field in _leaf_field_infos(RunConfig) if key not in ("name",)}
     return create_model("FlowOverrides", __config__=ConfigDict(extra="forbid"), **fields)
 
 

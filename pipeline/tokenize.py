@@ -1,6 +1,6 @@
 """Tokenizer stage, part 1: one sentencepiece model shared by source and target, trained on the training split.
 
-Output contract (docs/formats.md, "Token shards"): ``<work_dir>/tokenizer/<fingerprint[:16]>/`` with ``spm.model``,
+Contract (docs/explanation/formats.md, "Token shards"): ``<work_dir>/tokenizer/<fingerprint[:16]>/`` with ``spm.model``,
 ``spm.vocab`` and ``manifest.json``. The fingerprint hashes the training settings, the training split's content
 hash and this module's code, so a re-run on unchanged inputs returns the existing folder, and any change gives a
 new folder. Training is deterministic (seeded sampling, a fixed thread count), so the same inputs give a

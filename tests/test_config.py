@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import get_args
 
 import pytest
+from pydantic import BaseModel
 
-from pipeline.config import (CONFIG_DIR, ConfigError, ModelConfig, TrainConfig, dump_config, ensure_work_dir,
-                             load_config, load_resolved, resolve_config, write_resolved)
+from pipeline.config import (CONFIG_DIR, ConfigError, ModelConfig, RunConfig, TrainConfig, canonical_json, dump_config,
+                             ensure_work_dir, load_config, load_resolved, resolve_config, write_resolved)
 
 RUN_CONFIGS = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -310,3 +313,75 @@ def test_cli_writes_the_resolved_file(tmp_path: Path) -> None:
     cfg = load_resolved(out)
     assert (cfg.train.max_steps, cfg.work_dir) == (7, str(tmp_path / "w"))
 
+
+# Decimal numbers a description may hold besides its field's own default: the paper's values (dropout, length
+# penalty, Adam's betas) and its section numbers. Anything else looks like a measurement, which belongs in the
+# results ledger, not in the schema. Exponents in a formula (^-0.5) and dotted addresses (127.0.0.1) are not.
+_PAPER_DECIMALS = {"0.1", "0.3", "0.6", "0.9", "0.98", "6.1", "6.3"}
+_DECIMAL = re.compile(r"(?<![\d.^])(?<!\^-)\d+\.\d+(?![\d.])")
+_MEASUREMENT = re.compile(r"\d+(\.\d+)?\s*x\b|\d+\s*%|/s\b|\b\d{4}-\d{2}-\d{2}\b|\bp\s*[=<]\s*0")
+
+
+def _schema_models(root: type[BaseModel]) -> list[type[BaseModel]]:
+    """``root`` and every config model reachable from its fields (inside lists, dicts and optionals too)."""
+    seen: list[type[BaseModel]] = []
+
+    def visit(kind: object) -> None:
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            if kind not in seen:
+                seen.append(kind)
+                for field in kind.model_fields.values():
+                    visit(field.annotation)
+        for arg in get_args(kind):
+            visit(arg)
+
+    visit(root)
+    return seen
+
+
+def _described_models() -> list[type[BaseModel]]:
+    from pipeline.sweep.config import SweepConfig
+
+    return _schema_models(RunConfig) + _schema_models(SweepConfig)
+
+
+def test_every_config_field_has_a_description_and_no_measured_figure() -> None:
+    """The config reference is generated from the schema: every section has a docstring and every field of the
+    run config and of the sweep config a description in the schema, saying what it does; no description holds a
+    measured figure (a score, a speed, a factor, a date), only the field's default and the paper's values."""
+    models = _described_models()
+    names = {m.__name__ for m in models}
+    assert {"RunConfig", "SourceSpec", "CleaningConfig", "DataConfig", "SpecialIds", "TokenizerConfig", "ModelConfig",
+            "TrainConfig", "AverageConfig", "DecodeConfig", "ExportConfig", "TrackingConfig", "LaunchConfig",
+            "SweepConfig", "Param", "PrunerConfig", "ConfirmConfig"} <= names
+    problems = []
+    for model in models:
+        if not (model.__doc__ or "").strip():
+            problems.append(f"{model.__name__}: no docstring (the section's description)")
+        for name, field in model.model_fields.items():
+            where, text = f"{model.__name__}.{name}", (field.description or "").strip()
+            if not text:
+                problems.append(f"{where}: no description")
+                continue
+            allowed = _PAPER_DECIMALS | {str(field.default)}
+            figures = [d for d in _DECIMAL.findall(text) if d not in allowed]
+            if figures or _MEASUREMENT.search(text):
+                problems.append(f"{where}: looks like a measurement ({figures or _MEASUREMENT.search(text)[0]}): "
+                                f"{text!r}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_flow_overrides_form_describes_every_field() -> None:
+    """Prefect's run form for ``overrides`` shows each config field's description, by its dotted name."""
+    from pipeline.config import FlowOverrides
+
+    props = FlowOverrides.model_json_schema(by_alias=True)["properties"]
+    assert props["train.warmup_steps"]["description"] == TrainConfig.model_fields["warmup_steps"].description
+    assert [key for key, prop in props.items() if not prop.get("description")] == []
+
+
+def test_descriptions_do_not_enter_the_config_hash() -> None:
+    """A description is documentation: the dumped config (what hashes and run folders are made of) holds none."""
+    cfg = load_config("multi30k-cpu")
+    dumped = canonical_json(cfg.model_dump(mode="json"))
+    assert TrainConfig.model_fields["warmup_steps"].description not in dumped

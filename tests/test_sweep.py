@@ -349,13 +349,107 @@ def test_a_crashed_run_is_resumed_by_its_next_attempt_and_a_restarted_controller
 # ------------------------------------------------------------------------------------------- on the local stack
 
 
+def test_the_optuna_adapter_holds_on_the_installed_optuna():
+    """Every function of pipeline/sweep/optuna_adapter.py (the only code that uses Optuna's private API) against a
+    real in-memory study, by its observable effect: an Optuna that changes those internals fails here, loudly."""
+    import optuna
+    from optuna.distributions import IntDistribution
+    from optuna.trial import TrialState
+
+    from pipeline.sweep import optuna_adapter as adapter
+
+    space = {"x": IntDistribution(0, 9)}
+    try:
+        study = optuna.create_study(direction="maximize")  # in memory
+        study.enqueue_trial({"x": 1})
+        study.enqueue_trial({"x": 2})
+        first, second = study.get_trials(states=(TrialState.WAITING,))
+        assert adapter.enqueued_params(first) == {"x": 1}, "enqueued_params: the enqueued point"
+        # withdraw the second waiting trial: a user attribute and FAIL, without asking for it
+        adapter.set_user_attr(study, second, "withdrawn", "taken out")
+        adapter.set_trial_state(study, second, TrialState.FAIL)
+        stored = study.get_trials()[1]
+        assert (stored.state, stored.value, stored.user_attrs) == (TrialState.FAIL, None, {"withdrawn": "taken out"}), (
+            "set_user_attr / set_trial_state on a WAITING trial")
+        # a live trial's stored state: its reports so far and its enqueued point
+        asked = study.ask(space)
+        assert (asked.number, asked.params) == (0, {"x": 1})
+        asked.report(0.5, 3)
+        frozen = adapter.frozen_trial(study, asked)
+        assert (frozen.number, frozen.state, frozen.intermediate_values) == (0, TrialState.RUNNING, {3: 0.5}), (
+            "frozen_trial: what storage holds for a live trial")
+        assert adapter.enqueued_params(frozen) == {"x": 1}
+        drawn = study.ask(space)  # the withdrawn one is not asked for again: a drawn trial comes next
+        assert drawn.number == 2 and adapter.enqueued_params(adapter.frozen_trial(study, drawn)) is None, (
+            "a withdrawn trial was asked for, or enqueued_params is not None for a drawn trial")
+        # a restarted controller: a live trial again for the stored RUNNING one, reported to and told
+        again = adapter.trial_for(study, frozen)
+        assert (again.number, again.params) == (0, {"x": 1}), "trial_for: the live trial of a stored one"
+        again.report(0.7, 4)
+        again.set_user_attr("run_id", "run-0")
+        study.tell(again, 0.9)
+        done = study.get_trials()[0]
+        assert (done.state, done.value, done.intermediate_values, done.user_attrs) == (
+            TrialState.COMPLETE, 0.9, {3: 0.5, 4: 0.7}, {"run_id": "run-0"}), "trial_for: report and tell"
+    except Exception as e:  # an AttributeError, TypeError, KeyError or a wrong effect: all the same to a reader
+        pytest.fail(f"Optuna's private API changed: see pipeline/sweep/optuna_adapter.py (the one place that uses "
+                    f"it); the tested versions are optuna{adapter.TESTED}, this is optuna {optuna.__version__}: "
+                    f"{type(e).__name__}: {e}")
+
+
+def test_optuna_is_bounded_to_the_versions_the_adapter_is_tested_on():
+    """pyproject.toml's bound on Optuna is the adapter's TESTED, and the installed Optuna is inside it."""
+    import tomllib
+
+    import optuna
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from pipeline.sweep.optuna_adapter import TESTED
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text(encoding="utf-8"))
+    (req,) = [Requirement(d) for d in project["project"]["dependencies"] if Requirement(d).name == "optuna"]
+    assert req.specifier == SpecifierSet(TESTED), f"pyproject.toml bounds {req}; the adapter is tested on {TESTED}"
+    assert optuna.__version__ in SpecifierSet(TESTED), (
+        f"optuna {optuna.__version__} is installed, the adapter (pipeline/sweep/optuna_adapter.py) is tested on "
+        f"{TESTED}: run test_the_optuna_adapter_holds_on_the_installed_optuna, then move TESTED and the bound")
+
+
+def test_sweep_translation_is_the_flow_and_sweep_en_de_its_former_name_kept(monkeypatch):
+    """One body, two names: ``sweep-translation`` and ``sweep-en-de`` (kept for compatibility; it says so in its
+    log) take the same parameters and run the same body, and prefect.yaml deploys both alike as multi30k-cpu."""
+    import inspect
+    from types import SimpleNamespace
+
+    import flows.sweep as module
+
+    assert (module.sweep_translation.name, module.sweep_en_de.name) == ("sweep-translation", "sweep-en-de")
+    assert inspect.signature(module.sweep_en_de.fn) == inspect.signature(module.sweep_translation.fn)
+    calls, said = [], []
+    monkeypatch.setattr(module, "_run_sweep", lambda *args: calls.append(args) or {"winner": None})
+    monkeypatch.setattr(module, "get_run_logger", lambda: SimpleNamespace(info=lambda msg, *a: said.append(msg % a)))
+    assert module.sweep_translation.fn("s.yaml", None, 3, 1, None, False) == {"winner": None}
+    assert not said
+    assert module.sweep_en_de.fn("s.yaml", None, 3, 1, None, False) == {"winner": None}
+    assert calls == [("s.yaml", None, 3, 1, None, False)] * 2
+    assert len(said) == 1 and "kept for compatibility" in said[0] and "sweep-translation/multi30k-cpu" in said[0]
+    spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "prefect.yaml").read_text(encoding="utf-8"))
+    deployed = {d["entrypoint"]: d for d in spec["deployments"] if d["entrypoint"].startswith("flows/sweep.py:")}
+    new, old = deployed.pop("flows/sweep.py:sweep_translation"), deployed.pop("flows/sweep.py:sweep_en_de")
+    assert not deployed and new["name"] == old["name"] == "multi30k-cpu"
+    same = {"name", "parameters", "work_pool", "concurrency_limit", "schedules", "tags"}  # all but what says which
+    assert set(new) == set(old) and {k: new[k] for k in same & set(new)} == {k: old[k] for k in same & set(old)}
+    assert set(new) - same == {"entrypoint", "description"}
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
-    """``sweep-en-de`` on the real stack: its trials are ``train-en-de`` flow runs on the work pool (subflows,
+    """``sweep-translation`` on the real stack: its trials are ``train-en-de`` flow runs on the work pool (subflows,
     keyed), the one that learns nothing is pruned on its dev NLL and its run cancelled, the best is confirmed with
     paired seeds, and the sweep's artifacts, MLflow runs and winner preset exist. Run first with confirm=false
-    (the search only), then whole (it goes on to confirm), then again: it starts no run."""
+    (the search only), then whole (it goes on to confirm), then again under the flow's former name (``sweep-en-de``,
+    kept for compatibility): the same sweep, so it starts no run."""
     from mlflow.tracking import MlflowClient
 
     from tests.conftest import QUICK
@@ -379,15 +473,15 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
     path.write_text(yaml.safe_dump(sweep), encoding="utf-8")
     prefect = stack["prefect"]
     # First the search alone (confirm=false), as a long sweep is spread over windows of machine time
-    status, out, searched = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path), "confirm": False},
-                                                   timeout=900)
+    status, out, searched = prefect.run_deployment("sweep-translation/multi30k-cpu",
+                                                   {"sweep": str(path), "confirm": False}, timeout=900)
     assert status == 0, out[-4000:] + prefect.logs(searched)[-6000:]
     assert not [r for r in _api_runs(prefect, searched) if "-confirm-" in r["name"]]
     keys = {a["key"]: a for a in prefect.artifacts(searched)}
     assert "Confirmation: not run yet" in keys["sweep-itest-report"]["data"]
     assert not (stack["home"] / "work" / "sweeps" / "itest" / "winner.yaml").exists()
     # then the whole sweep: it goes on from the finished trials (found by their keys) to the confirmation
-    status, out, run_id = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path)}, timeout=900)
+    status, out, run_id = prefect.run_deployment("sweep-translation/multi30k-cpu", {"sweep": str(path)}, timeout=900)
     assert status == 0, out[-4000:] + prefect.logs(run_id)[-6000:]
     children = _api_runs(prefect, searched) + _api_runs(prefect, run_id)
     trials = {r["name"]: r for r in children}
@@ -425,9 +519,10 @@ def test_sweep_deployment_prunes_confirms_and_resumes(stack, tmp_path):
     assert {a.path for a in mlflow.list_artifacts(parent.info.run_id, "sweep")} >= {
         "sweep/leaderboard.json", "sweep/report.md", "sweep/winner.yaml", "sweep/confirmation.json"}
 
-    # Again: the study is done and every confirmation run is found by its key; nothing new runs.
+    # Again, by the former name: the study is done and every confirmation run is found by its key; nothing new runs.
     status, out, again = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path)}, timeout=600)
     assert status == 0, out[-2000:] + prefect.logs(again)[-6000:]
+    assert "kept for compatibility" in prefect.logs(again) and "sweep-translation/multi30k-cpu" in prefect.logs(again)
     assert {r["id"] for r in _api_runs(prefect, again)} <= {r["id"] for r in children}
     total = prefect_runs_tagged(prefect, "sweep:itest")
     assert len(total) == len(children)
@@ -459,7 +554,7 @@ def test_a_deployment_applied_before_a_field_existed_fails_the_sweep_before_anyt
                        "train.cooldown": {"type": "categorical", "choices": [0.0, 0.3]}}}
     path = tmp_path / "stale.yaml"
     path.write_text(yaml.safe_dump(sweep), encoding="utf-8")
-    status, out, run_id = prefect.run_deployment("sweep-en-de/multi30k-cpu", {"sweep": str(path)}, timeout=300)
+    status, out, run_id = prefect.run_deployment("sweep-translation/multi30k-cpu", {"sweep": str(path)}, timeout=300)
     logs = prefect.logs(run_id)
     assert status != 0 and prefect.flow_run(run_id)["state"]["type"] == "FAILED", out[-3000:]
     assert re.search(r"deployment 'train-en-de/before-cooldown' refuses the parameters of space\.train\.cooldown = "

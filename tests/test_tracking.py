@@ -453,3 +453,53 @@ def _ok(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def _logged(c: MlflowClient, run_id: str) -> dict[str, set[str]]:
+    """Every metric, param, tag (MLflow's own ``mlflow.*`` aside) and artifact name of a run, by kind."""
+    data = c.get_run(run_id).data
+    return {"metric": set(data.metrics), "param": set(data.params),
+            "tag": {k for k in data.tags if not k.startswith("mlflow.")}, "artifact": _artifacts(c, run_id)}
+
+
+@pytest.mark.integration
+def test_every_name_logged_to_mlflow_is_in_the_catalog(tracked, tiny_stack) -> None:
+    """The MLflow catalog (pipeline/tracking/catalog.py, which the docs' MLflow reference is rendered from) equals
+    what a tiny pipeline run logs: each metric, param, tag and artifact of the parent run, of each stage run, of
+    the registered version and of its logged model has an entry of that run and kind, and each entry not marked
+    optional is logged. The stage runs are recorded by the flow's own bookkeeping (``tasks.tracking.log_stage``,
+    as flows/common.py calls it) from the tracked run's outputs; training's streamed metrics and the registration
+    are the tracked run's own."""
+    from pipeline.tracking import catalog
+    from tasks.tracking import log_stage
+
+    c, cfg, ckpt, parent = MlflowClient(tracked["uri"]), tracked["cfg"], tracked["ckpt"], tracked["parent"]
+    scores_json = ckpt.parent / "eval" / "scores.json"
+    export_cfg = cfg.model_copy(update={"decode": FAST_DECODE, "export": ExportConfig(quantization="float32")})
+    export = export_model(export_cfg, ckpt, tiny_stack.tokenizer, tiny_stack.corpus, scores_json)  # made: reused
+    outputs = {"data": {"corpus": tiny_stack.corpus},
+               "tokenize": {"tokenizer": tiny_stack.tokenizer, "shards": tiny_stack.shards},
+               "average": {"checkpoint": ckpt},
+               "evaluate": {"checkpoint": ckpt, "tokenizer": tiny_stack.tokenizer, "scores": scores_json},
+               "export": {"export": export}}
+    runs = {stage: log_stage(parent, stage, False, out, attention_sentences=cfg.tracking.attention_sentences)
+            for stage, out in outputs.items()}
+    # the flow opens the train run before training and records the finished run folder into it
+    runs["train"] = log_stage(parent, "train", False, {"run": ckpt.parent.parent}, run_id=tracked["runs"]["train"])
+    runs["register"] = tracked["runs"]["register"]
+
+    logged = {"pipeline": _logged(c, parent), **{stage: _logged(c, run_id) for stage, run_id in runs.items()}}
+    version = c.get_model_version(tracked["name"], tracked["version"])
+    model = c.get_logged_model(mlflow.models.get_model_info(f"models:/{tracked['name']}/{tracked['version']}").model_id)
+    logged["version"] = {"tag": {k for k in version.tags if not k.startswith("mlflow.")}}
+    logged["model"] = {"metric": {m.key for m in model.metrics}}
+    assert set(logged) == {"pipeline", *catalog.STAGES, "version", "model"}
+
+    unknown = [f"{run} {kind} {name!r}" for run, names in logged.items() for kind in catalog.KINDS
+               for name in catalog.unmatched(run, kind, names.get(kind, ()))]
+    assert not unknown, ("logged to MLflow but not in the catalog (add them to pipeline/tracking/catalog.py with "
+                         "their meaning):\n  " + "\n  ".join(unknown))
+    dead = [f"{e.run} {e.kind} {e.name!r}" for run, names in logged.items() for kind in catalog.KINDS
+            for e in catalog.unused(run, kind, names.get(kind, ()))]
+    assert not dead, ("in pipeline/tracking/catalog.py but not logged by the run (remove them, or mark them "
+                      "optional if a tiny CPU run cannot log them):\n  " + "\n  ".join(dead))

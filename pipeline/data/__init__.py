@@ -1,4 +1,4 @@
-"""The data stage: read, clean and version a parallel corpus (see docs/formats.md for the output)."""
+"""The data stage: read, clean and version a parallel corpus (see docs/explanation/formats.md for the output)."""
 
 from pipeline.data.corpus import CORPUS_FORMAT, corpus_fingerprint, prepare_corpus, read_manifest
 from pipeline.data.sources import DataError

@@ -1,6 +1,6 @@
 """The data stage: sources -> one canonical, cleaned, versioned parallel corpus on disk.
 
-Output contract (docs/formats.md): ``<work_dir>/corpus/<fingerprint>/`` with ``train.parquet``, ``dev.parquet``,
+Contract (docs/explanation/formats.md): ``<work_dir>/corpus/<fingerprint>/`` with ``train.parquet``, ``dev.parquet``,
 ``test.<name>.parquet`` and ``manifest.json``. The folder name is a hash of the data config, every input's
 content hash and this stage's code, so a re-run on unchanged inputs returns the existing folder at once, and a
 change anywhere gives a new folder instead of overwriting one that other runs may use.

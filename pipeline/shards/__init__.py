@@ -1,7 +1,7 @@
 """Tokenizer stage, part 2: token shards (Arrow IPC), written by :mod:`.writer`, memory-mapped by :mod:`.reader`,
 batched by token budget by :mod:`.batching`; :mod:`.format` holds what writer and reader agree on.
 
-The format is documented in docs/formats.md ("Token shards").
+The format is documented in docs/explanation/formats.md ("Token shards").
 """
 
 from .batching import token_batches

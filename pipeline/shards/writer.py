@@ -1,6 +1,6 @@
 """Tokenizer stage, part 2: every corpus split encoded into Arrow IPC shards.
 
-Output contract (docs/formats.md, "Token shards"): ``<work_dir>/shards/<fingerprint[:16]>/`` with
+Output contract (docs/explanation/formats.md, "Token shards"): ``<work_dir>/shards/<fingerprint[:16]>/`` with
 ``<split>-<NNNNN>.arrow`` files and ``manifest.json``. The fingerprint hashes the tokenizer model, every split's
 content hash, the shard layout and this stage's code; a re-run on unchanged inputs returns the existing folder.
 

@@ -29,13 +29,20 @@ class Param(_Strict):
       width and feed-forward size), e.g. ``{3x256: {model.encoder_layers: 3, model.d_model: 256}}``.
     """
 
-    type: Literal["int", "float", "categorical", "group"]
-    low: float | None = None
-    high: float | None = None
-    step: float | None = None
-    log: bool = False
-    choices: list[int | float | str | bool] | None = None
-    options: dict[str, dict[str, Any]] | None = None
+    type: Literal["int", "float", "categorical", "group"] = Field(description=(
+        "The kind of dimension: int or float (a range from low to high), categorical (one of choices) or group "
+        "(one of options, each setting several fields)."))
+    low: float | None = Field(default=None, description="int / float: the smallest value (inclusive); required.")
+    high: float | None = Field(default=None, description="int / float: the largest value (inclusive); required.")
+    step: float | None = Field(default=None, description=(
+        "int / float: values lie on the grid low + k * step. None = any value in the range. Excludes log."))
+    log: bool = Field(default=False, description=(
+        "int / float: draw log-uniformly (for scales such as learning rates) instead of uniformly."))
+    choices: list[int | float | str | bool] | None = Field(default=None, description=(
+        "categorical: the values to choose from (scalars); required."))
+    options: dict[str, dict[str, Any]] | None = Field(default=None, description=(
+        "group: {label: {dotted field: value, ...}}, each option setting several config fields together; "
+        "required."))
 
     @model_validator(mode="after")
     def _complete(self) -> "Param":
@@ -57,10 +64,14 @@ class PrunerConfig(_Strict):
     tuned (a deeper model makes fewer updates in the same minutes). ``min_resource_s``: no trial is pruned before it
     trained this long. ``kind: none``: every trial runs its whole budget."""
 
-    kind: Literal["hyperband", "none"] = "hyperband"
-    min_resource_s: int = Field(default=300, ge=1)
-    max_resource_s: int = Field(default=1800, ge=1)
-    reduction_factor: int = Field(default=3, ge=2)
+    kind: Literal["hyperband", "none"] = Field(default="hyperband", description=(
+        "hyperband: prune trials whose dev NLL falls behind; none: every trial runs its whole budget."))
+    min_resource_s: int = Field(default=300, ge=1, description=(
+        "Training seconds a trial runs before it can be pruned."))
+    max_resource_s: int = Field(default=1800, ge=1, description=(
+        "Training seconds of a whole trial's budget, as Hyperband sees it (the recipe's budget)."))
+    reduction_factor: int = Field(default=3, ge=2, description=(
+        "Hyperband's reduction factor: each successive-halving rung keeps about 1 / this of the trials."))
 
 
 class ConfirmConfig(_Strict):
@@ -68,33 +79,48 @@ class ConfirmConfig(_Strict):
     (the same seeds for all: paired), compared with the base by a paired bootstrap over the dev segments pooled over
     the seeds, at level ``alpha`` divided by ``top_k`` (Bonferroni: the family of comparisons holds ``alpha``)."""
 
-    top_k: int = Field(default=2, ge=1)
-    seeds: list[int] = Field(default=[1, 2, 3], min_length=1)
-    alpha: float = Field(default=0.05, gt=0, lt=1)
-    resamples: int = Field(default=1000, ge=100)
+    top_k: int = Field(default=2, ge=1, description=(
+        "How many of the best completed trials are trained again and compared with the base."))
+    seeds: list[int] = Field(default=[1, 2, 3], min_length=1, description=(
+        "The seeds (train.seed) every confirmed arm and the base are trained with; the same for all (paired)."))
+    alpha: float = Field(default=0.05, gt=0, lt=1, description=(
+        "Significance level of the whole family of comparisons; each one is tested at alpha / top_k "
+        "(Bonferroni)."))
+    resamples: int = Field(default=1000, ge=100, description=(
+        "Resamples of the paired bootstrap over the dev segments pooled over the seeds."))
 
 
 class SweepConfig(_Strict):
     """A sweep: ``trials`` trials of ``base`` (a run config) on ``deployment``, values drawn by TPE from ``space``."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    base: str = Field(min_length=1)  # the run config every trial starts from (a name under configs/ or a path)
-    deployment: str = Field(pattern=r"^[^/]+/[^/]+$")  # <flow name>/<deployment name> of the pipeline flow
-    trials: int = Field(default=16, ge=1)
-    max_in_flight: int = Field(default=1, ge=1)  # trial runs at once (on 2 cores one; a GPU pool more)
-    seed: int = 0  # the sampler's
-    # Fixed overrides of every trial (not searched): e.g. no serving export, no registration side effects.
-    trial_overrides: dict[str, Any] = {}
-    space: dict[str, Param] = Field(min_length=1)
-    # Points to try right after the base (trial 0), in order: hunches worth a full trial, each the base with the
-    # values it names ({dotted key: value}, keys of the space; the rest is the base's, never drawn).
-    enqueue: list[dict[str, Any]] = []
-    pruner: PrunerConfig = PrunerConfig()
-    confirm: ConfirmConfig = ConfirmConfig()
-    # Optuna storage: empty = SQLite in the work dir (<work_dir>/sweeps/<name>/optuna.db); a database URL
-    # (sqlite:///..., postgresql://...) or journal:<file> (Optuna's journal file, for shared file systems).
-    storage: str = ""
-    poll_s: float = Field(default=10.0, gt=0)  # how often running trials are looked at
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description=(
+        "The sweep's name: it names the Optuna study, its folder and the trial runs."))
+    base: str = Field(min_length=1, description=(
+        "The run config every trial starts from: a name under configs/ or a path. It must be a point of the "
+        "space (it is trial 0 and the baseline)."))
+    deployment: str = Field(pattern=r"^[^/]+/[^/]+$", description=(
+        "The Prefect deployment that runs each trial, as <flow name>/<deployment name> of the pipeline flow."))
+    trials: int = Field(default=16, ge=1, description=(
+        "Trials to finish (completed, pruned or failed), the base's trial included."))
+    max_in_flight: int = Field(default=1, ge=1, description=(
+        "Trial runs at once: one on a small CPU machine, more on a GPU pool."))
+    seed: int = Field(default=0, description="Seed of the TPE sampler.")
+    trial_overrides: dict[str, Any] = Field(default={}, description=(
+        "Fixed dotted overrides of every trial, not searched: e.g. no serving export, no registration side "
+        "effects."))
+    space: dict[str, Param] = Field(min_length=1, description=(
+        "The search space: {dotted config field: dimension}; a group dimension's key is a label, its options "
+        "name the fields."))
+    enqueue: list[dict[str, Any]] = Field(default=[], description=(
+        "Points tried right after the base, in order: each the base with the values it names ({dotted key: "
+        "value}, keys of the space; the rest is the base's, never drawn)."))
+    pruner: PrunerConfig = Field(default=PrunerConfig(), description="Early stopping of trials that fall behind.")
+    confirm: ConfirmConfig = Field(default=ConfirmConfig(), description=(
+        "Confirmation of the best trials against the base by paired seeds."))
+    storage: str = Field(default="", description=(
+        "Optuna storage: empty = SQLite in the work dir (<work_dir>/sweeps/<name>/optuna.db); a database URL "
+        "(sqlite:///..., postgresql://...) or journal:<file> (Optuna's journal file, for shared file systems)."))
+    poll_s: float = Field(default=10.0, gt=0, description="How often, in seconds, running trials are looked at.")
 
     @model_validator(mode="after")
     def _fields_exist(self) -> "SweepConfig":

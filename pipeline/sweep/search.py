@@ -5,7 +5,8 @@ Nothing here knows Prefect or MLflow: trials run through a :class:`Runner` (the 
 flow runs on the work pool and reads their MLflow runs: ``tasks/sweep.py``). The study lives in Optuna storage
 (SQLite or a journal file), and every run is started under an idempotency key derived from the study, so a
 controller that stops (crash, cancellation, a new deployment) and starts again re-attaches to the runs it had
-started instead of starting them twice, and goes on where it was.
+started instead of starting them twice, and goes on where it was. What it needs of Optuna beyond its public API
+goes through :mod:`.optuna_adapter`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import optuna
 from optuna.distributions import (BaseDistribution, CategoricalDistribution, FloatDistribution,
@@ -25,6 +27,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
 
+from pipeline.sweep import optuna_adapter
 from pipeline.sweep.config import SweepConfig
 
 log = logging.getLogger("aiayn.sweep")
@@ -124,8 +127,8 @@ def _sync_hunches(sweep: SweepConfig, study: optuna.Study) -> None:
     wanted = hunches(sweep, study.user_attrs[_BASE_POINT])
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
         if not t.user_attrs.get("base") and enqueued_point(t) not in wanted:
-            study._storage.set_trial_user_attr(t._trial_id, "withdrawn", "taken out of enqueue before it ran")
-            study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            optuna_adapter.set_user_attr(study, t, "withdrawn", "taken out of enqueue before it ran")
+            optuna_adapter.set_trial_state(study, t, TrialState.FAIL)
     for point in wanted:
         study.enqueue_trial(point, skip_if_exists=True)
 
@@ -151,12 +154,13 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
     active: dict[int, tuple[optuna.Trial, str]] = {}
     waiting: dict[int, tuple[optuna.Trial, int]] = {}  # a twin's trial: its number -> (trial, the twin's number)
     for frozen in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):  # re-attach after a restart
-        trial = optuna.Trial(study, frozen._trial_id)
+        trial = optuna_adapter.trial_for(study, frozen)
         if "duplicate_of" in frozen.user_attrs:
             waiting[frozen.number] = (trial, frozen.user_attrs["duplicate_of"])
         else:
             active[frozen.number] = (trial, _start(study, runner, trial, frozen.params, overrides_of, logger))
-    while True:
+
+    def more() -> bool:  # start trials up to the budget; record the twins whose trial has finished
         done = finished(study)
         while len(active) < sweep.max_in_flight and done + len(active) + len(waiting) < sweep.trials:
             trial = study.ask(dists)
@@ -171,16 +175,14 @@ def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of
         for number, (trial, twin) in list(waiting.items()):
             if _copy(study, trial, twin):
                 del waiting[number]
-        if not active and not waiting:
-            return
-        for number, (trial, run_id) in list(active.items()):
-            now = _step(study, runner, trial, run_id, overrides_of, logger)
-            if now is None:
-                del active[number]
-            else:
-                active[number] = (trial, now)
-        if active:
-            time.sleep(sweep.poll_s if poll_s is None else poll_s)
+        return bool(waiting)
+
+    def look(number: int, entry: tuple[optuna.Trial, str]) -> tuple[int, tuple[optuna.Trial, str]] | None:
+        trial, run_id = entry
+        now = _step(study, runner, trial, run_id, overrides_of, logger)
+        return None if now is None else (number, (trial, now))
+
+    _poll(active, more, look, sweep.poll_s if poll_s is None else poll_s)
 
 
 def finished(study: optuna.Study) -> int:
@@ -221,8 +223,8 @@ def _copy(study: optuna.Study, trial: optuna.Trial, twin: int) -> bool:
 
 def enqueued_point(trial: FrozenTrial) -> dict[str, Any] | None:
     """The point a trial was enqueued with (the base or a hunch of the sweep's ``enqueue``); None for a drawn one.
-    Optuna keeps it in the trial's system attribute ``fixed_params``, set by ``enqueue_trial``."""
-    return trial.system_attrs.get("fixed_params")
+    Optuna keeps it in the trial's system attributes (:func:`.optuna_adapter.enqueued_params`)."""
+    return optuna_adapter.enqueued_params(trial)
 
 
 def _launch(study: optuna.Study, runner: Runner, what: str, overrides: dict[str, Any]) -> str:
@@ -252,7 +254,7 @@ def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
     """Look at one running trial once: report its new dev points, prune it, resume it when its run crashed, or
     record how it ended. The run to look at next; None when the trial is over."""
     state = runner.state(run_id)
-    frozen = study._storage.get_trial(trial._trial_id)
+    frozen = optuna_adapter.frozen_trial(study, trial)
     last = _reported(frozen)
     for seconds, nll in runner.curve(run_id):
         if int(seconds) > last:
@@ -330,27 +332,57 @@ def confirm(sweep: SweepConfig, study: optuna.Study, runner: Runner, candidates:
 
     pending = [(arm, seed) for arm in candidates for seed in sweep.confirm.seeds]
     active: dict[str, tuple[Arm, int]] = {}
-    while pending or active:
+
+    def more() -> bool:  # start the next runs up to max_in_flight
         while pending and len(active) < sweep.max_in_flight:
             arm, seed = pending.pop(0)
             run_id = launch(arm, seed)
             arm.runs[seed] = run_id
             active[run_id] = (arm, seed)
-        for run_id, (arm, seed) in list(active.items()):
-            state = runner.state(run_id)
-            if state == "CRASHED":  # resumed by its next attempt, if one is left
-                again = launch(arm, seed)
-                if again != run_id:
-                    logger.warning("confirmation %s seed %d: run %s crashed; run %s resumes it", arm.label, seed,
-                                   run_id, again)
-                    arm.runs[seed] = again
-                    del active[run_id]
-                    active[again] = (arm, seed)
-                    continue
-            if state in FINAL:
-                arm.outcomes[seed] = runner.outcome(run_id) if state == "COMPLETED" else Outcome(state)
-                logger.info("confirmation %s seed %d: %s", arm.label, seed, state)
-                del active[run_id]
-        if active:
-            time.sleep(sweep.poll_s if poll_s is None else poll_s)
+        return bool(pending)
+
+    def look(run_id: str, entry: tuple[Arm, int]) -> tuple[str, tuple[Arm, int]] | None:
+        arm, seed = entry
+        state = runner.state(run_id)
+        if state == "CRASHED":  # resumed by its next attempt, if one is left
+            again = launch(arm, seed)
+            if again != run_id:
+                logger.warning("confirmation %s seed %d: run %s crashed; run %s resumes it", arm.label, seed, run_id,
+                               again)
+                arm.runs[seed] = again
+                return again, entry
+        if state in FINAL:
+            arm.outcomes[seed] = runner.outcome(run_id) if state == "COMPLETED" else Outcome(state)
+            logger.info("confirmation %s seed %d: %s", arm.label, seed, state)
+            return None
+        return run_id, entry
+
+    _poll(active, more, look, sweep.poll_s if poll_s is None else poll_s)
     return candidates
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _poll(in_flight: dict[K, V], more: Callable[[], bool], look: Callable[[K, V], tuple[K, V] | None],
+          poll_s: float) -> None:
+    """The controller's loop over the runs in flight, the search's and the confirmation's. Each round ``more()``
+    starts what may start now (into ``in_flight``) and says whether anything is left besides the runs in flight;
+    with neither, the loop ends. Then every run in flight is looked at once: ``look(key, entry)`` is what it goes on
+    as (the same key, or another: the run that resumes a crashed one, looked at from the next round), or None when
+    it is over. Between rounds, while any run is in flight, it sleeps ``poll_s``."""
+    while True:
+        if not more() and not in_flight:
+            return
+        for key, entry in list(in_flight.items()):
+            now = look(key, entry)
+            if now is None:
+                del in_flight[key]
+            elif now[0] == key:
+                in_flight[key] = now[1]
+            else:  # a new run goes on for it: last in line, as a newly started run
+                del in_flight[key]
+                in_flight[now[0]] = now[1]
+        if in_flight:
+            time.sleep(poll_s)

@@ -24,7 +24,7 @@ from pipeline.tokenize import Tokenizer
 
 from .runs import client, content_digest, log_metrics, set_tags
 
-# The corpus Parquet columns (docs/formats.md), shown as the dataset schema.
+# The corpus Parquet columns (docs/explanation/formats.md), shown as the dataset schema.
 CORPUS_SCHEMA = Schema([ColSpec(DataType.string, "split"), ColSpec(DataType.string, "origin"),
                         ColSpec(DataType.long, "line"), ColSpec(DataType.string, "src"),
                         ColSpec(DataType.string, "tgt"), ColSpec(DataType.string, "tgt_raw", required=False)])

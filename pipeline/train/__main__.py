@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline.train", description=__doc__.splitlines()[0])
     p.add_argument("--config", "-c", type=Path, required=True,
                    help="a resolved config file (python -m pipeline config ... --out FILE, or a run's config.yaml)")
-    p.add_argument("--verbose", "-v", action="store_true")
+    p.add_argument("--verbose", "-v", action="store_true", help="log at DEBUG level")
     p.add_argument("--shards", type=Path, help="shard folder (default: build or reuse it from the config)")
     p.add_argument("--out", type=Path, help="run folder: checkpoints, metrics.jsonl, train_summary.json")
     p.add_argument("--mlflow-run-id", help="also log into this MLflow run (rank 0; server: MLFLOW_TRACKING_URI)")

@@ -1,0 +1,175 @@
+"""The results plots, drawn at build time from the ledger and the result files its entries list (never committed
+as images, so they cannot drift from the figures).
+
+Each plot reads one kind of data wherever the ledger has it: a plot function returns None when no entry holds
+its kind (a fresh ledger), and the results page shows only what exists.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from .ledger import Entry, Ledger  # noqa: E402
+
+plt.rcParams.update({"figure.dpi": 100, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3,
+                     "svg.hashsalt": "aiayn", "svg.fonttype": "none"})
+
+
+def _entries_with_file(led: Ledger, repo: Path, test: Callable[[str], bool]) -> list[tuple[Entry, Path]]:
+    return [(e, repo / f) for e in led.entries for f in e.files if test(f) and (repo / f).is_file()]
+
+
+def _label(e: Entry) -> str:
+    return f"{e.id}, {e.machine.describe()}"
+
+
+def learning_curve(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """Dev NLL per sentence at every dev evaluation, and dev sacreBLEU of checkpoints and the chosen average."""
+    found = _entries_with_file(led, repo, lambda f: Path(f).name.startswith("learning_curve"))
+    if not found:
+        return None
+    e, path = max(found, key=lambda x: x[0].date)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    curve = data["dev_curve"]
+    a.plot([r["step"] for r in curve], [r["dev_sentence_nll"] for r in curve], marker=".")
+    a.set(xlabel="update", ylabel="dev NLL per sentence (nats)", title="dev NLL")
+    pts = data["checkpoints"]
+    b.plot([p["step"] for p in pts], [p["dev_sacrebleu"] for p in pts], marker="o", label="one checkpoint")
+    if data.get("averaged"):
+        last = pts[-1]["step"] if pts else 0
+        cands = data["averaged"].get("candidates", [])
+        for c in cands:
+            if c.get("dev_score") is not None:
+                b.scatter([last], [c["dev_score"]], marker="^", zorder=3)
+                b.annotate(f"avg of last {c['n']}", (last, c["dev_score"]), fontsize=7,
+                           xytext=(-60, 0), textcoords="offset points")
+    b.set(xlabel="update", ylabel="dev sacreBLEU", title="dev BLEU (beam search, the run's settings)")
+    b.legend(loc="lower right", fontsize=7)
+    fig.suptitle(f"The default recipe's learning curve ({_label(e)})", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out / "learning-curve.svg")
+
+
+def gpu_throughput(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """Training throughput and MFU on GPUs per preset and batch shape, from bench_gpu.py's JSON."""
+    rows = []
+    for e, path in _entries_with_file(led, repo, lambda f: Path(f).name.startswith("gpu_") and f.endswith(".json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if "before" in path.name:  # the regression, kept for its entry; the plot shows what the code does now
+            continue
+        for r in data.get("train", []):
+            if r.get("variant") == "eager" and r.get("tgt_tokens_per_s"):
+                shape = f"{r['preset']} {r['precision']}\n{r['max_tokens']}x{r['accumulation']}"
+                rows.append((f"{data['env']['gpu']}\n{shape}", r["tgt_tokens_per_s"], r.get("mfu"), e.id))
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    xs = range(len(rows))
+    bars = ax.bar(xs, [r[1] / 1000 for r in rows], color="#4c72b0")
+    for bar, r in zip(bars, rows):
+        if r[2] is not None:
+            ax.annotate(f"MFU {100 * r[2]:.1f}%\n({r[3]})", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=7)
+    ax.set(ylabel="target tokens/s (thousands)", title="GPU training throughput (bench/bench_gpu.py, bf16)")
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    return _save(fig, out / "gpu-throughput.svg")
+
+
+def recipe_deltas(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """Every recipe comparison on dev with its 95% bootstrap interval (a forest plot): which changes beat the base."""
+    rows = [(f"{s.claim} ({e.id})", s.delta, s.ci95, s.p) for e in led.entries for s in e.significance
+            if s.delta is not None and s.ci95 and s.set.lower().startswith("dev")]
+    if not rows:
+        return None
+    rows.sort(key=lambda r: r[1])
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.2))
+    for i, (_, d, ci, p) in enumerate(rows):
+        color = "#2a9d2a" if ci[0] > 0 else "#c44e52" if ci[1] < 0 else "#555555"
+        ax.plot(ci, [i, i], color=color, lw=2)
+        ax.scatter([d], [i], color=color, zorder=3)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
+    ax.set(xlabel="difference on dev (points), 95% paired-bootstrap interval",
+           title="Every dev comparison in the ledger (green: better, red: worse, grey: no significant difference)")
+    fig.tight_layout()
+    return _save(fig, out / "recipe-deltas.svg")
+
+
+def _table_rows(led: Ledger, name: str) -> list[tuple[Entry, dict]]:
+    return [(e, dict(zip(t.columns, r))) for e in led.entries for t in e.tables if t.name == name for r in t.rows]
+
+
+def _cpu(e: Entry) -> str:
+    m = e.machine
+    name = (m.cpu or "CPU").split(" (")[0]
+    return f"{name}, {'AMX' if m.amx else 'no AMX'}, {m.threads or '?'} thr."
+
+
+def speed_vs_baselines(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """Training and decoding speed against fairseq and CTranslate2, per CPU: tables named ``vs_baselines``
+    (columns: task, implementation, value, unit), one group of bars per entry (its machine)."""
+    rows = _table_rows(led, "vs_baselines")
+    if not rows:
+        return None
+    tasks = sorted({r["task"] for _, r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks), 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        sel = sorted([(e, r) for e, r in rows if r["task"] == task], key=lambda x: (x[0].id, x[1]["implementation"]))
+        labels = [f"{r['implementation']}\n{_cpu(e)} ({e.id})" for e, r in sel]
+        colours = ["#4c72b0" if r["implementation"].startswith("ours") else "#999999" for _, r in sel]
+        ax.barh(range(len(sel)), [r["value"] for _, r in sel], color=colours)
+        ax.set_yticks(range(len(sel)), labels, fontsize=6)
+        ax.set(xlabel=sel[0][1]["unit"], title=task)
+    fig.suptitle("Speed side by side with fairseq and CTranslate2 on 2-core CPUs (blue: ours)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out / "speed-vs-baselines.svg")
+
+
+def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """Exported and served models: quality against decoding speed, marker area by model size where the entry
+    has it: tables named ``engines`` (columns: engine, sacrebleu, sentences_per_s, optional size_mb), one panel
+    per entry (each measured its own model on its own set)."""
+    found = [(e, t) for e in led.entries for t in e.tables if t.name == "engines"]
+    if not found:
+        return None
+    fig, axes = plt.subplots(1, len(found), figsize=(5 * len(found), 3.8), squeeze=False)
+    for ax, (e, t) in zip(axes[0], found):
+        rows = [dict(zip(t.columns, r)) for r in t.rows]
+        top = max((r.get("size_mb") or 0 for r in rows), default=0) or 1
+        for r in rows:
+            size = r.get("size_mb")
+            ax.scatter([r["sentences_per_s"]], [r["sacrebleu"]], s=40 + 600 * (size or 0) / top, alpha=0.6)
+            label = r["engine"] + (f", {size:,.1f} MB" if size else "")
+            ax.annotate(label, (r["sentences_per_s"], r["sacrebleu"]), fontsize=7, xytext=(6, 4),
+                        textcoords="offset points")
+        ax.set(xlabel="sentences/s", ylabel="sacreBLEU", title=f"{e.id}: {_cpu(e)}")
+        ax.margins(x=0.25, y=0.3)
+    fig.suptitle("Serving engines: quality against speed (marker area: model size, where measured)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out / "quality-vs-speed.svg")
+
+
+PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
+    learning_curve, speed_vs_baselines, gpu_throughput, recipe_deltas, quality_vs_speed]
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return path
+
+
+def render_all(led: Ledger, repo: Path, out: Path) -> list[Path]:
+    """Draw every plot whose data the ledger has into ``out``; return the files drawn."""
+    return [p for p in (make(led, repo, out) for make in PLOTS) if p is not None]

@@ -1,0 +1,161 @@
+"""The docs: generated pages fresh, the results ledger whole and cited by id only, every command shown real,
+the README short, and the site built strictly and looked at in a browser."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "docs" / "_ext"))
+
+from aiayn_docs import commands, ledger, reference  # noqa: E402
+
+LEDGER = REPO / "docs" / "results" / "ledger.yaml"
+
+
+def _pages() -> list[Path]:
+    """The README and every hand-written docs page (the generated ones are checked by freshness)."""
+    generated = {REPO / "docs" / rel for rel in reference.PAGES}
+    return [REPO / "README.md", *(p for p in sorted((REPO / "docs").rglob("*.md"))
+                                  if p not in generated and "_build" not in p.parts)]
+
+
+def test_generated_reference_pages_are_fresh():
+    assert reference.stale() == [], "run `python docs/generate.py` and commit the pages it rewrites"
+
+
+def test_the_ledger_loads_and_every_cited_id_exists():
+    led = ledger.load(LEDGER)
+    cited: dict[str, set[str]] = {}
+    code = [p for d in ("pipeline", "flows", "tasks", "model", "ops", "bench", "scripts")
+            for p in sorted((REPO / d).rglob("*.py"))]
+    for path in [*_pages(), *sorted((REPO / "configs").rglob("*.yaml")), *code]:
+        for eid in ledger.cited_ids(path.read_text(encoding="utf-8")):
+            cited.setdefault(eid, set()).add(str(path.relative_to(REPO)))
+    missing = {eid: sorted(where) for eid, where in cited.items() if eid not in led.ids}
+    assert not missing, f"cited ledger ids with no entry in docs/results/ledger.yaml: {missing}"
+    assert cited, "nothing cites the ledger: the README's table should"
+
+
+def test_the_ledger_refuses_what_it_cannot_trust(tmp_path):
+    good = ("current_default: {x: L01}\nentries:\n- {id: L01, date: 2026-01-01, title: t, what: w, "
+            "machine: {cpu: c}, commit: abc1234, command: c}\n")
+    path = tmp_path / "ledger.yaml"
+    path.write_text(good)
+    assert ledger.load(path).ids == {"L01"}
+    for bad, says in [(good.replace("entries:\n", "entries:\n- {id: L01, date: 2026-01-02, title: t, what: w, "
+                                    "machine: {cpu: c}, commit: abc, command: c}\n"), "duplicate entry ids"),
+                      (good.replace("title: t, ", ""), "L01.title"),
+                      (good.replace("command: c}", "command: c, figure: 3}"), "L01.figure"),
+                      (good.replace("{x: L01}", "{x: L09}"), "no entry L09"),
+                      (good.replace("machine: {cpu: c}", "machine: {threads: 2}"), "needs a cpu or a gpu")]:
+        path.write_text(bad)
+        with pytest.raises(ledger.LedgerError, match=re.escape(says)):
+            ledger.load(path)
+
+
+def test_the_readme_what_you_get_table_is_the_current_default_entry():
+    led = ledger.load(LEDGER)
+    current = led[led.current_default["multi30k-cpu"]]
+    rows = ledger.readme_figures((REPO / "README.md").read_text(encoding="utf-8"))
+    assert rows, "README's What you get table has no rows"
+    for figure, value, eid in rows:
+        assert eid == current.id, f"README row {figure} cites {eid}, the current default is {current.id}"
+        assert figure in current.figures, f"README row {figure}: no such figure in {current.id}"
+        assert value == ledger.format_value(current.figures[figure]), (
+            f"README row {figure} says {value}, ledger {current.id} says "
+            f"{ledger.format_value(current.figures[figure])}")
+    shown = {f for f, _, _ in rows}
+    assert {"dev.sacrebleu", "test2016.sacrebleu"} <= shown, "the table must show the dev and test2016 scores"
+
+
+def test_the_readme_fits_a_screen_and_keeps_its_two_commands():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 150
+    for marker in ("<!-- main-command -->", "<!-- test-command -->"):
+        assert text.count(marker) == 1, marker
+
+
+def test_every_command_the_docs_show_exists():
+    pages = _pages()
+    assert commands.checked_commands(pages, REPO) >= 20, "the docs show fewer commands than expected: is the " \
+                                                         "code-block reader broken?"
+    problems = commands.check_files(pages, REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_command_check_finds_wrong_names(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("\n".join([
+        "```bash",
+        ".venv/bin/python -m pipeline trian --config multi30k-cpu",
+        ".venv/bin/python -m pipeline run --confg multi30k-cpu",
+        ".venv/bin/python -m pipeline run --set train.warmup_step=10",
+        ".venv/bin/prefect deployment run 'train-en-de/multi30k' --watch",
+        ".venv/bin/prefect deployment run 'train-en-de/multi30k-cpu' -p max_step=3",
+        ".venv/bin/prefect deployment run 'train-en-de/multi30k-cpu' -p overrides='{\"train.warmup_step\": 3}'",
+        ".venv/bin/python -m ops.localstack start",
+        ".venv/bin/python -m pipeline run --config multi30k-cpu --set train.max_steps=200   # fine",
+        ".venv/bin/prefect deployment run 'sweep-translation/multi30k-cpu' -p trials=4 \\",
+        "    -p confirm=false",
+        "```"]))
+    problems = commands.check_files([page], tmp_path)
+    expect = ["no command `trian`", "no flag `--confg`", "no config field `train.warmup_step`",
+              "no deployment 'train-en-de/multi30k'", "no parameter `max_step`",
+              "overrides: no config field `train.warmup_step`", "no action `start`"]
+    for what in expect:
+        assert any(what in p for p in problems), f"{what!r} not found in {problems}"
+    assert len(problems) == len(expect), problems
+
+
+def _tracked() -> set[str]:
+    return set(subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.splitlines())
+
+
+@pytest.mark.integration
+def test_every_ledger_entry_names_a_real_commit_and_tracked_files():
+    led = ledger.load(LEDGER)
+    tracked = _tracked()
+    for e in led.entries:
+        if e.commit:
+            ok = subprocess.run(["git", "cat-file", "-e", f"{e.commit}^{{commit}}"], cwd=REPO).returncode == 0
+            assert ok, f"{e.id}: commit {e.commit} is not in this repository's history"
+        untracked = [f for f in e.files if f not in tracked]
+        assert not untracked, f"{e.id}: files not tracked in git: {untracked}"
+
+
+# A colour the plots use and the theme does not: matplotlib's first line/bar colours.
+_PLOT_COLOURS = [(0x1F, 0x77, 0xB4), (0x4C, 0x72, 0xB0)]
+
+
+def _plot_pixels(png: Path) -> int:
+    import matplotlib.image as mpimg
+    import numpy as np
+
+    img = (mpimg.imread(png)[..., :3] * 255).astype(int)
+    return int(sum((np.abs(img - np.array(c)).sum(axis=-1) < 30).sum() for c in _PLOT_COLOURS))
+
+
+@pytest.mark.integration
+def test_the_site_builds_strictly_and_shows_its_plots_in_a_browser(tmp_path, chromium):
+    from ops.browser import render
+
+    html = tmp_path / "html"
+    res = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+                          str(REPO / "docs"), str(html)], capture_output=True, text=True, timeout=600,
+                         stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, f"the docs build failed or warned:\n{res.stderr[-5000:]}"
+    home = render((html / "index.html").as_uri(), tmp_path / "home.png")
+    assert "Where to start" in home.text and "aiayn-pipeline" in home.text
+    results = render((html / "results" / "index.html").as_uri(), tmp_path / "results.png", window=(1400, 2400))
+    plots = [src for src in results.images if src.endswith(".svg")]
+    assert plots, f"the results page shows no plot: {results.images}"
+    for src in plots:
+        assert (html / "results" / src).is_file(), f"plot {src} is missing from the built site"
+    assert _plot_pixels(tmp_path / "results.png") > 500, "no plot is visible in the results page's screenshot"
