@@ -11,8 +11,9 @@ with the same settings, for each search:
   ``((5 + |Y|) / 6) ** a``, CTranslate2 by ``|Y| ** a``, so this row measures what that difference costs.
 
 Reported: the share of sentences decoded to exactly the same text, sacreBLEU of both against the references,
-the difference with sacreBLEU's paired bootstrap (export against ours), and each engine's wall time for the
-split on ``--threads`` threads (ours first, then the export, run after run on an idle machine).
+the difference with sacreBLEU's paired bootstrap (export against ours), each engine's wall time for the
+split on ``--threads`` threads (ours first, then the export, run after run on an idle machine), each model's
+size (our weights in float32; each export folder on disk) and the CPU.
 
     python bench/bench_export.py --checkpoint RUN/averaged/last5.pt --tokenizer WORK/tokenizer/<fp> \\
         --corpus WORK/corpus/<fp> --out bench/results/export_parity.json
@@ -34,6 +35,7 @@ sys.path.insert(0, str(REPO))
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
+from bench.machine import cpu_name  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data import read_manifest  # noqa: E402
 from pipeline.engines import CTranslate2Engine  # noqa: E402
@@ -67,6 +69,9 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="aiayn-bench-export-"))
     engines = {q: CTranslate2Engine(export_checkpoint(args.checkpoint, args.tokenizer, q, work / q), tokenizer,
                                     args.threads) for q in args.quantizations}
+    sizes_mb = {"pytorch fp32": round(sum(p.numel() * 4 for p in model.parameters()) / 2**20, 2),
+                **{q: round(sum(f.stat().st_size for f in (work / q).rglob("*") if f.is_file()) / 2**20, 2)
+                   for q in args.quantizations}}
     rows = []
     for search, dec in searches.items():
         start = time.perf_counter()
@@ -83,7 +88,8 @@ def main() -> None:
                          "ci95": [c.ci_low, c.ci_high], "p_value": c.p_value, "ours_s": round(ours_s, 2),
                          "export_s": round(theirs_s, 2), "speedup": round(ours_s / theirs_s, 2)})
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{args.split}: {len(src)} sentences, {args.threads} threads, {args.checkpoint}\n")
+    print(f"\n{args.split}: {len(src)} sentences, {args.threads} threads, {cpu_name()}, {args.checkpoint}")
+    print(f"sizes (MB): {sizes_mb}\n")
     print("| search | export | identical | ours sacreBLEU | export sacreBLEU | delta (95% CI) | p | ours s | export s "
           "| speed-up |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -94,7 +100,8 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"checkpoint": str(args.checkpoint), "split": args.split,
-                                        "threads": args.threads, "cpus": os.cpu_count(), "rows": rows}, indent=2)
+                                        "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu_name(),
+                                        "sizes_mb": sizes_mb, "rows": rows}, indent=2)
                             + "\n", encoding="utf-8")
 
 

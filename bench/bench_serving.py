@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 import mlflow  # noqa: E402
 import psutil  # noqa: E402
 
+from bench.machine import cpu_name  # noqa: E402
 from ops.localstack import free_port  # noqa: E402
 from pipeline.checkpoint import load_checkpoint  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
@@ -187,17 +188,10 @@ def main() -> None:
     if args.out:
         meta = {"checkpoint": str(args.checkpoint), "sentences": len(sources), "batch": args.batch,
                 "threads": args.threads, "decode": decode.model_dump(), "date": time.strftime("%Y-%m-%d"),
-                "cpu": platform_cpu()}
+                "cpu": cpu_name()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({**meta, "rows": [{k: v for k, v in r.items() if k != "outputs"}
                                                           for r in rows]}, indent=2) + "\n", encoding="utf-8")
-
-
-def platform_cpu() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO))
 
 import pyarrow.parquet as pq  # noqa: E402
 
+from bench.machine import cpu_name  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data import prepare_corpus, read_manifest  # noqa: E402
 from pipeline.shards import ShardDataset, build_shards  # noqa: E402
@@ -395,16 +396,6 @@ def print_decode(results: dict, args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ main
-
-
-def cpu_name() -> str:
-    """The CPU's model name and its matrix features (AMX tiles, AVX512-BF16), as results must name the CPU: the
-    same code runs several times faster on one with AMX."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    features = [name for flag, name in (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
-    return f"{model} ({', '.join(features) or 'no AMX, no AVX512-BF16'})"
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 
 from pipeline import tracking
 from pipeline.config import ensure_work_dir, resolve_config
-from pipeline.fsutil import write_text
+from pipeline.fsutil import exclusive, write_text
 from pipeline.sweep.config import base_point, check_space, expand, load_sweep, variations
 from pipeline.sweep.search import arms, finished, open_study, search
 from pipeline.sweep.search import confirm as confirm_arms
@@ -46,7 +46,8 @@ def sweep_translation(sweep: str = "multi30k-cpu", data_root: str | None = None,
 def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: int | None = None,
                 max_in_flight: int | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
     """``sweep-translation`` under its former name, kept for compatibility (it runs any language pair, not only
-    En-De): the same sweep, parameters and study; a run of either re-attaches to the other's trials.
+    En-De): the same sweep, parameters and study; a run of either re-attaches to the other's trials, and waits
+    while the other's controller runs (a lock on the sweep's folder).
 
     Args:
         sweep, data_root, trials, max_in_flight, tracking_uri, confirm: as for ``sweep-translation``.
@@ -72,42 +73,44 @@ def _run_sweep(sweep: str, data_root: str | None, trials: int | None, max_in_fli
     # every field and kind of value a trial or a confirmation run sends, against the deployment, before anything
     runner.check([*((f"space.{key} = {value!r}", o) for key, value, o in variations(cfg, point)),
                   ("the confirmation", {**expand(cfg, point), "train.seed": cfg.confirm.seeds[0]})])
-    tracking.connect(uri, base.tracking.experiment)
-    objective = f"{base.data.dev.name}.{base.promotion_metric}"
-    study = open_study(cfg, work, point, objective)
-    parent = tracking.start_sweep_run(base.tracking.experiment, cfg.name, cfg.model_dump(mode="json"),
-                                      {"prefect.flow_run_id": str(flow_run.get_id() or "")})
+    # one controller per study, whichever of the two flow names started it: a second waits, then re-attaches
+    with exclusive(folder, f"sweep {cfg.name}"):
+        tracking.connect(uri, base.tracking.experiment)
+        objective = f"{base.data.dev.name}.{base.promotion_metric}"
+        study = open_study(cfg, work, point, objective)
+        parent = tracking.start_sweep_run(base.tracking.experiment, cfg.name, cfg.model_dump(mode="json"),
+                                          {"prefect.flow_run_id": str(flow_run.get_id() or "")})
 
-    search(cfg, study, runner, lambda params: expand(cfg, params), logger=logger)
-    rows = leaderboard(study)
-    for r in rows:
-        tracking.log_child(parent, f"trial-{r['trial']}", r["params"], {objective: r["value"], "steps": r["steps"]},
-                           runner.curve(r["run_id"]) if r["run_id"] else [],
-                           {"state": r["state"], "trial": r["trial"], "trial.flow_run_id": r["run_id"] or ""})
-    key = f"sweep-{cfg.name.lower().replace('_', '-').replace('.', '-')}"
-    if not confirm:
-        _conclude(folder, parent, key, rows, markdown(cfg, rows, [], [], None, objective), [], None, {},
-                  {"winner": "pending confirmation"})
-        logger.info("sweep %s: %d trials finished; confirmation left to a later run", cfg.name, finished(study))
-        return {"winner": None, "leaderboard": rows, "verdicts": []}
-    candidates = confirm_arms(cfg, study, runner, arms(cfg, study, point), lambda params: expand(cfg, params),
-                              logger=logger)
-    for arm in candidates:
-        for seed, outcome in arm.outcomes.items():
-            tracking.log_child(parent, f"confirm-{arm.label}-seed-{seed}", {**arm.params, "train.seed": seed},
-                               outcome.metrics, [], {"state": outcome.state, "trial.flow_run_id": arm.runs[seed]})
-    dev = judge(cfg, candidates, "dev", objective, base.promotion_metric)
-    tests = [v for t in base.data.test for v in judge(cfg, candidates, f"test.{t.name}", f"{t.name}.sacrebleu",
-                                                       "sacrebleu")] if base.task == "translation" else []
-    chosen = winner(candidates, dev)
-    preset = write_winner(cfg, chosen, dev, tests, folder / "winner.yaml", base.name)
-    best = next((v for v in dev if v.label == chosen.label), None)
-    _conclude(folder, parent, key, rows, markdown(cfg, rows, dev, tests, chosen, objective), [*dev, *tests], preset,
-              {"winner.dev_delta": best.comparison.delta, "winner.dev_p": best.comparison.p_value} if best else {},
-              {"winner": chosen.label})
-    logger.info("sweep %s: winner %s; preset %s", cfg.name, chosen.label, preset)
-    return {"winner": chosen.label, "params": chosen.params, "preset": str(preset),
-            "leaderboard": rows, "verdicts": [v.as_dict() for v in (*dev, *tests)]}
+        search(cfg, study, runner, lambda params: expand(cfg, params), logger=logger)
+        rows = leaderboard(study)
+        for r in rows:
+            tracking.log_child(parent, f"trial-{r['trial']}", r["params"], {objective: r["value"], "steps": r["steps"]},
+                               runner.curve(r["run_id"]) if r["run_id"] else [],
+                               {"state": r["state"], "trial": r["trial"], "trial.flow_run_id": r["run_id"] or ""})
+        key = f"sweep-{cfg.name.lower().replace('_', '-').replace('.', '-')}"
+        if not confirm:
+            _conclude(folder, parent, key, rows, markdown(cfg, rows, [], [], None, objective), [], None, {},
+                      {"winner": "pending confirmation"})
+            logger.info("sweep %s: %d trials finished; confirmation left to a later run", cfg.name, finished(study))
+            return {"winner": None, "leaderboard": rows, "verdicts": []}
+        candidates = confirm_arms(cfg, study, runner, arms(cfg, study, point), lambda params: expand(cfg, params),
+                                  logger=logger)
+        for arm in candidates:
+            for seed, outcome in arm.outcomes.items():
+                tracking.log_child(parent, f"confirm-{arm.label}-seed-{seed}", {**arm.params, "train.seed": seed},
+                                   outcome.metrics, [], {"state": outcome.state, "trial.flow_run_id": arm.runs[seed]})
+        dev = judge(cfg, candidates, "dev", objective, base.promotion_metric)
+        tests = [v for t in base.data.test for v in judge(cfg, candidates, f"test.{t.name}", f"{t.name}.sacrebleu",
+                                                           "sacrebleu")] if base.task == "translation" else []
+        chosen = winner(candidates, dev)
+        preset = write_winner(cfg, chosen, dev, tests, folder / "winner.yaml", base.name)
+        best = next((v for v in dev if v.label == chosen.label), None)
+        _conclude(folder, parent, key, rows, markdown(cfg, rows, dev, tests, chosen, objective), [*dev, *tests], preset,
+                  {"winner.dev_delta": best.comparison.delta, "winner.dev_p": best.comparison.p_value} if best else {},
+                  {"winner": chosen.label})
+        logger.info("sweep %s: winner %s; preset %s", cfg.name, chosen.label, preset)
+        return {"winner": chosen.label, "params": chosen.params, "preset": str(preset),
+                "leaderboard": rows, "verdicts": [v.as_dict() for v in (*dev, *tests)]}
 
 
 def _conclude(folder: Path, parent: str, key: str, rows: list[dict], report: str, verdicts: list[Verdict],

@@ -36,7 +36,7 @@ Pair = tuple[int, str, str]  # (1-based line in the source, source sentence, tar
 # What to tell a user whose hub download cannot work; the shared data README names these folders.
 LOCAL_ALTERNATIVE = (
     "use local files instead: a source with 'format: text' and 'path: <prefix>' reads <prefix>.<lang> "
-    "(e.g. configs/data/multi30k.yaml reads multi30k/train.en + .de under data.root; see README 'Data')"
+    "(e.g. configs/data/multi30k.yaml reads multi30k/train.en + .de under data.root; see docs/tutorials/own-data.md)"
 )
 
 

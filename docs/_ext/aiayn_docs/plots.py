@@ -92,7 +92,7 @@ def recipe_deltas(led: Ledger, repo: Path, out: Path) -> Path | None:
     if not rows:
         return None
     rows.sort(key=lambda r: r[1])
-    fig, ax = plt.subplots(figsize=(9, 0.32 * len(rows) + 1.2))
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(rows) + 1.2))
     for i, (_, d, ci, p) in enumerate(rows):
         color = "#2a9d2a" if ci[0] > 0 else "#c44e52" if ci[1] < 0 else "#555555"
         ax.plot(ci, [i, i], color=color, lw=2)
@@ -100,7 +100,7 @@ def recipe_deltas(led: Ledger, repo: Path, out: Path) -> Path | None:
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
     ax.set(xlabel="difference on dev (points), 95% paired-bootstrap interval",
-           title="Every dev comparison in the ledger (green: better, red: worse, grey: no significant difference)")
+           title="Dev comparisons in the ledger (green: better, red: worse, grey: not significant)")
     fig.tight_layout()
     return _save(fig, out / "recipe-deltas.svg")
 
@@ -111,8 +111,9 @@ def _table_rows(led: Ledger, name: str) -> list[tuple[Entry, dict]]:
 
 def _cpu(e: Entry) -> str:
     m = e.machine
-    name = (m.cpu or "CPU").split(" (")[0]
-    return f"{name}, {'AMX' if m.amx else 'no AMX'}, {m.threads or '?'} thr."
+    flags = [] if m.amx is None else ["AMX" if m.amx else "no AMX"]
+    flags += [f"{m.threads} thr."] if m.threads else []
+    return ", ".join([(m.cpu or "CPU").split(" (")[0], *flags])
 
 
 def speed_vs_baselines(led: Ledger, repo: Path, out: Path) -> Path | None:
@@ -122,13 +123,17 @@ def speed_vs_baselines(led: Ledger, repo: Path, out: Path) -> Path | None:
     if not rows:
         return None
     tasks = sorted({r["task"] for _, r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(3.6 * len(tasks), 3.8), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    cols = min(2, len(tasks))
+    nrows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(9, 3.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(tasks):]:
+        ax.set_visible(False)
+    for ax, task in zip(axes.flat, tasks):
         sel = sorted([(e, r) for e, r in rows if r["task"] == task], key=lambda x: (x[0].id, x[1]["implementation"]))
         labels = [f"{r['implementation']}\n{_cpu(e)} ({e.id})" for e, r in sel]
         colours = ["#4c72b0" if r["implementation"].startswith("ours") else "#999999" for _, r in sel]
         ax.barh(range(len(sel)), [r["value"] for _, r in sel], color=colours)
-        ax.set_yticks(range(len(sel)), labels, fontsize=6)
+        ax.set_yticks(range(len(sel)), labels, fontsize=7)
         ax.set(xlabel=sel[0][1]["unit"], title=task)
     fig.suptitle("Speed side by side with fairseq and CTranslate2 on 2-core CPUs (blue: ours)", fontsize=9)
     fig.tight_layout()
@@ -142,7 +147,7 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
     found = [(e, t) for e in led.entries for t in e.tables if t.name == "engines"]
     if not found:
         return None
-    fig, axes = plt.subplots(1, len(found), figsize=(5 * len(found), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(found), figsize=(max(7.5, 5 * len(found)), 4), squeeze=False)
     for ax, (e, t) in zip(axes[0], found):
         rows = [dict(zip(t.columns, r)) for r in t.rows]
         top = max((r.get("size_mb") or 0 for r in rows), default=0) or 1
@@ -154,7 +159,7 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
                         textcoords="offset points")
         ax.set(xlabel="sentences/s", ylabel="sacreBLEU", title=f"{e.id}: {_cpu(e)}")
         ax.margins(x=0.25, y=0.3)
-    fig.suptitle("Serving engines: quality against speed (marker area: model size, where measured)", fontsize=9)
+    fig.suptitle("Serving engines: quality against speed (marker area: model size where measured)", fontsize=9)
     fig.tight_layout()
     return _save(fig, out / "quality-vs-speed.svg")
 
