@@ -43,14 +43,17 @@ def learning_curve(led: Ledger, repo: Path, out: Path) -> Path | None:
     a.set(xlabel="update", ylabel="dev NLL per sentence (nats)", title="dev NLL")
     pts = data["checkpoints"]
     b.plot([p["step"] for p in pts], [p["dev_sacrebleu"] for p in pts], marker="o", label="one checkpoint")
-    if data.get("averaged"):
+    if data.get("averaged"):  # choice.json: each candidate N's dev score, drawn at the last update
         last = pts[-1]["step"] if pts else 0
-        cands = data["averaged"].get("candidates", [])
-        for c in cands:
-            if c.get("dev_score") is not None:
-                b.scatter([last], [c["dev_score"]], marker="^", zorder=3)
-                b.annotate(f"avg of last {c['n']}", (last, c["dev_score"]), fontsize=7,
-                           xytext=(-60, 0), textcoords="offset points")
+        cands = sorted((c for c in data["averaged"].get("candidates", []) if c.get("dev") is not None),
+                       key=lambda c: c["dev"])
+        b.scatter([last] * len(cands), [c["dev"] for c in cands], marker="_", s=120, zorder=3, color="#dd8452",
+                  label="average of the last N (N chosen on dev)")
+        best = max(cands, key=lambda c: (c["dev"], -c["n"]), default=None)
+        listing = "\n".join(f"N = {c['n']}: {c['dev']:.2f}" + ("  (chosen)" if c is best else "")
+                             for c in sorted(cands, key=lambda c: c["n"]))
+        b.text(0.97, 0.22, "average of the last N\n" + listing, transform=b.transAxes, ha="right", va="bottom",
+               fontsize=7, color="#b5542a", bbox={"facecolor": "white", "edgecolor": "#dddddd"})
     b.set(xlabel="update", ylabel="dev sacreBLEU", title="dev BLEU (beam search, the run's settings)")
     b.legend(loc="lower right", fontsize=7)
     fig.suptitle(f"The default recipe's learning curve ({_label(e)})", fontsize=9)
