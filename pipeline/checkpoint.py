@@ -250,6 +250,28 @@ def check_compatible(state: dict, model_config: dict, shards_fingerprint: str, p
                               "original shards.")
 
 
+def other_tokenizer(state: dict, tokenizer_sha256: str) -> str | None:
+    """How a checkpoint's recorded tokenizer differs from ``tokenizer_sha256`` (its piece ids would mean other
+    pieces), for a message; None when they are the same tokenizer."""
+    saved = state.get("tokenizer_sha256")
+    if saved == tokenizer_sha256:
+        return None
+    return f"tokenizer sha256 {saved[:16]}..." if saved else "an unrecorded tokenizer (an older checkpoint)"
+
+
+def check_tokenizer(state: dict, checkpoint: Path, tokenizer_sha256: str, tokenizer_dir: Path) -> None:
+    """Refuse to decode or export ``checkpoint`` with a tokenizer other than the one it was trained with: its
+    piece ids would index other pieces (an IndexError deep in decoding, or silent nonsense). A checkpoint
+    older than the record (no ``tokenizer_sha256``) passes."""
+    if state.get("tokenizer_sha256") is None:
+        return
+    if recorded := other_tokenizer(state, tokenizer_sha256):
+        raise CheckpointError(
+            f"{checkpoint} was trained with {recorded}, but the tokenizer {tokenizer_dir} is sha256 "
+            f"{tokenizer_sha256[:16]}...: pass the tokenizer folder the checkpoint was trained with (the one its "
+            f"run's shards were encoded with: runs/tokenizer/<fingerprint>/)")
+
+
 def load_init_checkpoint(path: Path, model_config: dict, tokenizer_sha256: str) -> dict:
     """Load ``path`` (weights only) to initialise a new run from its model weights (``train.init_from``).
 
@@ -261,9 +283,7 @@ def load_init_checkpoint(path: Path, model_config: dict, tokenizer_sha256: str) 
     drop = "or drop train.init_from"
     state = load_checkpoint(path, f"{_FIX} ({drop})")
     # The tokenizer first: another vocabulary usually changes vocab_size too, and this names the real cause.
-    saved = state.get("tokenizer_sha256")
-    if saved != tokenizer_sha256:
-        recorded = f"tokenizer sha256 {saved[:16]}..." if saved else "an unrecorded tokenizer (an older checkpoint)"
+    if recorded := other_tokenizer(state, tokenizer_sha256):
         raise CheckpointError(
             f"cannot initialise from {path}: the vocabularies differ: it was trained with {recorded}, these shards "
             f"were encoded with tokenizer sha256 {tokenizer_sha256[:16]}...; train with the checkpoint's tokenizer "

@@ -16,13 +16,14 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.average import average_run, averaged_path
+from pipeline.checkpoint import check_tokenizer, load_checkpoint
 from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir, resolve_config, write_resolved
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.data.clean import Normalizer
 from pipeline.errors import UserError
 from pipeline.evaluate import EVALUATORS, eval_dir, evaluate_checkpoint
 from pipeline.export import GATE, export_model
-from pipeline.inference import load_model, truncation_summary
+from pipeline.inference import model_from_state, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
 from pipeline.workdir import Inputs, build_inputs, run_dir
@@ -215,7 +216,11 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
         data = sys.stdin.buffer.read()
     # decoded before the model loads: bad input fails in a moment, not after loading a large checkpoint
     lines = [normalize(line) for line in read_lines(data, name)]
-    model, tokenizer = load_model(Path(args.checkpoint)), Tokenizer(Path(args.tokenizer))
+    checkpoint = Path(args.checkpoint)
+    state = load_checkpoint(checkpoint)  # a bad checkpoint is named first, then a bad tokenizer, then a mismatch
+    tokenizer = Tokenizer(Path(args.tokenizer))
+    check_tokenizer(state, checkpoint, tokenizer.sha256, tokenizer.dir)
+    model = model_from_state(state)
     progress = None
     if args.input and sys.stderr.isatty():
         from tqdm import tqdm

@@ -42,8 +42,9 @@ class DevDomainWarning(UserWarning):
 
 
 class _Strict(BaseModel):
-    # strict: "512" is not an int and 1 is not a bool; frozen: a resolved config is a value, not state.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # strict: "512" is not an int and 1 is not a bool; frozen: a resolved config is a value, not state; no inf or
+    # nan in any float field (YAML's .inf / .nan): a loss weight of inf trains NaN weights without a word.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------------------------------- data

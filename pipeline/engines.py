@@ -67,7 +67,7 @@ class TorchEngine:
     def __init__(self, checkpoint: Path, tokenizer: Tokenizer):
         from pipeline.inference import load_model  # torch: only this engine loads it
 
-        self.model = load_model(Path(checkpoint))
+        self.model = load_model(Path(checkpoint), tokenizer=tokenizer)
         self.tokenizer = tokenizer
         self.max_positions = int(self.model.config["max_positions"])
 

@@ -81,15 +81,17 @@ def sentence_counter(total: int, progress: Progress | None) -> Callable[[int], N
 
 def eval_setup(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
                splits: Sequence[str] | None, device: str, progress: Progress | None = None) -> EvalSetup:
-    """Read the corpus manifest, check the splits, load the model and tokenizer, create ``out_dir``; ``progress``
-    will hear of every decoded batch, counted over all the splits."""
+    """Read the corpus manifest, check the splits, load the tokenizer and the model (refusing a checkpoint of
+    another tokenizer), then create ``out_dir``; ``progress`` will hear of every decoded batch, counted over all
+    the splits."""
     corpus = read_manifest(corpus_dir)
     keys = eval_split_keys(corpus, corpus_dir, splits)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     total = sum(corpus["splits"][k]["rows"] for k in keys)
-    return EvalSetup(corpus, keys, load_model(checkpoint, device), Tokenizer(tokenizer_dir), out_dir,
-                     sentence_counter(total, progress))
+    tokenizer = Tokenizer(tokenizer_dir)
+    model = load_model(checkpoint, device, tokenizer)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)  # only once the checkpoint is known to be usable
+    return EvalSetup(corpus, keys, model, tokenizer, out_dir, sentence_counter(total, progress))
 
 
 class Evaluator(abc.ABC):

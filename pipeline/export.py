@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from model.positional import sinusoid_table
-from pipeline.checkpoint import load_checkpoint
+from pipeline.checkpoint import check_tokenizer, load_checkpoint
 from pipeline.config import ExportConfig, RunConfig
 from pipeline.data import read_manifest
 from pipeline.engines import EXPORT_META, GATE, CTranslate2Engine, vocabulary_pieces
@@ -142,6 +142,7 @@ def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     state = load_checkpoint(checkpoint)
     tokenizer = Tokenizer(tokenizer_dir)
+    check_tokenizer(state, checkpoint, tokenizer.sha256, Path(tokenizer_dir))
     if tokenizer.words is not None:
         raise ExportError(f"{tokenizer_dir}: a word-level tokenizer (parsing) looks words up one id each; the "
                           "CTranslate2 engine reads sentencepiece pieces: export translation models only")

@@ -15,15 +15,23 @@ import torch
 from model import Transformer
 from model.decoding import beam_search
 from pipeline.allocator import keep_freed_memory
-from pipeline.checkpoint import load_checkpoint
+from pipeline.checkpoint import check_tokenizer, load_checkpoint
 from pipeline.config import DecodeConfig
 from pipeline.encoding import encode_sources
 from pipeline.tokenize import Tokenizer
 
 
-def load_model(checkpoint: Path, device: torch.device | str = "cpu") -> Transformer:
-    """A model in eval mode from a training or averaged checkpoint (weights-only load)."""
+def load_model(checkpoint: Path, device: torch.device | str = "cpu", tokenizer: Tokenizer | None = None) -> Transformer:
+    """A model in eval mode from a training or averaged checkpoint (weights-only load); given the ``tokenizer`` it
+    will decode with, one the checkpoint was not trained with is refused first (a ``CheckpointError`` naming both)."""
     state = load_checkpoint(checkpoint)
+    if tokenizer is not None:
+        check_tokenizer(state, Path(checkpoint), tokenizer.sha256, tokenizer.dir)
+    return model_from_state(state, device)
+
+
+def model_from_state(state: dict, device: torch.device | str = "cpu") -> Transformer:
+    """A model in eval mode from a loaded checkpoint's state."""
     model = Transformer(**state["model_config"])
     model.load_state_dict(state["model"])
     return model.to(device).eval()

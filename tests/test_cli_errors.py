@@ -151,3 +151,34 @@ def test_evaluation_records_truncated_sources_per_split(short_model, tiny_stack,
     assert json.loads(out.read_text())["splits"]["dev"]["truncated_sources"] == 2
     assert f"dev: 2 of 3 lines were longer than the model's {POSITIONS} positions" in caplog.text
     assert "dev: line 1 has " in caplog.text and "dev: line 3 has " in caplog.text
+
+
+# ------------------------------------------------------------------------------ a checkpoint's own tokenizer
+
+
+def test_a_checkpoint_meets_only_the_tokenizer_it_was_trained_with(short_model, tiny_stack, shared_data,
+                                                                    tmp_path) -> None:
+    from pipeline.checkpoint import CheckpointError
+    from pipeline.export import export_checkpoint
+    from pipeline.tokenize import train_tokenizer
+
+    cfg = tiny_config(shared_data, "tokenizer.vocab_size=900")
+    other = train_tokenizer(tiny_stack.corpus, cfg.tokenizer, tmp_path / "work")
+    assert Tokenizer(other).sha256 != Tokenizer(tiny_stack.tokenizer).sha256
+    # translate: refused before any decoding, naming the checkpoint, both tokenizers and what to pass
+    msg = only_error(cli("translate", "--checkpoint", str(short_model), "--tokenizer", str(other),
+                         stdin=b"A dog runs.\n", env={"AIAYN_DATA_ROOT": str(shared_data)}))
+    assert msg.startswith(f"error: {short_model} was trained with tokenizer sha256 ")
+    assert f"but the tokenizer {other} is sha256 {Tokenizer(other).sha256[:16]}" in msg
+    assert msg.endswith("pass the tokenizer folder the checkpoint was trained with (the one its run's shards were "
+                        "encoded with: runs/tokenizer/<fingerprint>/)")
+    # evaluate and export: the same refusal, and no output folder left behind
+    with pytest.raises(CheckpointError, match="was trained with tokenizer sha256"):
+        evaluate_translation(short_model, other, tiny_stack.corpus, GREEDY, tmp_path / "eval")
+    assert not (tmp_path / "eval").exists()
+    with pytest.raises(CheckpointError, match="was trained with tokenizer sha256"):
+        export_checkpoint(short_model, other, "int8", tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+    # its own tokenizer still works
+    assert len(translate(load_model(short_model, tokenizer=Tokenizer(tiny_stack.tokenizer)),
+                         Tokenizer(tiny_stack.tokenizer), ["A dog runs."], GREEDY)) == 1

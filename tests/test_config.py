@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 from typing import get_args
 
@@ -385,3 +386,18 @@ def test_descriptions_do_not_enter_the_config_hash() -> None:
     cfg = load_config("multi30k-cpu")
     dumped = canonical_json(cfg.model_dump(mode="json"))
     assert TrainConfig.model_fields["warmup_steps"].description not in dumped
+
+
+def test_every_float_field_refuses_inf_and_nan_naming_the_field() -> None:
+    from pipeline.config import RunConfig, _leaf_fields
+
+    def takes_float(kind) -> bool:  # float, float | None, Annotated[float, ...]
+        return kind is float or any(takes_float(a) for a in typing.get_args(kind))
+
+    floats = [key for key, kind in _leaf_fields(RunConfig) if takes_float(kind)]
+    assert {"train.rdrop_alpha", "model.dropout", "train.max_minutes", "decode.length_penalty"} <= set(floats)
+    for key in floats:
+        for value in (".inf", "-.inf", ".nan"):
+            with pytest.raises(ConfigError, match=rf"--set {re.escape(key)}={re.escape(value)}: {re.escape(key)}: "
+                                                  r"Input should be a finite number"):
+                load_config("multi30k-cpu", [f"{key}={value}"])

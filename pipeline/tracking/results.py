@@ -131,7 +131,8 @@ def log_evaluation(run_id: str, checkpoint: Path, tokenizer_dir: Path, scores_js
     c.log_artifact(run_id, str(checkpoint), "checkpoint")
 
     if attention_sentences and "dev" in samples:
-        model, tokenizer = load_model(checkpoint), Tokenizer(tokenizer_dir)
+        tokenizer = Tokenizer(tokenizer_dir)
+        model = load_model(checkpoint, tokenizer=tokenizer)
         short = [r for r in samples["dev"] if len(tokenizer.encode_batch([r["source"]])[0]) < ATTENTION_MAX_PIECES]
         with tempfile.TemporaryDirectory(prefix="aiayn-attention-") as tmp:
             for i, row in enumerate(short[:attention_sentences], start=1):
