@@ -194,12 +194,23 @@ def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str,
     return start_service("prefect-worker", cmd, env, None, api_url, home / "worker.log")
 
 
-def prefect_api(base: str, path: str, body: dict | None = None):
-    """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer."""
+def prefect_api(base: str, path: str, body: dict | None = None, attempts: int = 5):
+    """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer.
+
+    A busy server (its SQLite database locked by another writer) answers 503 or 429 for a moment; like Prefect's
+    own client, the call is retried then, a few times with a growing pause (every call made here is safe to
+    repeat: reads, filters, forced state changes, deployment upserts)."""
     req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            if e.code not in (429, 503) or attempt == attempts - 1:
+                raise
+            wait = e.headers.get("Retry-After", "")
+            time.sleep(min(float(wait) if wait.isdigit() else 2.0 ** attempt, 10.0))
 
 
 def crash_orphaned_runs(api_url: str) -> list[str]:

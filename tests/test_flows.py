@@ -617,3 +617,35 @@ def test_the_run_pages_show_report_scores_form_and_heat_maps_in_a_browser(stack,
     # the logged model lists each score with the dataset it was measured on
     assert "test2016.sacrebleu" in text["mlflow-model"] and "corpus/test.test2016" in text["mlflow-model"]
     assert "transformer-en-de" in text["mlflow-model-version"] and "serving.engine" in text["mlflow-model-version"]
+
+
+def test_the_stack_s_api_calls_wait_out_a_busy_server_and_give_up_on_real_errors() -> None:
+    import http.server
+    import threading
+    import urllib.error
+
+    from ops.localstack import prefect_api
+
+    answers = [503, 429, 200, 404]  # busy, busy, then the answer; then a real error, never retried
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            code = answers.pop(0)
+            self.send_response(code)
+            self.send_header("Retry-After", "0")
+            self.end_headers()
+            self.wfile.write(json.dumps({"ok": code}).encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert prefect_api(base, "/x", {}) == {"ok": 200}
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            prefect_api(base, "/x", {})
+        assert answers == []
+    finally:
+        server.shutdown()
