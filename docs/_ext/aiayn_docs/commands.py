@@ -9,6 +9,7 @@ subcommand must exist and every flag must be one that subcommand takes; the depl
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shlex
@@ -99,11 +100,12 @@ def check_python(module: str, rest: str) -> list[str]:
     return problems + [f"`python -m {module}{' ' + name if subs else ''}` has no flag `{b}`" for b in bad]
 
 
-def config_fields() -> set[str]:
+@functools.cache
+def config_fields() -> frozenset[str]:
     """Every config field's dotted name (what --set and a deployment's overrides take)."""
     from pipeline.config import FlowOverrides
 
-    return {f.alias for f in FlowOverrides.model_fields.values() if f.alias} | {"name"}
+    return frozenset({f.alias for f in FlowOverrides.model_fields.values() if f.alias} | {"name"})
 
 
 def _set_keys(tokens: list[str]) -> list[str]:
@@ -142,9 +144,8 @@ def check_prefect(rest: str, known: dict[str, set[str]]) -> list[str]:
                 problems.append(f"deployment '{name}' has no parameter `{pname}` "
                                 f"(parameters: {', '.join(sorted(known[name]))})")
             if pname == "overrides":
-                fields = config_fields()
                 problems += [f"overrides: no config field `{k}` (see docs/reference/config.md)"
-                             for k in _override_keys(tokens[i + 1].split("=", 1)[1]) if k not in fields]
+                             for k in _override_keys(tokens[i + 1].split("=", 1)[1]) if k not in config_fields()]
     return problems
 
 
