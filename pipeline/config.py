@@ -105,6 +105,17 @@ class SourceSpec(_Strict):
             raise ValueError(f"name {v!r} must match [A-Za-z0-9][A-Za-z0-9._-]* (it is used in file names)")
         return v
 
+    @field_validator("dataset")
+    @classmethod
+    def _hub_id(cls, v: str | None) -> str | None:
+        # datasets.load_dataset reads a local path when given one: only a hub id keeps a hub source off the disk.
+        if v is not None and (not re.fullmatch(r"[A-Za-z0-9][\w.-]*(?:/[A-Za-z0-9][\w.-]*)?", v) or ".." in v
+                              or v.endswith(".py")):
+            raise ValueError(f"dataset {v!r} is not a Hugging Face hub id (name or owner/name); format hub reads "
+                             "only from the hub: for a local copy use format hf_disk, parquet or arrow with a path "
+                             "under data.root")
+        return v
+
     @property
     def origin(self) -> str:
         """Where the data comes from: a hub dataset's name, or a local source's first folder under
@@ -202,6 +213,17 @@ class DataConfig(_Strict):
         return (f"dev set {self.dev.name!r} comes from {self.dev.origin!r}, but every training source comes from "
                 f"another source ({', '.join(repr(t) for t in train)}): dev loss, choosing N for averaging and "
                 "promotion would measure out of domain; point data.dev at held-out data of a training source")
+
+    @field_validator("src_lang", "tgt_lang")
+    @classmethod
+    def _language_code(cls, v: str) -> str:
+        # The code names files (train.<lang>), columns, the registered model (transformer-<src>-<tgt>) and MLflow
+        # tags; refusing '/', ':' and spaces here saves a run that would fail only at registration, after training.
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]*(?:[_-][A-Za-z0-9]+)*", v) or len(v) > 35:
+            raise ValueError(f"language code {v!r} must be letters and digits, optionally joined by - or _ "
+                             "(e.g. en, de, pt-BR, zh_Hant, tree), at most 35 characters: it names files, columns "
+                             "and the registered model")
+        return v
 
     @model_validator(mode="after")
     def _distinct(self) -> "DataConfig":

@@ -1,7 +1,8 @@
 """Model input from normalised text: each sentence's token ids with end-of-sentence, cut to the model's positions.
 
 What both decoding engines feed their model (``pipeline.inference`` for PyTorch, ``pipeline.engines`` for
-CTranslate2), so that a long sentence is cut, and warned about, the same way whichever engine serves.
+CTranslate2), so that a long sentence is cut, and warned about, and an empty one skipped, the same way whichever
+engine serves.
 """
 
 from __future__ import annotations
@@ -32,3 +33,10 @@ def encode_sources(tokenizer: Tokenizer, sentences: Sequence[str], max_positions
                 truncated.append(line)
         rows.append(ids[:limit] + [tokenizer.eos_id])
     return rows
+
+
+def to_decode(sentences: Sequence[str]) -> list[int]:
+    """The indices of the sentences a model decodes: the non-empty ones. An empty (normalised) sentence translates
+    to "" everywhere (CLI, evaluation, either serving engine): given only an end-of-sentence a model still writes a
+    fluent, made-up sentence."""
+    return [i for i, s in enumerate(sentences) if s]

@@ -17,7 +17,7 @@ from model.decoding import beam_search
 from pipeline.allocator import keep_freed_memory
 from pipeline.checkpoint import check_tokenizer, load_checkpoint
 from pipeline.config import DecodeConfig
-from pipeline.encoding import encode_sources
+from pipeline.encoding import encode_sources, to_decode
 from pipeline.tokenize import Tokenizer
 
 
@@ -70,13 +70,16 @@ def translate_nbest(model: Transformer, tokenizer: Tokenizer, sentences: Sequenc
     A sentence longer than the model's ``max_positions`` is cut to fit (see :func:`encode_sources`: a warning
     naming ``source`` and the line, and the line appended to ``truncated``). ``constraint``: given a batch's
     sentences, the ``allowed`` hook of :func:`model.decoding.beam_search` for that batch (e.g. trees only, for
-    parsing); None decodes freely.
+    parsing); None decodes freely. An empty sentence is not decoded: its translations are ``[""]``
+    (:func:`pipeline.encoding.to_decode`).
     """
     model = decoding_model(model, decode.precision)
     device = next(model.parameters()).device
     ids = encode_sources(tokenizer, sentences, model.config["max_positions"], source, truncated)
-    order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-    out: list[list[str]] = [[] for _ in ids]
+    order = sorted(to_decode(sentences), key=lambda i: -len(ids[i]))
+    out: list[list[str]] = [[""] for _ in ids]
+    if progress and len(order) < len(ids):
+        progress(len(ids) - len(order))  # the empty ones, done
     for start in range(0, len(order), decode.batch_sentences):
         chunk = order[start : start + decode.batch_sentences]
         rows = [ids[i] for i in chunk]

@@ -44,6 +44,9 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
     clean = corpus["splits"]["train"]["cleaning"]
     out += ["", f"Training pairs read {clean['read']:,}, kept {clean['kept']:,}; removed by rule: "
             + ", ".join(f"{r['rule']} {r['removed']:,}" for r in clean["rules"]), ""]
+    if boms := [f for es in corpus["inputs"].values() for e in es for f in e.get("bom_stripped", [])]:
+        out += [f"A UTF-8 byte order mark opening {len(boms)} file(s) was dropped: "
+                + ", ".join(f"`{f}`" for f in boms) + ".", ""]
     train = shards["splits"]["train"]
     out += ["## Tokenizer", "", f"Vocabulary {shards['tokenizer'].get('vocab_size', '?')}; training split "
             f"{train['src']['tokens']:,} source / {train['tgt']['tokens']:,} target tokens, mean length "

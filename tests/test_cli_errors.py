@@ -137,6 +137,21 @@ def test_long_lines_are_warned_about_and_counted(short_model, tiny_stack, shared
                                  f"first {POSITIONS - 1} tokens were translated"), err
 
 
+def test_an_empty_line_translates_to_an_empty_line_as_the_served_model_answers(short_model, tiny_stack,
+                                                                              shared_data) -> None:
+    """Given only end-of-sentence a model writes a made-up sentence; the CLI, like serving, answers "" instead
+    (tests/test_tracking.py holds the served model to it), keeping the other lines' translations and numbers."""
+    lines = ["A dog runs.", "", " \t ", "Two girls play."]
+    res = cli("translate", "--checkpoint", str(short_model), "--tokenizer", str(tiny_stack.tokenizer),
+              "--set", "decode.beam_size=1", "--set", "decode.max_len_a=0", "--set", "decode.max_len_b=2",
+              stdin="\n".join(lines).encode() + b"\n", env={"AIAYN_DATA_ROOT": str(shared_data)})
+    assert res.returncode == 0, res.stderr.decode()
+    out = res.stdout.decode().split("\n")[:-1]
+    alone = translate(load_model(short_model), Tokenizer(tiny_stack.tokenizer), [lines[0], lines[3]],
+                      GREEDY)
+    assert out == [alone[0], "", "", alone[1]] and all(alone)
+
+
 def test_evaluation_records_truncated_sources_per_split(short_model, tiny_stack, tmp_path, caplog) -> None:
     # a small corpus whose dev set holds two 2,000-word sentences and a short one (dev and test are never filtered)
     (tmp_path / "x").mkdir()

@@ -130,6 +130,8 @@ def test_exponent_floats_parse_as_floats(tmp_path: Path) -> None:
         ("launch.nproc_per_node=0", "launch", "nproc_per_node (0) must be >= 1"),
         ("launch.rdzv_endpoint=node0", "launch", "must be host:port"),
         ("launch.rdzv_endpoint=node0:29500", "launch", "is not on this machine: set interface"),
+        ("data.tgt_lang=de/at", "data.tgt_lang", "language code 'de/at' must be letters and digits"),
+        ("data.src_lang=en:us", "data.src_lang", "it names files, columns and the registered model"),
     ],
 )
 def test_bad_values_fail_at_load_naming_the_field(override: str, field: str, words: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -226,19 +227,18 @@ def test_datasets_save_to_disk_folder(root: Path, tmp_path: Path) -> None:
         prepare_corpus(data_cfg(root, [{"name": "h", "format": "hf_disk", "path": "dd", "split": "nope"}]), tmp_path)
 
 
-def _run_python(code: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, **env}
+def _run_python(code: str, env: dict[str, str], timeout: float = 120, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=REPO)
+                          env=env, timeout=timeout, cwd=cwd)
 
 
 HUB_PROBE = """
-    import sys, time
+    import time
     from pathlib import Path
     from pipeline.config import DataConfig
     from pipeline.data import DataError, prepare_corpus
-    root = sys.argv[0] if False else {root!r}
-    cfg = DataConfig.model_validate({{"root": root, "train": [{spec}],
+    cfg = DataConfig.model_validate({{"root": {root!r}, "train": [{spec}],
                                      "dev": {{"name": "dev", "format": "text", "path": "dev"}}}})
     t = time.perf_counter()
     try:
@@ -249,10 +249,9 @@ HUB_PROBE = """
 """
 
 
-@pytest.mark.integration
-def test_hub_loader_reads_a_hub_layout_dataset_repository(root: Path, tmp_path: Path) -> None:
-    """The real `datasets.load_dataset` code path, against a local copy laid out like hub repo wmt/wmt14."""
-    repo = tmp_path / "wmt14"
+def _hub_layout_repo(folder: Path) -> Path:
+    """A dataset repository laid out as hub repo wmt/wmt14 is (config de-en, Parquet train split), in ``folder``."""
+    repo = folder / "wmt14"
     (repo / "de-en").mkdir(parents=True)
     pq.write_table(pa.table({"translation": [{"de": d, "en": e} for e, d in zip(EN, DE)]}),
                    repo / "de-en" / "train-00000-of-00001.parquet")
@@ -265,13 +264,48 @@ def test_hub_loader_reads_a_hub_layout_dataset_repository(root: Path, tmp_path: 
             path: de-en/train-*
         ---
         """))
-    spec = {"name": "wmt14", "format": "hub", "dataset": str(repo), "subset": "de-en", "split": "train"}
+    return repo
+
+
+@pytest.mark.integration
+def test_hub_loader_reads_a_hub_dataset_from_the_cache(root: Path, tmp_path: Path) -> None:
+    """The real `datasets.load_dataset` code path for hub id wmt/wmt14, offline, served from the datasets cache
+    (filled here by loading a hub-layout copy, then filed under the hub id's cache name, as a download would)."""
+    repo, hf = _hub_layout_repo(tmp_path), tmp_path / "hf"
+    fill = f"import datasets; datasets.load_dataset({str(repo)!r}, 'de-en', split='train')"
+    assert _run_python(fill, {"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf)}).returncode == 0
+    (hf / "datasets" / "wmt14").rename(hf / "datasets" / "wmt___wmt14")
+    spec = {"name": "wmt14", "format": "hub", "dataset": "wmt/wmt14", "subset": "de-en", "split": "train"}
     res = _run_python(HUB_PROBE.format(root=str(root), spec=spec, work=str(tmp_path / "w")),
-                      {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+                      {"HF_HUB_OFFLINE": "1", "HF_HOME": str(hf)})
     assert res.stdout.startswith("OK"), res.stdout + res.stderr
     corpus = Path(res.stdout.split()[1])
     assert pairs(corpus)[0] == ("A dog runs.", "Ein Hund rennt.")
-    assert read_manifest(corpus)["inputs"]["train"][0]["location"]["dataset"] == str(repo)
+    assert read_manifest(corpus)["inputs"]["train"][0]["location"]["dataset"] == "wmt/wmt14"
+
+
+def test_a_hub_source_naming_a_local_path_is_refused(tmp_path: Path) -> None:
+    repo = _hub_layout_repo(tmp_path)
+    for dataset in (str(repo), "../wmt14", "wmt14/train.py"):
+        spec = {"name": "h", "format": "hub", "dataset": dataset, "split": "train"}
+        with pytest.raises(ValueError, match=rf"dataset {re.escape(repr(dataset))} is not a Hugging Face hub id"):
+            DataConfig.model_validate({"train": [spec], "dev": spec})
+
+
+@pytest.mark.parametrize("offline", ["1", ""])
+@pytest.mark.integration
+def test_a_hub_id_that_is_also_a_local_folder_is_not_read(root: Path, tmp_path: Path, offline: str) -> None:
+    """`load_dataset("wmt14")` would read ./wmt14 from the working directory, outside data.root: refused before
+    anything is read, whether or not the hub is reachable."""
+    _hub_layout_repo(tmp_path)
+    spec = {"name": "wmt14", "format": "hub", "dataset": "wmt14", "subset": "de-en", "split": "train"}
+    env = {"HF_HUB_OFFLINE": offline, "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    res = _run_python(HUB_PROBE.format(root=str(root), spec=spec, work=str(tmp_path / "w")), env, cwd=tmp_path)
+    assert res.stdout.startswith("ERR"), res.stdout + res.stderr
+    assert (f"data.train[0].dataset = 'wmt14' is also a path from the working directory ({tmp_path / 'wmt14'}): "
+            "the datasets library would read it, outside data.root, instead of the hub") in res.stdout
+    assert_nothing_written(tmp_path / "w")
+    assert not (tmp_path / "hf" / "datasets").exists()  # nothing was loaded
 
 
 @pytest.mark.parametrize("offline", ["1", ""])
@@ -460,6 +494,45 @@ def test_invalid_utf8_names_line_and_byte_offset(root: Path, tmp_path: Path) -> 
     msg = str(err.value)
     assert "train.de: line 3: invalid UTF-8 at byte offset 25 (byte 0xfc)" in msg and "iconv" in msg
     assert_nothing_written(tmp_path)
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+def test_a_byte_order_mark_opening_a_file_is_dropped_and_counted(root: Path, tmp_path: Path) -> None:
+    """Editors on Windows open UTF-8 files with a byte order mark; it is no part of the first sentence, in every
+    line-based format, and the manifest names the files it was dropped from."""
+    for name, data in [("t.en", "\n".join(EN)), ("t.de", "\n".join(DE)), ("c.tsv", f"{EN[0]}\t{DE[0]}\n"),
+                       ("s.en.sgm", SGM), ("s.de.sgm", SGM.replace("A dog runs.", "Ein Hund rennt.")),
+                       ("t.mrg", "(S (NP (DT A) (NN dog)) (VP (VBZ runs)))\n")]:
+        (root / name).write_bytes(BOM + data.encode())
+    write_pair(root, "plain", EN[1:2], DE[1:2])
+    train = [{"name": "t", "format": "text", "path": "t"}, {"name": "p", "format": "text", "path": "plain"},
+             {"name": "c", "format": "tsv", "path": "c.tsv", "columns": ["en", "de"]}]
+    sgm = {"name": "s", "format": "sgm", "files": {"en": "s.en.sgm", "de": "s.de.sgm"}}
+    corpus = prepare_corpus(data_cfg(root, train, test=[sgm], decontaminate="off", dedup=False), tmp_path)
+    got = pairs(corpus)
+    assert got[0] == (EN[0], DE[0]) and got[-1] == (EN[0], DE[0]) and not any("\ufeff" in s + t for s, t in got)
+    assert pairs(corpus, "test.s") == [(EN[0], DE[0])]
+    inputs = read_manifest(corpus)["inputs"]
+    assert [e["bom_stripped"] for e in inputs["train"]] == [["t.en", "t.de"], [], ["c.tsv"]]
+    assert inputs["test"][0]["bom_stripped"] == ["s.en.sgm", "s.de.sgm"]
+    assert corpus_fingerprint(data_cfg(root, train, test=[sgm], decontaminate="off", dedup=False)) == \
+        read_manifest(corpus)["fingerprint"]  # what is learnt while reading is no part of the cache key
+
+    tree = prepare_corpus(DataConfig.model_validate({
+        "root": str(root), "src_lang": "en", "tgt_lang": "tree", "train": [{"name": "t", "format": "ptb",
+                                                                            "path": "t.mrg"}],
+        "dev": {"name": "d", "format": "ptb", "path": "t.mrg"}, "cleaning": {"max_ratio": 100, "decontaminate": "off"}}),
+        tmp_path / "ptb")
+    assert pairs(tree)[0][0] == "A dog runs" and read_manifest(tree)["inputs"]["train"][0]["bom_stripped"] == ["t.mrg"]
+
+
+def test_a_bad_byte_after_a_byte_order_mark_is_placed_in_the_file(root: Path, tmp_path: Path) -> None:
+    write_pair(root, "train", EN, DE)
+    (root / "train.de").write_bytes(BOM + b"Gr\xfc\xdfe\n" + b"x\n" * 4)
+    with pytest.raises(DataError, match=r"train\.de: line 1: invalid UTF-8 at byte offset 5 \(byte 0xfc\)"):
+        prepare_corpus(data_cfg(root, [{"name": "t", "format": "text", "path": "train"}]), tmp_path)
 
 
 def test_missing_and_empty_files(root: Path, tmp_path: Path) -> None:

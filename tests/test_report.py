@@ -38,7 +38,8 @@ def corpus_manifest() -> dict:
         "test.flickr2016": {"role": "test", "name": "flickr2016", "file": "test.flickr2016.parquet", "rows": 1000},
         "train": {"role": "train", "file": "train.parquet", "rows": standing,
                   "cleaning": {"read": 31_242, "rules": rows, "kept": standing}},
-    }}
+    }, "inputs": {"train": [{"name": "multi30k", "bom_stripped": ["multi30k/train.en"]}, {"name": "extra"}],
+                  "dev": [{"name": "multi30k-val", "bom_stripped": []}]}}
 
 
 def shards_manifest() -> dict:
@@ -147,6 +148,7 @@ def test_data_tokenizer_and_training_sections(tmp_path: Path, cfg: RunConfig) ->
     assert "| train |  | 30,000 |" in lines  # the training split has no name
     assert ("Training pairs read 31,242, kept 30,000; removed by rule: empty 1, too_short 2, too_long 30, ratio 4, "
             "contaminated 5, duplicate 1,200") in lines
+    assert "A UTF-8 byte order mark opening 1 file(s) was dropped: `multi30k/train.en`." in lines
     assert ("Vocabulary 8000; training split 412,345 source / 398,765 target tokens, mean length 13.7 / 13.3, "
             "unknown rate 0.0120% / 0.0000%.") in lines
     assert ("12,345 updates, 3 epochs, stopped by `max_steps` after 12.6 min on 2 process(es); 1,234,567 target "

@@ -228,7 +228,7 @@ def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, in
 
 def _provenance(groups: dict[str, list[Source]], with_rows: bool) -> dict[str, list[dict]]:
     """Each source's format, location and content hashes (and rows read, once they have been read)."""
-    drop = () if with_rows else ("rows_read",)
+    drop = () if with_rows else ("rows_read", "bom_stripped")  # known once read
     return {g: [{k: v for k, v in vars(s.info).items() if k not in drop} for s in sources]
             for g, sources in groups.items()}
 

@@ -10,6 +10,7 @@ Every error is a :class:`DataError` naming the file, the line and what to do. A 
 from __future__ import annotations
 
 import abc
+import codecs
 import glob
 import gzip
 import importlib
@@ -21,7 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -54,6 +55,7 @@ class SourceInfo:
     files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
     fingerprint: str | None = None  # datasets' fingerprint for hub / hf_disk sources
     rows_read: int = 0
+    bom_stripped: list[str] = field(default_factory=list)  # files whose leading UTF-8 byte order mark was dropped
 
 
 # ------------------------------------------------------------------------------------------------ paths
@@ -133,25 +135,34 @@ def _damaged_gzip(path: Path, last_line: int, error: Exception) -> _DamagedGzip:
 
 
 class _Lines:
-    """``with _Lines(path) as lines``: the file's lines as bytes, line ends kept (``.gz`` decompressed as read).
+    """``with _Lines(path, on_bom) as lines``: the file's lines as ``(line number, text)``, decoded from UTF-8 with
+    the line end dropped (``.gz`` decompressed as read). A UTF-8 byte order mark opening the file is no text (editors
+    on Windows write one): it is dropped and told to ``on_bom``; bad UTF-8 is a :class:`DataError` naming the line
+    and the byte offset in the file.
 
     Damaged gzip data is a :class:`DataError` naming the file and the last line read intact, also when it shows
     first as a bad line: a flipped byte often decompresses to garbage (bad UTF-8, a stray tab) well before the CRC
     check at the end of the file catches it, so a DataError raised in the block is checked against the file.
     """
 
-    def __init__(self, path: Path):
-        self.path, self.line = path, 0
+    def __init__(self, path: Path, on_bom: Callable[[Path], None]):
+        self.path, self.line, self.on_bom = path, 0, on_bom
 
-    def __enter__(self) -> Iterator[bytes]:
+    def __enter__(self) -> Iterator[tuple[int, str]]:
         return self._read()
 
-    def _read(self) -> Iterator[bytes]:
+    def _read(self) -> Iterator[tuple[int, str]]:
+        offset = 0
         with _open_binary(self.path) as f:
             try:
                 for raw in f:
                     self.line += 1
-                    yield raw
+                    start = 0
+                    if self.line == 1 and raw.startswith(codecs.BOM_UTF8):
+                        start = len(codecs.BOM_UTF8)
+                        self.on_bom(self.path)
+                    yield self.line, _decode(_strip_eol(raw[start:]), self.path, self.line, offset + start)
+                    offset += len(raw)
             except _GZIP_ERRORS as e:
                 raise _damaged_gzip(self.path, self.line, e) from None
 
@@ -205,6 +216,12 @@ def _decode(raw: bytes, path: Path, line: int, offset: int) -> str:
         ) from None
 
 
+def has_bom(path: Path) -> bool:
+    """Whether ``path`` opens with a UTF-8 byte order mark."""
+    with open(path, "rb") as f:
+        return f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
+
+
 def _strip_eol(raw: bytes) -> bytes:
     """Drop the line end (LF or CRLF; stray CRs before it go too, as no sentence ends in one)."""
     return raw.rstrip(b"\r\n")
@@ -231,6 +248,10 @@ class Source(abc.ABC):
         if isinstance(path, Path) and path.is_relative_to(self.root):  # name it as the user sees it in data.root
             path = path.relative_to(self.root)
         return resolve_inside(self.root, str(path), f"{self.where}.{field}")
+
+    def _bom(self, path: Path) -> None:
+        """Record that ``path`` began with a UTF-8 byte order mark, dropped from its first line (data report)."""
+        self.info.bom_stripped.append(self._rel(path))
 
     def _folder_files(self, folder: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
         """The entries under ``folder`` (walked without following links; with ``suffixes``, only names ending in
@@ -345,16 +366,15 @@ class TextSource(Source):
     def pairs(self) -> Iterator[Pair]:
         total = 0
         for sp, tp in self.file_pairs:
-            for _, s, t in _aligned_lines(sp, tp):
+            for _, s, t in _aligned_lines(sp, tp, self._bom):
                 total += 1
                 yield total, s, t
         self.info.rows_read = total
 
 
-def _aligned_lines(sp: Path, tp: Path) -> Iterator[Pair]:
+def _aligned_lines(sp: Path, tp: Path, on_bom: Callable[[Path], None]) -> Iterator[Pair]:
     """Stream a line-aligned file pair; unequal line counts are an error naming both files."""
-    with _Lines(sp) as fs, _Lines(tp) as ft:
-        off_s = off_t = 0
+    with _Lines(sp, on_bom) as fs, _Lines(tp, on_bom) as ft:
         for line, (a, b) in enumerate(zip_longest(fs, ft), start=1):
             if a is None or b is None:
                 longer, shorter, rest = (sp, tp, fs) if b is None else (tp, sp, ft)
@@ -363,9 +383,7 @@ def _aligned_lines(sp: Path, tp: Path) -> Iterator[Pair]:
                     f"{longer} has {total} lines but {shorter} has {line - 1}: parallel files must be "
                     f"line-aligned (first unmatched line {line}); fix or re-export the pair"
                 )
-            yield line, _decode(_strip_eol(a), sp, line, off_s), _decode(_strip_eol(b), tp, line, off_t)
-            off_s += len(a)
-            off_t += len(b)
+            yield line, a[1], b[1]
 
 
 class TsvSource(Source):
@@ -409,11 +427,8 @@ class TsvSource(Source):
         si, ti = self.idx
         total = 0
         for path in self.paths:
-            offset = 0
-            with _Lines(path) as lines:
-                for line, raw in enumerate(lines, start=1):
-                    text = _decode(_strip_eol(raw), path, line, offset)
-                    offset += len(raw)
+            with _Lines(path, self._bom) as lines:
+                for line, text in lines:
                     cells = text.split("\t")
                     if len(cells) != n_cols:
                         raise DataError(
@@ -429,7 +444,7 @@ _DOC = re.compile(r'<doc\b[^>]*\bdocid="([^"]*)"', re.I)
 _SEG = re.compile(r'<seg\b[^>]*\bid="?([^">\s]+)"?[^>]*>(.*)</seg>', re.I)
 
 
-def _read_sgm(path: Path) -> dict[tuple[str, str], str]:
+def _read_sgm(path: Path, on_bom: Callable[[Path], None]) -> dict[tuple[str, str], str]:
     """Segments of a WMT SGML file keyed by (docid, seg id), in file order.
 
     Extraction follows sacreBLEU (strip, collapse whitespace, no HTML unescaping), so the text equals the
@@ -437,11 +452,8 @@ def _read_sgm(path: Path) -> dict[tuple[str, str], str]:
     """
     segs: dict[tuple[str, str], str] = {}
     doc = None
-    offset = 0
-    with _Lines(path) as lines:
-        for line, raw in enumerate(lines, start=1):
-            text = _decode(_strip_eol(raw), path, line, offset)
-            offset += len(raw)
+    with _Lines(path, on_bom) as lines:
+        for line, text in lines:
             if m := _DOC.search(text):
                 doc = m.group(1)
             if m := _SEG.search(text):
@@ -471,7 +483,7 @@ class SgmSource(Source):
         self._record_files(self.paths)
 
     def pairs(self) -> Iterator[Pair]:
-        src, tgt = (_read_sgm(p) for p in self.paths)
+        src, tgt = (_read_sgm(p, self._bom) for p in self.paths)
         if src.keys() != tgt.keys():
             only = sorted(src.keys() ^ tgt.keys())[:3]
             raise DataError(
@@ -691,6 +703,12 @@ class HubSource(DatasetSource):
         self.info.location = {"dataset": spec.dataset, "subset": spec.subset or "", "split": spec.split,
                               "revision": spec.revision or ""}
         ident = f"{spec.dataset}" + (f" ({spec.subset})" if spec.subset else "") + f" split {spec.split!r}"
+        if (local := Path(spec.dataset)).exists():  # load_dataset would read it instead of the hub
+            raise DataError(
+                f"{self.where}.dataset = {spec.dataset!r} is also a path from the working directory "
+                f"({local.resolve()}): the datasets library would read it, outside data.root, instead of the hub. "
+                "For a local copy use format hf_disk, parquet or arrow with a path under data.root; for the hub "
+                "dataset, run from a working directory without that path")
         if not _hub_offline() and (why := _hub_reachable()):
             raise HubUnavailable(
                 f"{self.where}: cannot reach the Hugging Face hub for {ident} ({why}). If the dataset is in your "

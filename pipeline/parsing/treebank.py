@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from pipeline.data.sources import DataError, Pair, Source, existing_file
+from pipeline.data.sources import DataError, Pair, Source, existing_file, has_bom
 from pipeline.parsing.trees import TreeError, clean, linearize, parse_tree, read_trees, target_symbols
 
 
@@ -48,6 +48,8 @@ class PtbSource(Source):
     def pairs(self) -> Iterator[Pair]:
         n = 0
         for path in self.paths:
+            if has_bom(path):  # read_trees drops it; the data report counts it as the other readers do
+                self._bom(path)
             try:
                 for line, tree in read_trees(path):
                     cleaned = clean(tree)

@@ -140,7 +140,7 @@ def read_trees(path: Path) -> Iterator[tuple[int, Tree]]:
     Yields ``(line, tree)`` with the 1-based line each tree starts on. Raises :class:`TreeError` naming the file
     and line of any unbalanced bracket, stray text or empty bracket.
     """
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark opening the file is no text
         try:
             yield from _read(_tokens_with_lines(f), str(path))
         except UnicodeDecodeError as e:

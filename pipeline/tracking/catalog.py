@@ -191,7 +191,9 @@ _add("data", "metric",
      ("corpus.train.kept", "Training pairs kept after cleaning (count)."),
      ("corpus.train.removed.<rule>", "Training pairs removed by this cleaning rule, rules applied in order (count)."),
      ("corpus.train.normalized.nfc_changed", "Training pairs whose text Unicode NFC normalisation changed (count)."),
-     ("corpus.train.normalized.whitespace_changed", "Training pairs whose whitespace was normalised (count)."))
+     ("corpus.train.normalized.whitespace_changed", "Training pairs whose whitespace was normalised (count)."),
+     ("corpus.bom_stripped_files", "Raw text files (any split) that opened with a Unicode byte order mark, dropped "
+                                   "before the first sentence (count; the manifest names them)."))
 _add("data", "tag", ("corpus_fingerprint", "Prefix of the corpus fingerprint: equal on two runs exactly when their "
                                            "cleaned corpora are."))
 _add("data", "artifact", ("data/corpus/manifest.json", "The corpus manifest: raw inputs with their hashes, cleaning "

@@ -70,6 +70,8 @@ def log_corpus(run_id: str, corpus_dir: Path) -> dict:
     metrics["corpus.train.read"], metrics["corpus.train.kept"] = cleaning["read"], cleaning["kept"]
     metrics.update({f"corpus.train.removed.{k}": v for k, v in cleaning["removed"].items()})
     metrics.update({f"corpus.train.normalized.{k}": v for k, v in cleaning["normalized"].items()})
+    metrics["corpus.bom_stripped_files"] = sum(len(e.get("bom_stripped", [])) for es in manifest["inputs"].values()
+                                               for e in es)
     log_metrics(run_id, metrics)
     set_tags(run_id, {"corpus_fingerprint": manifest["fingerprint"][:16]})
 
