@@ -135,8 +135,8 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, ar
     def update(group) -> torch.Tensor:
         micro = [Batch(s.to(dev, non_blocking=True), ti.to(dev, non_blocking=True), to.to(dev, non_blocking=True),
                        n_src, n_tgt) for s, ti, to, n_src, n_tgt in group]
-        sums, _ = step_fn.accumulate(micro)
-        step_fn.apply(want_norm=False)
+        sums, counts = step_fn.accumulate(micro)
+        step_fn.apply(sums, counts)
         return sums
 
     torch.cuda.synchronize(dev)

@@ -57,8 +57,7 @@ def child(args: argparse.Namespace) -> None:
 
         def step(idx) -> int:
             b = make_batch(ds, idx, info.device)
-            trainer.accumulate([b])
-            trainer.apply(want_norm=False)
+            trainer.apply(*trainer.accumulate([b]))
             return b.n_tgt
     else:
         t = cfg.train

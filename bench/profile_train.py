@@ -78,8 +78,7 @@ def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Na
 
     def update(idx) -> tuple[int, int, int]:
         b = make_batch(ds, idx, info.device)
-        step.accumulate([b])
-        step.apply(want_norm=False)
+        step.apply(*step.accumulate([b]))
         return b.n_src, b.n_tgt, len(b.src)
 
     for idx in batches[: args.warmup]:

@@ -106,8 +106,8 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
 
 
 def close_tracking_runs(flow: Any, flow_run: Any, state: Any) -> None:
-    """``on_crashed`` / ``on_cancellation`` hook of the pipeline flows: end the flow run's RUNNING MLflow runs
-    (its parent run and open stage runs) as KILLED.
+    """``on_crashed`` / ``on_cancellation`` hook of the pipeline flows (and ``on_failure`` of the sweep flows): end
+    the flow run's RUNNING MLflow runs (its parent run and open stage runs) as KILLED, or FAILED when it failed.
 
     A flow-run process that is killed (kill -9, the OOM killer, a cancellation) never reaches run_pipeline's
     ``except``, so its runs would stay RUNNING forever. The process worker runs this hook itself, in the worker,
@@ -120,10 +120,11 @@ def close_tracking_runs(flow: Any, flow_run: Any, state: Any) -> None:
         logger.warning("no tracking URI (parameter tracking_uri, env MLFLOW_TRACKING_URI): MLflow runs of flow run "
                        "%s left as they are", flow_run.id)
         return
+    status = "FAILED" if state.is_failed() else "KILLED"
     try:
-        closed = tracking.close_flow_run(str(flow_run.id), "KILLED", tracking_uri=uri,
+        closed = tracking.close_flow_run(str(flow_run.id), status, tracking_uri=uri,
                                          reason=f"Prefect flow run {flow_run.id} {state.name}")
     except Exception:
         logger.exception("could not end the MLflow runs of flow run %s at %s", flow_run.id, uri)
         return
-    logger.info("flow run %s: ended %d MLflow run(s) as KILLED: %s", state.name, len(closed), ", ".join(closed))
+    logger.info("flow run %s: ended %d MLflow run(s) as %s: %s", state.name, len(closed), status, ", ".join(closed))

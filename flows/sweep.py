@@ -12,29 +12,47 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Annotated
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from pydantic import Field
 
+from flows.common import close_tracking_runs
 from pipeline import tracking
-from pipeline.config import ensure_work_dir, resolve_config
+from pipeline.config import ensure_work_dir
 from pipeline.fsutil import exclusive, write_text
-from pipeline.sweep.config import base_point, check_space, expand, load_sweep, variations
+from pipeline.sweep.config import base_point, check_space, expand, load_sweep, resolve_base, variations
 from pipeline.sweep.search import arms, finished, open_study, search
 from pipeline.sweep.search import confirm as confirm_arms
 from pipeline.sweep.verdict import Verdict, judge, leaderboard, markdown, winner, write_winner
-from tasks.sweep import DeploymentRunner, publish
+from tasks.sweep import DeploymentRunner, cancel_started_runs, publish
+
+# A flow parameter that counts runs: refused below 1 when the run is created (the deployment's schema), not
+# taken as "unset"; None (left out) is the sweep file's value.
+Count = Annotated[int, Field(ge=1)]
 
 
-@flow(name="sweep-translation", log_prints=True)
-def sweep_translation(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: int | None = None,
-                      max_in_flight: int | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
+def _sweep_flow(name: str):
+    """The decorator of sweep flow ``name``. A sweep that fails or crashes cancels the trial runs it started
+    (:func:`tasks.sweep.cancel_started_runs`) and ends its MLflow run as FAILED or KILLED
+    (:func:`flows.common.close_tracking_runs`, as the pipeline flows' hooks do); a cancelled one ends its MLflow
+    run as KILLED, and Prefect cancels its trial runs."""
+    return flow(name=name, log_prints=True, on_failure=[cancel_started_runs, close_tracking_runs],
+                on_crashed=[cancel_started_runs, close_tracking_runs], on_cancellation=[close_tracking_runs])
+
+
+@_sweep_flow("sweep-translation")
+def sweep_translation(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: Count | None = None,
+                      max_in_flight: Count | None = None, tracking_uri: str | None = None,
+                      confirm: bool = True) -> dict:
     """Search the recipe of a run config on dev, confirm the best with paired seeds, write the winner as a preset.
 
     Args:
         sweep: a sweep under configs/sweeps/ (``multi30k-cpu``) or a path to one.
         data_root: local corpora for every trial (as the pipeline flow's data_root); default the worker's.
-        trials, max_in_flight: override the sweep's budget and how many trial runs train at once.
+        trials, max_in_flight: override the sweep's budget and how many trial runs train at once (1 or more; left
+            out: the sweep file's).
         tracking_uri: the MLflow server; default env MLFLOW_TRACKING_URI. Every trial logs there too.
         confirm: False stops after the search with the leaderboard published: a long sweep spread over several
             windows of machine time (``-p trials=4 -p confirm=false``, then more); a later run goes on from there.
@@ -42,9 +60,9 @@ def sweep_translation(sweep: str = "multi30k-cpu", data_root: str | None = None,
     return _run_sweep(sweep, data_root, trials, max_in_flight, tracking_uri, confirm)
 
 
-@flow(name="sweep-en-de", log_prints=True)
-def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: int | None = None,
-                max_in_flight: int | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
+@_sweep_flow("sweep-en-de")
+def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trials: Count | None = None,
+                max_in_flight: Count | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
     """``sweep-translation`` under its former name, kept for compatibility (it runs any language pair, not only
     En-De): the same sweep, parameters and study; a run of either re-attaches to the other's trials, and waits
     while the other's controller runs (a lock on the sweep's folder).
@@ -59,19 +77,22 @@ def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trial
 
 def _run_sweep(sweep: str, data_root: str | None, trials: int | None, max_in_flight: int | None,
                tracking_uri: str | None, confirm: bool) -> dict:
-    """The body of both sweep flows (their parameters): the study, the search, the confirmation and the winner."""
+    """The body of both sweep flows (their parameters): the study, the search, the confirmation and the winner.
+    Everything the sweep file, the flow run's parameters and the deployment can get wrong is refused before the
+    study, the sweep's MLflow run or any trial run exists."""
     logger = get_run_logger()
-    cfg = load_sweep(sweep, {k: v for k, v in (("trials", trials), ("max_in_flight", max_in_flight)) if v})
-    base = resolve_config(cfg.base, cfg.trial_overrides, data_root=data_root)  # what every trial starts from
+    cfg = load_sweep(sweep, {k: v for k, v in (("trials", trials), ("max_in_flight", max_in_flight)) if v is not None})
+    base = resolve_base(cfg, data_root)  # what every trial starts from
     point = base_point(cfg, base)
     check_space(cfg, point, data_root)
     work = ensure_work_dir(base.work_dir)
     folder = work / "sweeps" / cfg.name
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
     runner = DeploymentRunner(cfg.deployment, {"config": cfg.base, "data_root": data_root, "tracking_uri": uri,
-                                               "register_model": False}, folder, [f"sweep:{cfg.name}"])
+                                               "register_model": False}, folder, [f"sweep:{cfg.name}"], cfg.source)
     # every field and kind of value a trial or a confirmation run sends, against the deployment, before anything
     runner.check([*((f"space.{key} = {value!r}", o) for key, value, o in variations(cfg, point)),
+                  *((f"enqueue[{i}]", expand(cfg, {**point, **hunch})) for i, hunch in enumerate(cfg.enqueue)),
                   ("the confirmation", {**expand(cfg, point), "train.seed": cfg.confirm.seeds[0]})])
     # one controller per study, whichever of the two flow names started it: a second waits, then re-attaches
     with exclusive(folder, f"sweep {cfg.name}"):

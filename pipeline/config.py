@@ -386,6 +386,13 @@ class TrainConfig(_Strict):
     # the loss is the R-Drop paper's, halved
     clip_norm: float = Field(default=0.0, ge=0, description=(
         "Clip the gradient's global norm to this value; 0 = no clipping (the paper)."))
+    max_nonfinite_updates: int = Field(default=5, ge=0, description=(
+        "Updates in a row whose loss or gradient is not finite (inf or nan) that training skips before it stops "
+        "with an error naming the update. A skipped update changes nothing (weights, Adam's moments, the "
+        "learning-rate schedule) and its batches are not trained on, so a rare overflowing batch costs one "
+        "update, while a model that has diverged stops early and its newest checkpoint keeps the last finite "
+        "weights. 0 = stop at the first. Not in the paper."))
+    # in a row, not in total: isolated skips over a long run are harmless; a diverged model skips every update
     seed: int = Field(default=1, description=(
         "Seed of the initial weights, the dropout streams and the data order (with the epoch)."))
     checkpoint_every_steps: int = Field(default=1000, ge=1, description=(
@@ -745,10 +752,9 @@ def _deep_merge(base: dict, over: Mapping) -> dict:
     return out
 
 
-def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
-    if path in seen:
-        chain = " -> ".join(str(p) for p in (*seen, path))
-        raise ConfigError(f"{path}: 'extends' cycle: {chain}")
+def read_yaml_file(path: Path) -> dict:
+    """The mapping a config file holds (a run config or a sweep: one reader, one message style), read with
+    :class:`_YamlLoader`; a :class:`ConfigError` naming the file (and the lines of a repeated key)."""
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader) or {}
     except _DuplicateKey as e:
@@ -758,6 +764,14 @@ def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    return raw
+
+
+def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"{path}: 'extends' cycle: {chain}")
+    raw = read_yaml_file(path)
     parents = raw.pop("extends", [])
     parents = [parents] if isinstance(parents, str) else parents
     merged: dict = {}

@@ -16,6 +16,8 @@ Where CTranslate2 decodes differently from ``model.decoding.beam_search``, and w
   one maximum per call, so a request decodes up to its longest sentence's maximum and longer outputs are cut to
   their own sentence's maximum (the same as greedy forcing eos there; beam may differ on such runaway outputs).
 - pad and bos are never generated (ours masks them; CTranslate2 is told to suppress them).
+- Source eos: an export's ``config.json`` says ``add_source_eos: true`` and CTranslate2 appends it, as training
+  did; exports written before say false, and the engine then appends it itself (one rule, read from the file).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 from typing import Protocol, Sequence
 
 from pipeline.config import DecodeConfig
-from pipeline.encoding import encode_sources
+from pipeline.encoding import encode_sources, to_decode
 from pipeline.tokenize import Tokenizer
 
 log = logging.getLogger("aiayn.engines")
@@ -41,6 +43,22 @@ def max_output_length(source_len: int, max_len_a: float, max_len_b: int, limit: 
     """Most output tokens, eos included, for a source of ``source_len`` tokens (eos included): the rule of
     ``model.decoding.max_output_lengths``, ``floor(a * source_len + b)`` within [1, ``limit``]."""
     return min(max(1, math.floor(max_len_a * source_len + max_len_b)), limit)
+
+
+def translate_options(decode: DecodeConfig, max_positions: int, special: dict[str, str]) -> dict:
+    """``Translator.translate_batch`` options that decode an export as our beam search with ``decode`` (up to the
+    differences in the module docstring), for sources given as bare sentencepiece pieces: what ``export.json``
+    offers any client, and what :class:`CTranslate2Engine` starts from. ``special``: the pad and bos pieces."""
+    return {
+        "beam_size": decode.beam_size, "length_penalty": decode.length_penalty,
+        # CTranslate2 keeps max_positions - 1 pieces and appends eos: encode_sources' cut
+        "max_input_length": max_positions,
+        # one maximum for all sentences, the longest source's (ours is per sentence); ours counts eos, theirs not
+        "max_decoding_length": max_output_length(max_positions, decode.max_len_a, decode.max_len_b,
+                                                 max_positions - 1) - 1,
+        "min_decoding_length": decode.min_len - 1,
+        "suppress_sequences": [[special["pad"]], [special["bos"]]],
+    }
 
 
 def vocabulary_pieces(tokenizer: Tokenizer) -> list[str]:
@@ -81,10 +99,11 @@ class CTranslate2Engine:
     """A CTranslate2 export (:func:`pipeline.export.export_checkpoint`) decoding our token ids.
 
     Sentences are tokenized by our tokenizer and cut to the model's positions as the PyTorch engine does, then
-    handed to CTranslate2 as pieces. ``threads`` (0: the cores this process may use) run batches side by side,
-    one thread each, and a request is split into at least that many batches (of at most the export's
-    ``batch_sentences``): on 2 cores, beam 4, 2 parallel single-threaded batches decoded 1.66x the sentences/s
-    of one batch on 2 threads (319 against 192, int8, tiny model).
+    handed to CTranslate2 as pieces, eos included only where the export's ``config.json`` does not add it.
+    ``threads`` (0: the cores this process may use) run batches side by side, one thread each, and a request is
+    split into at least that many batches (of at most the export's ``batch_sentences``): on 2 cores, beam 4, 2
+    parallel single-threaded batches decoded 1.66x the sentences/s of one batch on 2 threads (319 against 192,
+    int8, tiny model).
     """
 
     name = "ctranslate2"
@@ -103,26 +122,32 @@ class CTranslate2Engine:
         self.workers = threads or len(os.sched_getaffinity(0))
         self.tokenizer = tokenizer
         self.pieces = vocabulary_pieces(tokenizer)
-        self.suppress = [[self.pieces[tokenizer.pad_id]], [self.pieces[tokenizer.bos_id]]]
+        self.special = {"pad": self.pieces[tokenizer.pad_id], "bos": self.pieces[tokenizer.bos_id]}
+        config = json.loads((self.dir / "config.json").read_text(encoding="utf-8"))
+        self.adds_eos = bool(config.get("add_source_eos", False))  # false in exports written before it was set
         self.translator = ctranslate2.Translator(str(self.dir), device="cpu", compute_type="default",
                                                  inter_threads=self.workers, intra_threads=1)
 
     def translate(self, sentences: Sequence[str], decode: DecodeConfig, nbest: int = 1) -> list[list[str]]:
-        if not sentences:
-            return []
-        rows = encode_sources(self.tokenizer, sentences, self.max_positions, source="request")
+        out: list[list[str]] = [[""] for _ in sentences]  # an empty sentence is not decoded (to_decode)
+        todo = to_decode(sentences)
+        if not todo:
+            return out
+        encoded = encode_sources(self.tokenizer, sentences, self.max_positions, source="request")
+        rows = [encoded[i] for i in todo]
         limits = [max_output_length(len(r), decode.max_len_a, decode.max_len_b, self.max_positions - 1) for r in rows]
+        # rows are cut already (with eos, which an older export needs as input); the longest output this
+        # request's sentences allow
+        options = translate_options(decode, self.max_positions, self.special) | {
+            "max_input_length": 0, "max_decoding_length": max(limits) - 1}
         results = self.translator.translate_batch(
-            [[self.pieces[i] for i in row] for row in rows],
-            max_batch_size=min(self.batch_sentences, math.ceil(len(rows) / self.workers)),
-            beam_size=decode.beam_size, num_hypotheses=nbest, length_penalty=decode.length_penalty,
-            max_input_length=0, max_decoding_length=max(limits) - 1, min_decoding_length=decode.min_len - 1,
-            suppress_sequences=self.suppress)
+            [[self.pieces[i] for i in (row[:-1] if self.adds_eos else row)] for row in rows],
+            max_batch_size=min(self.batch_sentences, math.ceil(len(rows) / self.workers)), num_hypotheses=nbest,
+            **options)
         ids = self.tokenizer.sp.piece_to_id
-        out = []
-        for result, limit in zip(results, limits):
+        for i, result, limit in zip(todo, results, limits):
             # limit counts eos, CTranslate2's lengths do not: an output of limit - 1 tokens is the longest allowed
-            out.append(self.tokenizer.decode_batch([[ids(p) for p in h[: limit - 1]] for h in result.hypotheses]))
+            out[i] = self.tokenizer.decode_batch([[ids(p) for p in h[: limit - 1]] for h in result.hypotheses])
         return out
 
 

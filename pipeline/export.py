@@ -12,6 +12,13 @@ from our weights, not through one of its converters (they read fairseq / OpenNMT
 - fused projections as CTranslate2 lays them out: self-attention [W^Q; W^K; W^V], encoder-decoder attention
   W^Q then [W^K; W^V], then W^O, each with its bias; LayerNorm epsilon 1e-5 (torch's, CTranslate2's is 1e-6).
 
+The folder is self-describing, so that any CTranslate2 client translates as we do with nothing of ours: its
+``config.json`` states the input conventions training used (CTranslate2 appends eos to the source, adds no bos,
+starts the decoder with bos), ``spm.model`` is the sentencepiece model that makes the pieces, and ``export.json``
+holds the ``translate_batch`` options of the run's decoding settings (:func:`pipeline.engines.translate_options`).
+A client then needs only ``sp.encode(text, out_type=str)``, ``translate_batch(pieces, **options)`` and
+``sp.decode(hypothesis)`` (docs/how-to/serving.md).
+
 The gate decodes the dev split with the export (:class:`pipeline.engines.CTranslate2Engine`) and compares its
 sacreBLEU with the PyTorch model's on the same split (the evaluate stage's ``dev.hyp``), with sacreBLEU's paired
 bootstrap. The export serves only if it loses at most ``export.max_bleu_drop`` BLEU; ``gate.json`` in the export
@@ -20,6 +27,7 @@ folder holds the numbers and the verdict either way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -31,9 +39,9 @@ import torch
 
 from model.positional import sinusoid_table
 from pipeline.checkpoint import check_tokenizer, load_checkpoint
-from pipeline.config import ExportConfig, RunConfig
+from pipeline.config import DecodeConfig, ExportConfig, RunConfig
 from pipeline.data import read_manifest
-from pipeline.engines import EXPORT_META, GATE, CTranslate2Engine, vocabulary_pieces
+from pipeline.engines import EXPORT_META, GATE, CTranslate2Engine, translate_options, vocabulary_pieces
 from pipeline.errors import UserError
 from pipeline.evalsets import read_split
 from pipeline.fsutil import atomic_dir, sha256_file, write_json
@@ -43,6 +51,10 @@ from pipeline.tokenize import Tokenizer
 log = logging.getLogger("aiayn.export")
 
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which model/ uses
+SENTENCEPIECE_FILE = "spm.model"  # the tokenizer's model, shipped in the export folder for any client
+# Part of the export folder's name: bumped when the same inputs export differently, so that a re-run does not reuse
+# an older folder (2: config.json adds the source eos, spm.model and translate_batch options ship with it).
+EXPORT_FORMAT = 2
 
 
 class ExportError(UserError, ValueError):
@@ -99,6 +111,9 @@ def transformer_spec(state: dict, pieces: list[str], special: dict[str, str]):
     spec.config.layer_norm_epsilon = LAYER_NORM_EPSILON
     spec.config.unk_token, spec.config.bos_token = special["unk"], special["bos"]
     spec.config.eos_token, spec.config.decoder_start_token = special["eos"], special["bos"]
+    # Training's source is pieces + eos, no bos (pipeline.train.trainer.collate): CTranslate2 frames a client's
+    # pieces the same way, so a client passes bare sentencepiece pieces.
+    spec.config.add_source_bos, spec.config.add_source_eos = False, True
 
     encoder, decoder = spec.encoder, spec.decoder
     encoder.embeddings[0].weight = _array(weights["encoder.embed_tokens.weight"])  # (vocab, d_model)
@@ -135,10 +150,12 @@ def vocabulary(tokenizer: Tokenizer) -> tuple[list[str], dict[str, str]]:
 
 
 def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, out_dir: Path,
-                      batch_sentences: int = ExportConfig().batch_sentences) -> Path:
-    """Write ``checkpoint`` as a CTranslate2 model folder ``out_dir`` (``model.bin``, the vocabulary and
-    ``export.json``: quantization, the checkpoint's and tokenizer's sha256, the model's positions, the serving
-    batch size), atomically: a reader sees the whole folder or none."""
+                      batch_sentences: int = ExportConfig().batch_sentences,
+                      decode: DecodeConfig = DecodeConfig()) -> Path:
+    """Write ``checkpoint`` as a CTranslate2 model folder ``out_dir`` (``model.bin``, ``config.json``, the
+    vocabulary, the tokenizer's ``spm.model`` and ``export.json``: quantization, the checkpoint's and tokenizer's
+    sha256, the model's positions, the serving batch size, the ``translate_batch`` options of ``decode``),
+    atomically: a reader sees the whole folder or none."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     state = load_checkpoint(checkpoint)
     tokenizer = Tokenizer(tokenizer_dir)
@@ -148,6 +165,7 @@ def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, 
                           "CTranslate2 engine reads sentencepiece pieces: export translation models only")
     pieces, special = vocabulary(tokenizer)
     spec = transformer_spec(state, pieces, special)
+    spec.register_file(str(tokenizer.model_path), SENTENCEPIECE_FILE)
     spec.validate()
     spec.optimize(quantization=quantization)
     with atomic_dir(out_dir) as tmp:
@@ -156,16 +174,18 @@ def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, 
             "engine": "ctranslate2", "ctranslate2_version": version("ctranslate2"), "quantization": quantization,
             "checkpoint_sha256": sha256_file(checkpoint), "tokenizer_sha256": tokenizer.sha256,
             "max_positions": state["model_config"]["max_positions"], "special": special,
-            "batch_sentences": batch_sentences})
+            "batch_sentences": batch_sentences, "sentencepiece": SENTENCEPIECE_FILE,
+            "translate_batch": translate_options(decode, state["model_config"]["max_positions"], special)})
     return out_dir
 
 
 def export_dir(cfg: RunConfig, checkpoint: Path) -> Path:
-    """Where ``checkpoint``'s export for ``cfg`` lives: beside it, named by quantization, the checkpoint's content
-    and the export and decoding settings (the gate decodes with ``cfg.decode``)."""
+    """Where ``checkpoint``'s export for ``cfg`` lives: beside it, named by quantization, the checkpoint's content,
+    and the export format with the export and decoding settings (the gate decodes with ``cfg.decode``, and
+    ``export.json`` holds its options)."""
     content = sha256_file(checkpoint)[:8]
-    return Path(checkpoint).parent / (f"ctranslate2-{cfg.export.quantization}-{content}-"
-                                      f"{cfg.section_hash('export', 'decode')[:8]}")
+    settings = hashlib.sha256(f"{EXPORT_FORMAT}:{cfg.section_hash('export', 'decode')}".encode()).hexdigest()
+    return Path(checkpoint).parent / f"ctranslate2-{cfg.export.quantization}-{content}-{settings[:8]}"
 
 
 def gate(export: ExportConfig, engine: CTranslate2Engine, cfg: RunConfig, corpus: Path, scores_json: Path) -> dict:
@@ -206,7 +226,8 @@ def export_model(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: 
     in ``gate.json``; returns the export folder. Re-running with the same inputs reuses a finished export."""
     out = export_dir(cfg, checkpoint)
     if not (out / EXPORT_META).is_file():
-        export_checkpoint(checkpoint, tokenizer_dir, cfg.export.quantization, out, cfg.export.batch_sentences)
+        export_checkpoint(checkpoint, tokenizer_dir, cfg.export.quantization, out, cfg.export.batch_sentences,
+                          cfg.decode)
     if not (out / GATE).is_file():
         engine = CTranslate2Engine(out, Tokenizer(tokenizer_dir))
         result = gate(cfg.export, engine, cfg, corpus, scores_json)

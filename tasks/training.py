@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,17 +35,17 @@ from prefect.runtime import flow_run, task_run
 from prefect.states import Cancelled, Cancelling
 
 from pipeline.config import LaunchConfig, RunConfig, write_resolved
+from pipeline.errors import UserError
 from pipeline.fsutil import exclusive
 from pipeline.proc import preexec_exit_with_parent
 from pipeline.train import trainer
-from pipeline.train.launch import Rendezvous, rendezvous_for, torchrun_command
+from pipeline.train.launch import Rendezvous, ranks_refusals, rendezvous_for, torchrun_command
 from pipeline.workdir import run_dir
 from tasks.caching import stage_cache_key
 from tasks.progress import ProgressArtifact
 
 _PROGRESS_POLL_S = 5.0  # how often metrics.jsonl is read; updates are throttled by ProgressArtifact
 _POLL_S = 2.0  # how often the stage looks at its node runs
-_REFUSED = 2  # the exit status of a refused config or input: retrying cannot help
 _FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
@@ -52,14 +53,15 @@ class TrainingFailed(RuntimeError):
     """torchrun (or a node's flow run) failed; the message carries the end of its output."""
 
 
-class TrainingRefused(TrainingFailed):
-    """torchrun refused the config or input (exit status 2): a retry would fail the same way."""
+class TrainingRefused(TrainingFailed, UserError):
+    """The training processes refused the config or input: a retry would fail the same way."""
 
 
 def _retry_unless_refused(task, task_run, state) -> bool:
+    """The training task's retry condition: retry a failure (a crash, a lost node), never a refusal."""
     try:
         state.result()
-    except TrainingRefused:
+    except UserError:  # TrainingRefused, or a refusal of the launcher's own (e.g. the run folder)
         return False
     except Exception:
         return True
@@ -114,28 +116,39 @@ def _progress_artifact(cfg: RunConfig, out: Path) -> Iterator[None]:
 
 def run_torchrun(cmd: list[str], logger: logging.Logger | logging.LoggerAdapter) -> None:
     """Run torchrun, its output streamed into ``logger``; :class:`TrainingFailed` with the end of its output when
-    it fails (:class:`TrainingRefused` for a refused config or input). Torchrun and its ranks go down with this
-    process: when the task is cancelled or crashes, and when it dies outright."""
+    it fails, :class:`TrainingRefused` with the ranks' messages when a rank refused the config or input (torchrun
+    itself exits 1 either way: the refusals are read from its ranks' reply files, ``pipeline.train.launch``).
+    Torchrun and its ranks go down with this process: when the task is cancelled or crashes, and when it dies
+    outright."""
     logger.info("launching: %s", " ".join(cmd))
     tail: collections.deque[str] = collections.deque(maxlen=40)
-    # Its own session, so that a cancellation can signal torchrun's whole process group; and SIGTERM when this
-    # process dies outright, which nothing else would deliver to a separate session.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            start_new_session=True, preexec_fn=preexec_exit_with_parent())
-    try:
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line:
-                tail.append(line)
-                logger.info(line)
-        status = proc.wait()
-    finally:
-        if proc.poll() is None:  # the task was cancelled or crashed: take torchrun and its ranks down too
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+    with tempfile.TemporaryDirectory(prefix="aiayn-torchrun-") as log_dir:
+        # torchrun's --log-dir, given as PET_LOG_DIR (each torchrun option reads PET_<NAME>): where the ranks' reply
+        # files go, known to this launcher only
+        env = {**os.environ, "PET_LOG_DIR": log_dir}
+        # Its own session, so that a cancellation can signal torchrun's whole process group; and SIGTERM when this
+        # process dies outright, which nothing else would deliver to a separate session.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env=env, start_new_session=True, preexec_fn=preexec_exit_with_parent())
+        try:
+            for line in proc.stdout:
+                line = line.rstrip()
+                if line:
+                    tail.append(line)
+                    logger.info(line)
+            status = proc.wait()
+        finally:
+            if proc.poll() is None:  # the task was cancelled or crashed: take torchrun and its ranks down too
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+        refusals = ranks_refusals(Path(log_dir)) if status != 0 else []
+    if refusals:
+        # One refusing rank is enough: a refusal is decided by the config and input, so a retry meets it again
+        # (the other ranks usually failed because of it: a peer gone from a collective, or stopped by torchrun).
+        raise TrainingRefused("training stopped on its config or input and is not retried (a retry would stop the "
+                              "same way): " + "\n".join(refusals))
     if status != 0:
-        kind = TrainingRefused if status == _REFUSED else TrainingFailed
-        raise kind(f"torchrun exited with status {status}; last output:\n" + "\n".join(tail))
+        raise TrainingFailed(f"torchrun exited with status {status}; last output:\n" + "\n".join(tail))
 
 
 @task(name="train", persist_result=True, retry_condition_fn=_retry_unless_refused,
@@ -197,8 +210,17 @@ def _run_nodes(launch: LaunchConfig, rendezvous: Rendezvous, job: dict[str, Any]
         with get_client(sync_client=True) as client:  # every node that failed by itself, not those cancelled
             ended = [(rank, client.read_flow_run(run.id)) for rank, run in enumerate(runs)]
         failures = [(rank, run) for rank, run in ended if run.state.type.value in ("FAILED", "CRASHED")] or [failed]
-        raise TrainingFailed("\n".join(f"node {rank} of {launch.nnodes} (flow run {run.name}, {run.id}) ended "
-                                       f"{run.state.type.value}: {run.state.message}" for rank, run in failures))
+        raise _nodes_failed(failures, launch.nnodes)
+
+
+def _nodes_failed(failures: list[tuple[int, FlowRun]], nnodes: int) -> TrainingFailed:
+    """The stage's error for the node runs that failed by themselves, ``(node rank, run)``, naming each with its
+    message: :class:`TrainingRefused` when a node's torchrun was refused (the node's own TrainingRefused, which its
+    run's state message names: an exception does not cross flow runs), else :class:`TrainingFailed`."""
+    refused = any(f"{TrainingRefused.__name__}: " in (run.state.message or "") for _, run in failures)
+    return (TrainingRefused if refused else TrainingFailed)("\n".join(
+        f"node {rank} of {nnodes} (flow run {run.name}, {run.id}) ended {run.state.type.value}: {run.state.message}"
+        for rank, run in failures))
 
 
 def _watch(runs: list[FlowRun], logger: logging.Logger | logging.LoggerAdapter) -> tuple[int, FlowRun] | None:

@@ -520,11 +520,10 @@ def test_a_byte_order_mark_opening_a_file_is_dropped_and_counted(root: Path, tmp
     assert corpus_fingerprint(data_cfg(root, train, test=[sgm], decontaminate="off", dedup=False)) == \
         read_manifest(corpus)["fingerprint"]  # what is learnt while reading is no part of the cache key
 
+    ptb = {"name": "t", "format": "ptb", "path": "t.mrg"}
     tree = prepare_corpus(DataConfig.model_validate({
-        "root": str(root), "src_lang": "en", "tgt_lang": "tree", "train": [{"name": "t", "format": "ptb",
-                                                                            "path": "t.mrg"}],
-        "dev": {"name": "d", "format": "ptb", "path": "t.mrg"}, "cleaning": {"max_ratio": 100, "decontaminate": "off"}}),
-        tmp_path / "ptb")
+        "root": str(root), "src_lang": "en", "tgt_lang": "tree", "train": [ptb], "dev": {**ptb, "name": "d"},
+        "cleaning": {"max_ratio": 100, "decontaminate": "off"}}), tmp_path / "ptb")
     assert pairs(tree)[0][0] == "A dog runs" and read_manifest(tree)["inputs"]["train"][0]["bom_stripped"] == ["t.mrg"]
 
 

@@ -7,7 +7,11 @@ that a dropped LayerNorm or bias changes the output), exported in float32 and re
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import ctranslate2
@@ -26,9 +30,10 @@ SPECIAL = {"pad": "<pad>", "unk": "<unk>", "bos": "<s>", "eos": "</s>"}
 PAD, BOS, EOS = 0, 2, 3
 
 
-def random_model(norm: str = "post", positions: str = "sinusoidal", seed: int = 0) -> Transformer:
+def random_model(norm: str = "post", positions: str = "sinusoidal", seed: int = 0, vocab: int = VOCAB,
+                 layers: int = 2) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer(VOCAB, PAD, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, n_heads=4,
+    model = Transformer(vocab, PAD, encoder_layers=layers, decoder_layers=layers, d_model=32, d_ff=64, n_heads=4,
                         max_positions=64, norm=norm, positions=positions).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -52,12 +57,18 @@ def export(model: Transformer, folder: Path, sabotage=None) -> ctranslate2.Trans
 
 
 def sources(n: int, seed: int = 1) -> list[list[int]]:
+    """Our model's sources: ids + eos."""
     rng = np.random.default_rng(seed)
     return [rng.integers(4, VOCAB, size=int(rng.integers(3, 15))).tolist() + [EOS] for _ in range(n)]
 
 
 def pieces(ids: list[int]) -> list[str]:
     return [PIECES[i] for i in ids]
+
+
+def bare(src: list[int]) -> list[str]:
+    """A source as a CTranslate2 client passes it: pieces without eos (the export's config.json adds it)."""
+    return pieces(src[:-1])
 
 
 def our_log_probs(model: Transformer, src: list[int], tgt: list[int]) -> list[float]:
@@ -71,7 +82,7 @@ def our_log_probs(model: Transformer, src: list[int], tgt: list[int]) -> list[fl
 def score_gap(model: Transformer, translator: ctranslate2.Translator) -> float:
     """Largest difference between our and CTranslate2's per-token log-probabilities over random pairs."""
     srcs, tgts = sources(20, seed=2), [s[:-1][::-1] for s in sources(20, seed=3)]
-    theirs = translator.score_batch([pieces(s) for s in srcs], [pieces(t) for t in tgts])
+    theirs = translator.score_batch([bare(s) for s in srcs], [pieces(t) for t in tgts])
     return max(float(np.max(np.abs(np.array(our_log_probs(model, s, t)) - np.array(r.log_probs))))
                for s, t, r in zip(srcs, tgts, theirs))
 
@@ -103,8 +114,13 @@ def _positions_from_one(spec) -> None:
     spec.decoder.position_encodings.encodings = np.roll(spec.decoder.position_encodings.encodings, -1, axis=0)
 
 
+def _no_source_eos(spec) -> None:
+    # the export before add_source_eos: a client's bare pieces reach the encoder without the eos training had
+    spec.config.add_source_eos = False
+
+
 @pytest.mark.parametrize("sabotage", [_concatenated_positions, _transposed_output_projection, _missing_layer_norm,
-                                      _positions_from_one])
+                                      _positions_from_one, _no_source_eos])
 def test_a_wrong_mapping_is_caught(tmp_path, sabotage) -> None:
     """The parity check is sensitive: each mistake an exporter could make moves the scores far past tolerance."""
     model = random_model()
@@ -116,7 +132,7 @@ def test_greedy_decoding_matches_ours_token_for_token(tmp_path) -> None:
     model = random_model()
     translator = export(model, tmp_path)
     srcs = sources(64)
-    theirs = translator.translate_batch([pieces(s) for s in srcs], beam_size=1, max_decoding_length=11,
+    theirs = translator.translate_batch([bare(s) for s in srcs], beam_size=1, max_decoding_length=11,
                                         suppress_sequences=[["<pad>"], ["<s>"]])
     ours = beam_search(model, torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in srcs], batch_first=True,
                                                               padding_value=PAD),
@@ -175,6 +191,102 @@ def test_float32_export_decodes_the_dev_set_as_our_model(trained, tiny_stack, tm
     theirs = [n[0] for n in engine.translate(src, decode)]
     identical = sum(a == b for a, b in zip(ours, theirs)) / len(src)
     assert len(src) == 1014 and identical >= (1.0 if beam == 1 else 0.99), identical
+    if beam == 1:  # an empty sentence is not decoded by either engine: "" where a model would make one up
+        with_empty = [src[0], "", src[1]]
+        assert [n[0] for n in engine.translate(with_empty, decode)] == [ours[0], "", ours[1]]
+        assert translate(load_model(trained), tokenizer, with_empty, decode) == [ours[0], "", ours[1]]
+        assert engine.translate([""], decode) == [[""]]
+
+
+# A client of the export that knows nothing of this project: CTranslate2's and sentencepiece's public API and the
+# options export.json offers, as docs/how-to/serving.md shows. A script of its own, run by a fresh interpreter, so
+# that nothing of ours is imported.
+PLAIN_CLIENT = """
+import json
+import sys
+
+import ctranslate2
+import sentencepiece as spm
+
+folder, overrides = sys.argv[1], json.loads(sys.argv[2])
+sp = spm.SentencePieceProcessor(model_file=f"{folder}/spm.model")
+translator = ctranslate2.Translator(folder)
+with open(f"{folder}/export.json", encoding="utf-8") as f:
+    options = json.load(f)["translate_batch"] | overrides
+sources, references = json.load(sys.stdin)
+results = translator.translate_batch(sp.encode(sources, out_type=str), **options)
+scores = translator.score_batch(sp.encode(sources, out_type=str), sp.encode(references, out_type=str))
+json.dump({"translations": [sp.decode(r.hypotheses[0]) for r in results],
+           "log_probs": [s.log_probs for s in scores]}, sys.stdout)
+"""
+
+
+def plain_client(folder: Path, sources: list[str], references: list[str], **overrides) -> dict[str, list]:
+    """:data:`PLAIN_CLIENT` on the export in ``folder``: its ``translations`` of ``sources``, and the
+    ``log_probs`` of each reference's pieces and eos given its source."""
+    run = subprocess.run([sys.executable, "-c", PLAIN_CLIENT, str(folder), json.dumps(overrides)],
+                         input=json.dumps([sources, references]), capture_output=True, text=True, check=True,
+                         cwd=folder)
+    return json.loads(run.stdout)
+
+
+@pytest.mark.integration
+def test_a_plain_client_translates_the_export_as_we_do(tiny_stack, tmp_path) -> None:
+    """The export folder alone tells any CTranslate2 client how to translate as we do (:data:`PLAIN_CLIENT`): it
+    scores dev pairs as our model does, translates greedily as our PyTorch model does, and with export.json's
+    options (beam 4, length penalty 0.6) as our engine does, in float32 and int8. An export written before
+    config.json said ``add_source_eos: true`` still serves right through our engine (which then appends eos
+    itself), while the plain client, trusting config.json, is misled by it.
+
+    The model is random_model's with one layer over the tiny stack's tokenizer: its translations follow the source
+    (two layers, or the 500-update model, write nearly the same output whatever the source). They run to the
+    maximum length, so decoding stops at a fixed one (max_len_a=0), the same for every sentence in both engines."""
+    from pipeline.checkpoint import CHECKPOINT_FORMAT
+    from pipeline.config import DecodeConfig
+    from pipeline.engines import CTranslate2Engine
+    from pipeline.export import export_checkpoint
+    from pipeline.inference import load_model, translate
+    from pipeline.tokenize import Tokenizer
+
+    tokenizer = Tokenizer(tiny_stack.tokenizer)
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (PAD, BOS, EOS)
+    model = random_model(vocab=tokenizer.vocab_size, layers=1)
+    checkpoint = tmp_path / "random.pt"
+    torch.save({"format": CHECKPOINT_FORMAT, "model_config": model.config, "model": model.state_dict(),
+                "tokenizer_sha256": tokenizer.sha256}, checkpoint)
+    decode = DecodeConfig(max_len_a=0.0, max_len_b=12)
+    greedy = {"beam_size": 1, "length_penalty": 0.0}
+    # dev pairs whose source and reference fit the model's 64 positions (scoring cuts neither)
+    src, ref = map(list, zip(*[(s, r) for s, r in zip(*_dev(tiny_stack.corpus))
+                               if max(len(tokenizer.encode(s)), len(tokenizer.encode(r))) < 60][:200]))
+    ours = translate(load_model(checkpoint), tokenizer, src, decode.model_copy(update=greedy))
+    our_scores = [our_log_probs(model, s + [EOS], r) for s, r in zip(tokenizer.encode_batch(src),
+                                                                    tokenizer.encode_batch(ref))]
+
+    def gap(log_probs: list[list[float]]) -> float:
+        return max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(log_probs, our_scores))
+
+    exports = {q: export_checkpoint(checkpoint, tiny_stack.tokenizer, q, tmp_path / q, decode=decode)
+               for q in ("float32", "int8")}
+    config = json.loads((exports["float32"] / "config.json").read_text(encoding="utf-8"))
+    assert {k: config[k] for k in ("add_source_bos", "add_source_eos", "decoder_start_token", "bos_token",
+                                   "eos_token", "unk_token", "layer_norm_epsilon")} == {
+        "add_source_bos": False, "add_source_eos": True, "decoder_start_token": "<s>", "bos_token": "<s>",
+        "eos_token": "</s>", "unk_token": "<unk>", "layer_norm_epsilon": 1e-5}
+    client = plain_client(exports["float32"], src, ref, **greedy)
+    assert client["translations"] == ours and gap(client["log_probs"]) < 1e-4
+    for folder in exports.values():
+        engine = CTranslate2Engine(folder, tokenizer)
+        assert plain_client(folder, src, ref)["translations"] == [n[0] for n in engine.translate(src, decode)]
+
+    old = tmp_path / "old"  # the float32 export as written before: config.json without the source eos
+    shutil.copytree(exports["float32"], old)
+    (old / "config.json").write_text(json.dumps(config | {"add_source_eos": False}), encoding="utf-8")
+    engine = CTranslate2Engine(old, tokenizer)
+    assert [n[0] for n in engine.translate(src, decode.model_copy(update=greedy))] == ours
+    misled = plain_client(old, src, ref, **greedy)
+    assert gap(misled["log_probs"]) > 0.5
+    assert sum(a != b for a, b in zip(misled["translations"], ours)) >= len(src) // 10
 
 
 @pytest.mark.integration

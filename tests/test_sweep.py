@@ -14,7 +14,7 @@ import yaml
 from pipeline.config import ConfigError, load_config
 from pipeline.promotion import paired_bootstrap, pooled_bootstrap
 from pipeline.sweep.config import SweepConfig, base_point, check_space, expand, load_sweep
-from pipeline.sweep.search import ATTEMPTS, Arm, Outcome, arms, confirm, open_study, run_key, search
+from pipeline.sweep.search import ATTEMPTS, Arm, Outcome, arms, confirm, open_storage, open_study, run_key, search
 from pipeline.sweep.verdict import judge, leaderboard, markdown, winner, write_winner
 
 REFS = [f"ein mann mit einem roten hut steht vor dem haus nummer {i} und wartet auf den bus" for i in range(120)]
@@ -54,10 +54,169 @@ def test_sweep_config_names_bad_fields_and_the_base_must_be_a_point(tmp_path):
         "base": {"model.d_model": 256}, "odd": {"model.d_model": 250}}}})
     with pytest.raises(ConfigError, match=r"space.model = 'odd' makes an invalid config: .*divisible by n_heads"):
         check_space(bad, base_point(bad, base))
-    with pytest.raises(ValueError, match=r"enqueue: \['train.seed'\] are not keys of the space"):
+    with pytest.raises(ValueError, match=r"enqueue\[0\]: \['train.seed'\] are not keys of the space"):
         _sweep(tmp_path, enqueue=[{"train.seed": 2}])
     with pytest.raises(ConfigError, match="sweep 'nope' not found"):
         load_sweep("nope")
+
+
+def _sweep_file(tmp_path: Path, text: str = "", **over) -> Path:
+    """The shipped sweep written to ``tmp_path`` with ``over`` replacing its top-level keys (or ``text`` as it is)."""
+    tree = {**yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "sweeps" / "multi30k-cpu.yaml")
+                             .read_text(encoding="utf-8")), **over}
+    path = tmp_path / "x.yaml"
+    path.write_text(text or yaml.safe_dump(tree, sort_keys=False), encoding="utf-8")
+    return path
+
+
+def test_a_sweep_file_is_refused_whole_before_anything_starts_naming_the_file_and_the_field(tmp_path, monkeypatch):
+    """Every hunch value inside its dimension, every dimension well-formed, a field set in one place only, every
+    hunch a valid run config, and a key written once: checked when the file is loaded (Optuna would refuse a hunch
+    or a log range at 0 only when the study first asks for it, after the sweep's MLflow run and the base's trial run
+    exist, 30 minutes in on the shipped sweep)."""
+    import flows.sweep as module
+
+    shipped = load_sweep("multi30k-cpu")
+    space = {k: v.model_dump(exclude_unset=True) for k, v in shipped.space.items()}
+
+    def refused(match: str, **over) -> None:
+        path = _sweep_file(tmp_path, **over)
+        with pytest.raises(ConfigError, match=re.escape(f"{path}: ") + match):
+            load_sweep(path)
+
+    refused(r"enqueue\[1\]\.batch = '1024' is not an option of space\.batch: \['2048', '4096', '2x4096'\]",
+            enqueue=[{"train.rdrop_alpha": 1.0}, {"batch": "1024"}])
+    refused(r"enqueue\[0\]\.batch = 2048 is not an option .*labels are strings: write '2048'",
+            enqueue=[{"batch": 2048}])
+    refused(r"enqueue\[0\]\.model\.dropout = 0\.95 is not one of the choices of space\.model\.dropout: "
+            r"\[0\.1, 0\.2, 0\.3\]", enqueue=[{"model.dropout": 0.95}])
+    refused(r"enqueue\[0\]\.model\.dropout = 0\.95 is outside space\.model\.dropout \[0\.0, 0\.5\]: pick a value",
+            space={**space, "model.dropout": {"type": "float", "low": 0.0, "high": 0.5}},
+            enqueue=[{"model.dropout": 0.95}])
+    refused(r"enqueue\[0\]\.train\.warmup_steps = 600 is not on the grid of space\.train\.warmup_steps: "
+            r"500 \+ k \* 250 up to 2000", enqueue=[{"train.warmup_steps": 600}])
+    refused(r"enqueue\[0\]\.train\.warmup_steps = True is not a number", enqueue=[{"train.warmup_steps": True}])
+    refused(r"enqueue\[0\]\.train\.rdrop_alpha = True is not one of the choices", enqueue=[{"train.rdrop_alpha": True}])
+    refused(r"space\.train\.lr_scale: log needs low > 0 .*got low 0\.0",
+            space={**space, "train.lr_scale": {"type": "float", "low": 0, "high": 2, "log": True}})
+    refused(r"space\.train\.warmup_steps: log needs low > 0 .*got low 0$",
+            space={**space, "train.warmup_steps": {"type": "int", "low": 0, "high": 2000, "log": True}})
+    refused(r"space\.train\.warmup_steps: type 'int' needs whole numbers",
+            space={**space, "train.warmup_steps": {"type": "int", "low": 0.5, "high": 2000}})
+    refused(r"space\.train\.warmup_steps: high 2100 is not on the grid .*set high to 2000",
+            space={**space, "train.warmup_steps": {"type": "int", "low": 500, "high": 2100, "step": 250}})
+    refused(r"space\.train\.warmup_steps: step must be > 0",
+            space={**space, "train.warmup_steps": {"type": "int", "low": 500, "high": 2000, "step": -250}})
+    refused(r"space\.model\.dropout: \['low'\] do not apply to type 'categorical'",
+            space={**space, "model.dropout": {**space["model.dropout"], "low": 0.1}})
+    refused(r"space\.model\.dropout: choices \[0\.1\] are listed more than once",
+            space={**space, "model.dropout": {"type": "categorical", "choices": [0.1, 0.2, 0.1]}})
+    refused(r"space\.batch and trial_overrides both set train\.max_tokens",
+            trial_overrides={**shipped.trial_overrides, "train.max_tokens": 1024})
+    refused(r"space\.model\.dropout and space\.model both set model\.dropout", space={**space, "model": {
+        "type": "group", "options": {k: {**o, "model.dropout": 0.2} for k, o in space["model"]["options"].items()}}})
+    refused(r"storage: 'optuna\.db' is neither a database URL", storage="optuna.db")
+    refused(r"storage: 'sqlite://' is a database in memory", storage="sqlite://")
+    # a key written twice: refused as in a run config, with both lines
+    text = _sweep_file(tmp_path).read_text(encoding="utf-8").replace("trials: 16\n", "trials: 16\ntrials: 4\n")
+    path = _sweep_file(tmp_path, text)
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: duplicate key 'trials' on line 4 and line 5; keep one")):
+        load_sweep(path)
+    # values inside the space, each a valid config on the base, whose combination is not: the hunch is named, and
+    # the flow's body stops there, before the deployment, the study or any run
+    path = _sweep_file(tmp_path, space={"data.cleaning.min_words": {"type": "categorical", "choices": [1, 50]},
+                                        "data.cleaning.max_words": {"type": "categorical", "choices": [250, 40]}},
+                       enqueue=[{"data.cleaning.min_words": 50, "data.cleaning.max_words": 40}])
+    started = []
+    monkeypatch.setattr(module, "get_run_logger", lambda: None)
+    monkeypatch.setattr(module, "DeploymentRunner", lambda *a: started.append(a))
+    monkeypatch.setattr(module, "open_study", lambda *a: started.append(a))
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: enqueue[0] {{'data.cleaning.min_words': 50, "
+                                                    "'data.cleaning.max_words': 40} makes an invalid config: ")
+                       + ".*min_words \\(50\\) must not exceed max_words \\(40\\)"):
+        module._run_sweep(str(path), None, None, None, None, True)
+    assert not started, "something started before the sweep file was refused"
+
+
+def test_a_storage_that_cannot_be_opened_names_the_field_and_what_to_write(tmp_path):
+    """A storage: URL SQLAlchemy cannot open says so in one line naming the sweep file, the field, its value and what
+    to write instead, not with SQLAlchemy's traceback (and it fails before the study exists)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = _sweep_file(tmp_path)
+    for storage, why in (("foo://db", "Can't load plugin: sqlalchemy.dialects:foo"),
+                         (f"sqlite:///{blocker}/optuna.db", "unable to open database file"),
+                         (f"journal:{blocker}/journal.log", f"[Errno 17] File exists: '{blocker}'")):
+        sweep = load_sweep(_sweep_file(tmp_path, storage=storage))
+        with pytest.raises(ConfigError) as e:
+            open_storage(sweep, tmp_path)
+        assert str(e.value) == (f"{path}: storage = {storage!r} cannot be opened: {why}. Leave storage empty (SQLite "
+                                "in the work dir), or give sqlite:///<file in a writable folder>, a database URL whose "
+                                "server answers and whose driver is installed (postgresql://...), or journal:<file>")
+    # the default, and a journal file whose folder does not exist yet, open
+    assert open_storage(load_sweep(_sweep_file(tmp_path, storage="")), tmp_path).get_all_studies() == []
+    assert open_storage(load_sweep(_sweep_file(tmp_path, storage=f"journal:{tmp_path}/new/j.log")), tmp_path)
+
+
+def test_trials_and_max_in_flight_below_one_are_refused_not_replaced_by_the_files(tmp_path):
+    """``-p trials=0`` / ``-p max_in_flight=0`` were taken as "not given" (the file's 16 and 1 ran instead): the
+    flows' schema refuses them, so the server refuses the run when it is created (the deployment's schema) and the
+    flow before its body; a sweep loaded with them names the parameter, not the file."""
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+
+    import flows.sweep as module
+
+    for flow in (module.sweep_translation, module.sweep_en_de):
+        properties = parameter_schema(flow.fn).model_dump_for_openapi()["properties"]
+        for name in ("trials", "max_in_flight"):
+            assert {"minimum": 1, "type": "integer"} in properties[name]["anyOf"], (flow.name, properties[name])
+        with pytest.raises(ParameterTypeError, match=r"(?s)trials: Input should be greater than or equal to 1.*"
+                                                     r"max_in_flight: Input should be greater than or equal to 1"):
+            flow.validate_parameters({"trials": 0, "max_in_flight": 0})
+        assert flow.validate_parameters({"trials": 1})["trials"] == 1
+    with pytest.raises(ConfigError, match=r"^parameter max_in_flight=0: Input should be greater than or equal to 1$"):
+        load_sweep("multi30k-cpu", {"max_in_flight": 0})
+
+
+def test_a_run_cancelled_with_its_controller_is_resumed_by_the_next_and_one_cancelled_while_watched_is_over(tmp_path):
+    """A sweep that fails cancels the runs it started (its hooks; Prefect does it for a cancelled one): the next
+    controller resumes each by its next attempt instead of counting the trial failed. A run that ends CANCELLED while
+    a controller watches it was cancelled on purpose (by hand): its trial is over."""
+    sweep = _sweep(tmp_path, trials=2, max_in_flight=2, pruner={"kind": "none"})
+    point = base_point(sweep, load_config(sweep.base))
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    runner = ScriptedRunner(points=3)
+
+    def dies(run_id):
+        raise RuntimeError("the controller fails at its first look")
+
+    runner.curve, curve = dies, runner.curve
+    with pytest.raises(RuntimeError, match="first look"):
+        search(sweep, study, runner, lambda p: expand(sweep, p))
+    assert len(runner.runs) == 2
+    for run_id in list(runner.runs):  # what the sweep flow's hook does
+        runner.cancel(run_id, "cancelled with its sweep controller")
+    runner.curve = curve
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    search(sweep, study, runner, lambda p: expand(sweep, p))
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    assert [t.user_attrs["run_id"] for t in trials] == [runner.keys[run_key(study, f"trial-{t.number}-attempt-2")]
+                                                        for t in trials]
+    # watched: cancelled by hand after it started, the trial fails and nothing starts again for it
+    class CancelledByHand(ScriptedRunner):
+        def state(self, run_id):
+            if self.runs[run_id]["looks"]:
+                self.cancel(run_id, "by hand")
+            return super().state(run_id)
+
+    watched = CancelledByHand()
+    study.enqueue_trial({"train.warmup_steps": 2000, "model": "wide"})
+    search(_sweep(tmp_path, trials=3, max_in_flight=1, pruner={"kind": "none"}), study, watched,
+           lambda p: expand(sweep, p))
+    assert study.trials[2].state.name == "FAIL" and study.trials[2].user_attrs["run_state"] == "CANCELLED"
+    assert len(watched.runs) == 1
 
 
 class ScriptedRunner:
@@ -562,6 +721,131 @@ def test_a_deployment_applied_before_a_field_existed_fails_the_sweep_before_anyt
                      r"ops\.localstack up`", logs), logs[-3000:]
     assert _api_runs(prefect, run_id) == [] and not prefect_runs_tagged(prefect, "sweep:stale")
     assert not (stack["home"] / "work" / "sweeps" / "stale").exists()  # no study, no leaderboard
+
+
+def _idle_deployment(prefect) -> str:
+    """A copy of ``train-en-de/multi30k-cpu`` on a work pool no worker serves: its runs stay scheduled, a trial that
+    never finishes (and never trains on the test machine). Returns its ``<flow>/<deployment>`` name."""
+    import uuid
+
+    from tests.conftest import api
+
+    (current,) = api(prefect.api, "/deployments/filter", {"flows": {"name": {"any_": ["train-en-de"]}},
+                                                           "deployments": {"name": {"any_": ["multi30k-cpu"]}}})
+    name = f"idle-{uuid.uuid4().hex[:8]}"
+    api(prefect.api, "/work_pools/", {"name": name, "type": "process"})
+    api(prefect.api, "/deployments/", {"name": name, "flow_id": current["flow_id"], "entrypoint": current["entrypoint"],
+                                       "work_pool_name": name, "enforce_parameter_schema": True,
+                                       "parameter_openapi_schema": current["parameter_openapi_schema"]})
+    return f"train-en-de/{name}"
+
+
+def _two_trials(tmp_path: Path, name: str, deployment: str) -> Path:
+    """A sweep of two trials at once (the base and a hunch) on ``deployment``, in an MLflow experiment of its own."""
+    sweep = {"name": name, "base": "multi30k-cpu-hub", "deployment": deployment, "trials": 2, "max_in_flight": 2,
+             "poll_s": 1, "trial_overrides": {"export.engine": "none", "tracking.experiment": name},
+             "space": {"train.lr_scale": {"type": "categorical", "choices": [1.0, 1.5]}},
+             "enqueue": [{"train.lr_scale": 1.5}], "pruner": {"kind": "none"}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(sweep), encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_sweep_that_crashes_or_fails_cancels_the_trials_it_started_and_ends_its_mlflow_run(stack, shared_data,
+                                                                                             tmp_path, monkeypatch):
+    """A sweep's controller that dies leaves no trial training without it and no MLflow run RUNNING: killed (SIGKILL
+    of its flow-run process: the worker's on_crashed hooks), its trial runs end CANCELLED and its MLflow run KILLED;
+    failed (an exception in the controller after its trials started: on_failure, in its own process), they end
+    CANCELLED and FAILED. The trials are runs of a deployment no worker serves: they never finish."""
+    import uuid
+
+    from mlflow.tracking import MlflowClient
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    import flows.sweep as module
+    from tasks.sweep import DeploymentRunner
+    from tests.test_crash import _flow_run_process, _wait
+
+    prefect, mlflow = stack["prefect"], MlflowClient(stack["mlflow"])
+    idle = _idle_deployment(prefect)
+
+    def ended(name: str, flow_run_id: str, status: str) -> None:
+        """The sweep's MLflow run ends ``status`` and every trial run it started ends CANCELLED."""
+        trials = _wait("the sweep's two trial runs", lambda: len(_api_runs(prefect, flow_run_id)) == 2 and
+                       _api_runs(prefect, flow_run_id), 60)
+        assert all(f"sweep:{name}" in r["tags"] for r in trials)
+        _wait("its trial runs to be cancelled", lambda: {r["state"]["type"] for r in _api_runs(prefect, flow_run_id)}
+              == {"CANCELLED"}, 60)
+        exp = mlflow.get_experiment_by_name(name)
+        (parent,) = mlflow.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+        _wait(f"its MLflow run to end {status}", lambda: mlflow.get_run(parent.info.run_id).info.status == status, 60)
+        _wait("the hook's word in the sweep's logs", lambda: re.search(
+            rf"cancelled the 2 run\(s\) it had started that were not over: {name}-trial-[01], {name}-trial-[01]",
+            prefect.logs(flow_run_id)), 30)
+
+    # Crashed: its process killed once both trials are scheduled
+    crashed = f"crashed-{uuid.uuid4().hex[:6]}"
+    run_id = prefect.start_deployment("sweep-translation/multi30k-cpu",
+                                      {"sweep": str(_two_trials(tmp_path, crashed, idle))})
+    _wait("the sweep to start its two trial runs", lambda: len(_api_runs(prefect, run_id)) == 2, 180)
+    engine = _flow_run_process(stack["services"]["prefect-worker"].pid, run_id)
+    assert engine is not None, "no flow-run process under the worker"
+    engine.kill()
+    _wait("Prefect to mark the sweep CRASHED", lambda: prefect.flow_run(run_id)["state"]["type"] == "CRASHED", 60)
+    ended(crashed, run_id, "KILLED")
+
+    # Failed: the controller raises at its first look at its trials (in this process, against the same servers)
+    failed = f"failed-{uuid.uuid4().hex[:6]}"
+
+    def look_fails(self, run_id):
+        raise RuntimeError("the controller fails after its trials started")
+
+    monkeypatch.setattr(DeploymentRunner, "curve", look_fails)
+    monkeypatch.setenv("AIAYN_WORK_DIR", str(tmp_path / "work"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", stack["mlflow"])  # the flow exports it: restored after the test
+    with temporary_settings({PREFECT_API_URL: prefect.api}), \
+            pytest.raises(RuntimeError, match="the controller fails after its trials started"):
+        module.sweep_translation(str(_two_trials(tmp_path, failed, idle)), str(shared_data),
+                                 tracking_uri=stack["mlflow"], confirm=False)
+    (parent,) = mlflow.search_runs([mlflow.get_experiment_by_name(failed).experiment_id], f"tags.sweep = '{failed}'")
+    run_id = parent.data.tags["prefect.flow_run_id"]
+    assert prefect.flow_run(run_id)["state"]["type"] == "FAILED"
+    ended(failed, run_id, "FAILED")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_missing_deployment_and_a_count_below_one_are_refused_saying_what_to_do(stack, tmp_path):
+    """A sweep whose trial deployment does not exist says which name it looked up and how to create it (Prefect says
+    only "ObjectNotFound: None"); ``-p trials=0`` is refused by the server when the run is created (it was taken as
+    "not given" and the file's 16 trials ran), so no sweep run exists."""
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.sweep import DeploymentRunner
+    from tests.conftest import REPO_ROOT
+
+    prefect = stack["prefect"]
+    with temporary_settings({PREFECT_API_URL: prefect.api}), pytest.raises(ConfigError) as e:
+        DeploymentRunner("train-en-de/nope", {}, tmp_path, [], "configs/sweeps/x.yaml").check([])
+    assert str(e.value) == (
+        f"configs/sweeps/x.yaml: deployment 'train-en-de/nope' does not exist on the Prefect server {prefect.api}/: "
+        "apply the project's deployments (`.venv/bin/python -m ops.localstack up`, or `prefect --no-prompt deploy "
+        "--all` in the project folder), or name an existing one as <flow name>/<deployment name> (`prefect deployment "
+        "ls` lists them)")
+    before = prefect_runs_tagged(prefect, "sweep-zero")
+    for name in ("trials", "max_in_flight"):
+        res = subprocess.run([str(Path(sys.executable).with_name("prefect")), "deployment", "run",
+                              "sweep-translation/multi30k-cpu", "--params", json.dumps({name: 0}),
+                              "--tag", "sweep-zero"], cwd=REPO_ROOT, env=prefect.env, capture_output=True, text=True,
+                             timeout=120)
+        out = " ".join((res.stdout + res.stderr).split())  # as one line: the console wraps long ones
+        assert res.returncode != 0 and f"'{name}'. Failure reason: 0 is less than the minimum of 1" in out, out[-3000:]
+    assert prefect_runs_tagged(prefect, "sweep-zero") == before == []
 
 
 def _api_runs(prefect, parent_id: str) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Trainer: loss goes down, exact resume, checkpoint integrity, accumulation maths, torchrun (1 and 2 "nodes")."""
+"""Trainer: loss goes down, exact resume, checkpoint integrity, accumulation maths, non-finite updates, torchrun (1
+and 2 "nodes", refusals)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -367,6 +369,97 @@ def test_metrics_rows_past_the_resumed_step_are_dropped(tmp_path):
     assert [json.loads(line).get("step") for line in path.read_text().splitlines()] == [None, 2, 4]
 
 
+# -------------------------------------------------------------------------------------------- non-finite updates
+
+
+def all_finite(state: dict) -> bool:
+    return all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+@pytest.mark.integration
+def test_a_nonfinite_loss_stops_the_run_naming_the_update_and_keeps_the_last_finite_checkpoint(shared_data, shards,
+                                                                                             tmp_path):
+    # A learning rate that legitimately overflows: update 1 moves every weight by about 1e27, so that from update 2
+    # on the attention logits overflow float32 and the loss is nan, batch after batch.
+    out = tmp_path / "run"
+    cmd = [sys.executable, *train_command(shared_data, shards, out, "train.lr_scale=1e30", "train.max_steps=10",
+                                          "train.checkpoint_every_steps=1", "train.log_every_steps=1",
+                                          "train.max_nonfinite_updates=2")]
+    res = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    error = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    newest = out.resolve() / "checkpoints" / "ckpt-00000001.pt"
+    assert error == [
+        "error: training stopped at update 2 (loss nan, gradient norm nan): non-finite updates in a row: 3, more "
+        "than train.max_nonfinite_updates=2 allows (a skipped update is tried again on new batches); the newest "
+        f"checkpoint, {newest} (step 1), holds the last finite weights. Try a lower learning rate (train.lr_scale) "
+        "or a longer warm-up (train.warmup_steps), gradient clipping (train.clip_norm, e.g. 1.0), or check the "
+        "training data for broken pairs"], res.stderr[-3000:]
+    skips = [line for line in res.stderr.splitlines() if "so skipped" in line]
+    assert len(skips) == 2 and all("update 2 (loss nan, gradient norm nan): not finite, so skipped" in line
+                                   for line in skips)
+    assert "; 1 in a row, train.max_nonfinite_updates=2" in skips[0] and "; 2 in a row," in skips[1]
+    assert [e["step"] for e in read_index(out / "checkpoints")] == [1] and all_finite(final_state(out))
+    assert metrics(out)[-1]["skipped_updates"] == 3 and not (out / "train_summary.json").exists()
+
+
+@pytest.mark.integration
+def test_nonfinite_updates_within_the_limit_are_skipped_and_training_goes_on(shared_data, shards, tmp_path, caplog):
+    forwards = []
+
+    def nan_on_forwards_3_and_4(module, args, output):  # torch's global hook: the model, as train() builds it
+        if isinstance(module, Transformer) and module.training:
+            forwards.append(1)
+            return output * float("nan") if len(forwards) in (3, 4) else output
+        return output
+
+    cfg = config(shared_data, "train.max_steps=5", "train.log_every_steps=1", "train.max_nonfinite_updates=2")
+    hook = torch.nn.modules.module.register_module_forward_hook(nan_on_forwards_3_and_4)
+    try:
+        with caplog.at_level(logging.WARNING, logger="aiayn.train"):
+            out = train(cfg, shards, tmp_path / "run")
+    finally:
+        hook.remove()
+    assert len(forwards) == 7  # 5 updates made, 2 skipped
+    assert [r.getMessage().split(":")[0] for r in caplog.records if "so skipped" in r.getMessage()] == \
+        ["update 3 (loss nan, gradient norm nan)"] * 2
+    logged = [m for m in metrics(out) if "loss" in m]
+    assert [(m["step"], m["skipped_updates"]) for m in logged] == [(1, 0), (2, 0), (3, 2), (4, 2), (5, 2)]
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in logged)
+    state = final_state(out)
+    # Skipped whole: Adam stepped 5 times, the schedule too; the skipped batches were used up (7 groups of 1).
+    assert state["scheduler"]["last_epoch"] == 5 and state["skipped_updates"] == 2 and state["batch_pos"] == 7
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {5.0}
+    assert logged[-1]["tgt_tokens"] == state["totals"][0]  # tokens of the updates made only
+    assert all_finite(state) and json.loads((out / "train_summary.json").read_text())["steps"] == 5
+
+
+@pytest.mark.integration
+def test_weights_that_are_not_finite_are_never_checkpointed(shared_data, shards, tmp_path):
+    from pipeline.train.trainer import NonFiniteError
+
+    def break_a_bias_on_forward_2(module, args, output):
+        # after the forward of update 2: its loss and gradient stay finite, and Adam's step keeps the inf
+        if isinstance(module, Transformer) and module.training:
+            module.calls = getattr(module, "calls", 0) + 1
+            if module.calls == 2:
+                with torch.no_grad():  # a bias: backward does not read it, so changing it in place is allowed
+                    module.decoder.layers[0].ffn.w_2.bias[0] = float("inf")
+        return output
+
+    cfg = config(shared_data, "train.max_steps=4", "train.checkpoint_every_steps=2", "train.precision=fp32")
+    hook = torch.nn.modules.module.register_module_forward_hook(break_a_bias_on_forward_2)
+    try:
+        with pytest.raises(NonFiniteError) as err:
+            train(cfg, shards, tmp_path / "run")
+    finally:
+        hook.remove()
+    assert str(err.value).startswith(
+        "the weights after update 2 are not finite (decoder.layers.0.ffn.w_2.bias), so they are not saved; no "
+        "checkpoint was written. Try a lower learning rate (train.lr_scale)")
+    assert read_index(tmp_path / "run" / "checkpoints") == []
+
+
 # --------------------------------------------------------------------- initialising from another run's weights
 
 
@@ -580,7 +673,7 @@ def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared
     assert {p.dtype for p in step.model.parameters()} == {torch.float32}
     assert work.output_projection.weight is work.encoder.embed_tokens.weight  # still shared in the copy
 
-    step.accumulate(micro)  # two micro-batches: their bf16 gradients summed into fp32 ones
+    sums, counts = step.accumulate(micro)  # two micro-batches: their bf16 gradients summed into fp32 ones
     assert all(p.grad is None for p in work.parameters())
     ref = TrainStep(copy.deepcopy(model), config(shared_data, "model.dropout=0.0"), info, ds.special.pad)
     ref.accumulate(micro)
@@ -589,7 +682,7 @@ def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared
         assert float((p.grad - r.grad).norm()) <= 0.05 * float(r.grad.norm()) + 1e-6, name  # bf16 rounding only
 
     before = [p.detach().clone() for p in step.model.parameters()]
-    step.apply(want_norm=False)
+    assert step.apply(sums, counts).applied
     for p, w, old in zip(step.model.parameters(), work.parameters(), before):
         assert p.dtype == torch.float32 and not torch.equal(p, old)  # Adam stepped the fp32 weights...
         assert torch.equal(w, p.detach().to(torch.bfloat16))  # ...and the bf16 copy follows them
@@ -726,6 +819,79 @@ def test_torchrun_two_nodes_bind_the_configured_interface(shared_data, shards, t
     check_ranks_agree(out, world=2, steps=4)
 
 
+def refused_by_torchrun(shared_data: Path, shards: Path, out: Path, *overrides: str, monkeypatch) -> Exception:
+    """Two processes started as the training task starts them (``torchrun_command``, ``run_torchrun``), whose ranks
+    refuse: the launcher's error, a user error that the task's retry condition does not retry."""
+    import asyncio
+
+    from prefect.states import exception_to_failed_state
+
+    from pipeline.config import LaunchConfig
+    from pipeline.errors import UserError
+    from pipeline.train.launch import torchrun_command
+    from tasks.training import TrainingFailed, TrainingRefused, _retry_unless_refused, run_torchrun
+
+    for name, value in torchrun_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AIAYN_WORK_DIR", raising=False)
+    cmd = torchrun_command(LaunchConfig(nproc_per_node=2),
+                           resolved_tiny_config(shared_data, Path(shards).parent, *overrides), shards, out)
+    with pytest.raises(TrainingRefused) as err:
+        run_torchrun(cmd, logging.getLogger("test.torchrun"))
+    assert isinstance(err.value, UserError)
+    retried = [_retry_unless_refused(None, None, asyncio.run(exception_to_failed_state(e)))
+               for e in (err.value, TrainingFailed("torchrun exited with status 1"))]
+    assert retried == [False, True]
+    return err.value
+
+
+@pytest.mark.integration
+def test_torchrun_ranks_stop_together_on_a_nonfinite_loss_and_are_not_retried(shared_data, shards, tmp_path,
+                                                                              monkeypatch):
+    out = tmp_path / "run"
+    err = refused_by_torchrun(shared_data, shards, out, "train.lr_scale=1e30", "train.max_steps=10",
+                              "train.update_tokens=1024", "train.checkpoint_every_steps=1",
+                              "train.max_nonfinite_updates=0", monkeypatch=monkeypatch)
+    # Both ranks refused with the same message (once here): the loss was summed over them before either stepped.
+    assert str(err) == (
+        "training stopped on its config or input and is not retried (a retry would stop the same way): "
+        "training stopped at update 2 (loss nan, gradient norm nan): non-finite updates in a row: 1, more than "
+        "train.max_nonfinite_updates=0 allows (a skipped update is tried again on new batches); the newest "
+        f"checkpoint, {out.resolve() / 'checkpoints' / 'ckpt-00000001.pt'} (step 1), holds the last finite weights. "
+        "Try a lower learning rate (train.lr_scale) or a longer warm-up (train.warmup_steps), gradient clipping "
+        "(train.clip_norm, e.g. 1.0), or check the training data for broken pairs")
+    assert [e["step"] for e in read_index(out / "checkpoints")] == [1] and all_finite(final_state(out))
+
+
+@pytest.mark.integration
+def test_torchrun_refusal_of_rank_0_alone_is_not_retried(shared_data, shards, tmp_path, monkeypatch):
+    # Only rank 0 checks --out; rank 1 goes on to its first collective and fails there, or torchrun stops it.
+    (tmp_path / "file.txt").write_text("x")
+    out = tmp_path / "file.txt" / "run"
+    err = refused_by_torchrun(shared_data, shards, out, "train.update_tokens=1024", monkeypatch=monkeypatch)
+    assert str(err).endswith(f"(a retry would stop the same way): --out {out} cannot be used: {tmp_path / 'file.txt'} "
+                             "is a file; pass --out a writable folder")
+
+
+def test_a_node_refused_makes_the_training_stage_refused():
+    """Several nodes: each node's torchrun runs in its own flow run, so its refusal reaches the stage as the
+    state message of that run."""
+    from uuid import uuid4
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import Crashed, Failed
+
+    from tasks.training import TrainingRefused, _nodes_failed
+
+    refused = FlowRun(flow_id=uuid4(), name="n0", state=Failed(
+        message="Flow run encountered an exception: TrainingRefused: the training processes refused ..."))
+    lost = FlowRun(flow_id=uuid4(), name="n1", state=Crashed(message="Flow run infrastructure exited with code 137"))
+    assert type(_nodes_failed([(0, refused), (1, lost)], 2)) is TrainingRefused
+    failed = _nodes_failed([(1, lost)], 2)
+    assert type(failed) is not TrainingRefused and str(failed) == (
+        f"node 1 of 2 (flow run n1, {lost.id}) ended CRASHED: Flow run infrastructure exited with code 137")
+
+
 # ------------------------------------------------------------------------------------ refused before training
 
 
@@ -733,6 +899,8 @@ def test_torchrun_two_nodes_bind_the_configured_interface(shared_data, shards, t
     (["tokenizer.vocab_size=999"], "tokenizer.vocab_size=999 but the shards"),
     (["train.max_tokens=40", "train.update_tokens=40"], "needs"),
     (["train.update_tokens=600"], "cannot be split over 2 processes"),
+    (["train.lr_scale=1e300"], "train.lr_scale=1e[+]300 makes the peak learning rate 5.59e[+]298 .at step "
+                               "train.warmup_steps=10., beyond what float32 weights can take"),
 ])
 @pytest.mark.integration
 def test_bad_config_fails_before_training(shared_data, shards, tmp_path, overrides, words):

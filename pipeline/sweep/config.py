@@ -7,14 +7,15 @@ a trial is exactly what a user gets from ``-p overrides=...``, and a winner is a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from pipeline.config import CONFIG_DIR, ConfigError, RunConfig, _Strict, _leaf_fields, load_config
+from pipeline.config import (CONFIG_DIR, ConfigError, RunConfig, _Strict, _leaf_fields, load_config, read_yaml_file,
+                             resolve_config)
 
 SWEEP_DIR = CONFIG_DIR / "sweeps"
 _FIELDS = dict(_leaf_fields(RunConfig))
@@ -46,16 +47,83 @@ class Param(_Strict):
 
     @model_validator(mode="after")
     def _complete(self) -> "Param":
+        # Everything Optuna would refuse only when the study first asks for a value (after the study, the sweep's
+        # MLflow run and the base trial's run exist), and what it would quietly change, refused with the file.
+        foreign = sorted(k for k in self.model_fields_set if k != "type" and k not in _KEYS[self.type])
+        if foreign:
+            raise ValueError(f"{foreign} do not apply to type {self.type!r}, which takes {list(_KEYS[self.type])}")
         if self.type in ("int", "float"):
             if self.low is None or self.high is None or self.low > self.high:
                 raise ValueError(f"type {self.type!r} needs low <= high")
+            if self.type == "int" and any(v is not None and v != int(v) for v in (self.low, self.high, self.step)):
+                raise ValueError("type 'int' needs whole numbers for low, high and step")
             if self.log and self.step is not None:
                 raise ValueError("log and step exclude each other")
-        elif self.type == "categorical" and not self.choices:
-            raise ValueError("type 'categorical' needs a non-empty 'choices' list")
+            if self.log and self.low <= 0:
+                raise ValueError(f"log needs low > 0 (a log scale has no 0 nor negative values), got low "
+                                 f"{_show(self.low, self.type)}")
+            if self.step is not None and self.step <= 0:
+                raise ValueError(f"step must be > 0, got {_show(self.step, self.type)}")
+            if self.step is not None and not _on_grid(self.high, self.low, self.step):
+                top = self.low + self.step * math.floor((self.high - self.low) / self.step + 1e-9)
+                raise ValueError(f"high {_show(self.high, self.type)} is not on the grid low + k * step (it would "
+                                 f"never be tried): set high to {_show(round(top, 12), self.type)}, or change step")
+        elif self.type == "categorical":
+            if not self.choices:
+                raise ValueError("type 'categorical' needs a non-empty 'choices' list")
+            twice = [c for i, c in enumerate(self.choices) if any(_same(c, d) for d in self.choices[:i])]
+            if twice:
+                raise ValueError(f"choices {twice} are listed more than once: list each value once")
         elif self.type == "group" and not self.options:
             raise ValueError("type 'group' needs 'options': {label: {field: value, ...}}")
         return self
+
+    def fields(self, key: str) -> set[str]:
+        """The config fields this dimension (the space's ``key``) sets."""
+        return {f for o in self.options.values() for f in o} if self.type == "group" else {key}
+
+    def outside(self, key: str, value: Any) -> str | None:
+        """Why ``value`` is not a point of this dimension (the space's ``key``), as the end of a sentence
+        ("outside space.model.dropout [0.0, 0.5]"); None when it is one."""
+        where = f"space.{key}"
+        if self.type == "group":
+            if isinstance(value, str) and value in self.options:
+                return None
+            quote = f"; labels are strings: write {str(value)!r}" if str(value) in self.options else ""
+            return f"not an option of {where}: {list(self.options)}{quote}"
+        if self.type == "categorical":
+            return None if any(_same(value, c) for c in self.choices) else \
+                f"not one of the choices of {where}: {self.choices}"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"not a number ({where} is a range of {self.type} values)"
+        if self.type == "int" and value != int(value):
+            return f"not a whole number ({where} is a range of int values)"
+        if not self.low <= value <= self.high:
+            return f"outside {where} [{_show(self.low, self.type)}, {_show(self.high, self.type)}]"
+        if self.step is not None and not _on_grid(value, self.low, self.step):
+            return (f"not on the grid of {where}: {_show(self.low, self.type)} + k * {_show(self.step, self.type)} "
+                    f"up to {_show(self.high, self.type)}")
+        return None
+
+
+# What each type of dimension takes besides its type: any other key would be ignored without a word.
+_KEYS = {"int": ("low", "high", "step", "log"), "float": ("low", "high", "step", "log"), "categorical": ("choices",),
+         "group": ("options",)}
+
+
+def _show(x: float, kind: str) -> int | float:
+    """A bound as the dimension's kind writes it (an int range's 500.0 is 500)."""
+    return int(x) if kind == "int" else x
+
+
+def _on_grid(value: float, low: float, step: float) -> bool:
+    k = (value - low) / step
+    return abs(k - round(k)) < 1e-9
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as sweep values: True is not 1 (Python says it is), so a flag and a number never stand for each other."""
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
 
 
 class PrunerConfig(_Strict):
@@ -121,21 +189,58 @@ class SweepConfig(_Strict):
         "Optuna storage: empty = SQLite in the work dir (<work_dir>/sweeps/<name>/optuna.db); a database URL "
         "(sqlite:///..., postgresql://...) or journal:<file> (Optuna's journal file, for shared file systems)."))
     poll_s: float = Field(default=10.0, gt=0, description="How often, in seconds, running trials are looked at.")
+    _source: Path | None = PrivateAttr(default=None)  # the file it was loaded from (load_sweep), for messages
+
+    @property
+    def source(self) -> str:
+        """What a message about this sweep names: its file, or (a sweep built in code) its name."""
+        return str(self._source) if self._source else f"sweep {self.name}"
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_form(cls, v: str) -> str:
+        if v.startswith("journal:"):
+            if not v.removeprefix("journal:").strip():
+                raise ValueError("journal: needs the journal file's path: journal:<file>")
+        elif v and "://" not in v:
+            raise ValueError(f"{v!r} is neither a database URL (sqlite:///<file>, postgresql://...) nor "
+                             "journal:<file>; leave storage empty for SQLite in the work dir")
+        elif v.startswith("sqlite://") and v.removeprefix("sqlite://").removeprefix("/") in ("", ":memory:"):
+            raise ValueError(f"{v!r} is a database in memory: the study would end with its controller, and a "
+                             "sweep started again would run every trial again; name a file (sqlite:///<file>) or "
+                             "leave storage empty for SQLite in the work dir")
+        return v
 
     @model_validator(mode="after")
-    def _fields_exist(self) -> "SweepConfig":
+    def _consistent(self) -> "SweepConfig":
+        # Every value the study will be told, checked before it exists: Optuna refuses a hunch outside the space
+        # only when it is first asked for, after the sweep's runs have started.
         for key in [*self.trial_overrides, *self.space]:
             if key not in _FIELDS and not (self.space.get(key) and self.space[key].type == "group"):
                 raise ValueError(f"{key!r} is not a config field (dotted, e.g. train.warmup_steps)")
-        for point in self.enqueue:
-            unknown = sorted(set(point) - set(self.space))
-            if unknown:
-                raise ValueError(f"enqueue: {unknown} are not keys of the space")
         for key, param in self.space.items():
             if param.type == "group":
                 unknown = sorted({f for o in param.options.values() for f in o if f not in _FIELDS})
                 if unknown:
                     raise ValueError(f"space.{key}: {unknown} are not config fields")
+        # a field set twice takes whichever value comes last: the other would never be measured
+        setters: dict[str, str] = {f: "trial_overrides" for f in self.trial_overrides}
+        for key, param in self.space.items():
+            for f in sorted(param.fields(key)):
+                if f in setters:
+                    raise ValueError(f"space.{key} and {setters[f]} both set {f}: one of them would never be "
+                                     "tried; keep it in one place")
+                setters[f] = f"space.{key}"
+        for i, hunch in enumerate(self.enqueue):
+            unknown = sorted(set(hunch) - set(self.space))
+            if unknown:
+                raise ValueError(f"enqueue[{i}]: {unknown} are not keys of the space (a hunch sets dimensions of "
+                                 "the space; the rest is the base's)")
+            for key, value in hunch.items():
+                why = self.space[key].outside(key, value)
+                if why:
+                    raise ValueError(f"enqueue[{i}].{key} = {value!r} is {why}: pick a value of the space, or widen "
+                                     "it")
         return self
 
 
@@ -149,21 +254,30 @@ def resolve_sweep_path(name_or_path: str | Path) -> Path:
 
 
 def load_sweep(name_or_path: str | Path, overrides: dict[str, Any] | None = None) -> SweepConfig:
-    """Load and validate a sweep; ``overrides`` set top-level fields (``trials``, ``max_in_flight``).
-    A :class:`ConfigError` names the file and the field."""
+    """Load and validate a sweep, read as run configs are (:func:`pipeline.config.read_yaml_file`: a repeated key
+    is refused); ``overrides`` set top-level fields (``trials``, ``max_in_flight``). A :class:`ConfigError` names
+    the file and the field, or the flow parameter that set it."""
     path = resolve_sweep_path(name_or_path)
+    tree = {**read_yaml_file(path), **(overrides or {})}
     try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: top level must be a mapping")
-    tree.update(overrides or {})
-    try:
-        return SweepConfig.model_validate(tree)
+        sweep = SweepConfig.model_validate(tree)
     except ValidationError as e:
-        lines = [f"{'.'.join(str(p) for p in err['loc']) or '<top level>'}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"{path}: " + "; ".join(lines)) from None
+        lines = [_error_line(err, path, overrides or {}) for err in e.errors()]
+        raise ConfigError(lines[0] if len(lines) == 1
+                          else "invalid sweep:\n" + "\n".join(f"  {line}" for line in lines)) from None
+    sweep._source = path
+    return sweep
+
+
+def _error_line(err: dict, path: Path, overrides: dict[str, Any]) -> str:
+    """One validation error as a run config's are, ``<file>: <field>: <what> (got <value>)``, or ``parameter
+    <name>=<value>: <what>`` for a value the flow run's parameters set. A rule of this module's says what it got
+    itself, and a rule over several fields names them."""
+    loc = ".".join(str(p) for p in err["loc"])
+    if err["loc"] and err["loc"][0] in overrides:
+        return f"parameter {loc}={overrides[err['loc'][0]]!r}: {err['msg']}"
+    what = str(err["ctx"]["error"]) if err["type"] == "value_error" else f"{err['msg']} (got {err['input']!r})"
+    return f"{path}: {loc}: {what}" if loc else f"{path}: {what}"
 
 
 def expand(sweep: SweepConfig, params: dict[str, Any], fixed: bool = True) -> dict[str, Any]:
@@ -176,6 +290,16 @@ def expand(sweep: SweepConfig, params: dict[str, Any], fixed: bool = True) -> di
         out.update(spec.options[value] if spec.type == "group" else {key: round(value, 12)
                                                                       if isinstance(value, float) else value})
     return out
+
+
+def resolve_base(sweep: SweepConfig, data_root: str | None = None) -> RunConfig:
+    """What every trial starts from: the base config with the sweep's ``trial_overrides``, resolved as the
+    controller's environment resolves it (:func:`pipeline.config.resolve_config`); a :class:`ConfigError` names
+    the sweep file."""
+    try:
+        return resolve_config(sweep.base, sweep.trial_overrides, data_root=data_root)
+    except ConfigError as e:
+        raise ConfigError(f"{sweep.source}: base {sweep.base!r} with its trial_overrides: {e}") from None
 
 
 def base_point(sweep: SweepConfig, base: RunConfig) -> dict[str, Any]:
@@ -194,19 +318,15 @@ def base_point(sweep: SweepConfig, base: RunConfig) -> dict[str, Any]:
         if spec.type == "group":
             label = next((k for k, o in spec.options.items() if all(value(f) == v for f, v in o.items())), None)
             if label is None:
-                raise ConfigError(f"sweep {sweep.name}: the base config {sweep.base!r} matches no option of "
+                raise ConfigError(f"{sweep.source}: the base config {sweep.base!r} matches no option of "
                                   f"space.{key} ({sorted(spec.options)}): add its values as an option")
             point[key] = label
             continue
         v = value(key)
-        if spec.type == "categorical":
-            inside = v in spec.choices
-        else:
-            on_grid = spec.step is None or abs((v - spec.low) / spec.step - round((v - spec.low) / spec.step)) < 1e-9
-            inside = spec.low <= v <= spec.high and on_grid
-        if not inside:
-            raise ConfigError(f"sweep {sweep.name}: the base config {sweep.base!r} has {key}={v!r}, outside "
-                              f"space.{key}: widen the space so that the base is one of its points")
+        why = spec.outside(key, v)
+        if why:
+            raise ConfigError(f"{sweep.source}: the base config {sweep.base!r} has {key}={v!r}, {why}: widen the "
+                              "space so that the base is one of its points")
         point[key] = v
     return point
 
@@ -222,11 +342,16 @@ def variations(sweep: SweepConfig, point: dict[str, Any]) -> Iterator[tuple[str,
 
 
 def check_space(sweep: SweepConfig, point: dict[str, Any], data_root: str | None = None) -> None:
-    """Resolve the base with every one of :func:`variations`, so that a value the config refuses (``d_model`` not
-    divisible by ``n_heads``, ...) fails the sweep before its first trial, naming the dimension, instead of failing
-    trials one by one hours later."""
+    """Resolve the base with every one of :func:`variations` and with every hunch of ``enqueue``, so that a value
+    or a combination the config refuses (``d_model`` not divisible by ``n_heads``, ...) fails the sweep before its
+    first trial, naming the dimension or the hunch, instead of failing trials one by one hours later."""
     for key, value, overrides in variations(sweep, point):
         try:
             load_config(sweep.base, overrides, data_root=data_root)
         except ConfigError as e:
-            raise ConfigError(f"sweep {sweep.name}: space.{key} = {value!r} makes an invalid config: {e}") from None
+            raise ConfigError(f"{sweep.source}: space.{key} = {value!r} makes an invalid config: {e}") from None
+    for i, hunch in enumerate(sweep.enqueue):
+        try:
+            load_config(sweep.base, expand(sweep, {**point, **hunch}), data_root=data_root)
+        except ConfigError as e:
+            raise ConfigError(f"{sweep.source}: enqueue[{i}] {hunch} makes an invalid config: {e}") from None

@@ -5,8 +5,8 @@ Nothing here knows Prefect or MLflow: trials run through a :class:`Runner` (the 
 flow runs on the work pool and reads their MLflow runs: ``tasks/sweep.py``). The study lives in Optuna storage
 (SQLite or a journal file), and every run is started under an idempotency key derived from the study, so a
 controller that stops (crash, cancellation, a new deployment) and starts again re-attaches to the runs it had
-started instead of starting them twice, and goes on where it was. What it needs of Optuna beyond its public API
-goes through :mod:`.optuna_adapter`.
+started instead of starting them twice (resuming those that were cancelled with it), and goes on where it was.
+What it needs of Optuna beyond its public API goes through :mod:`.optuna_adapter`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from optuna.distributions import (BaseDistribution, CategoricalDistribution, Flo
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import FrozenTrial, TrialState
+from sqlalchemy.exc import SQLAlchemyError
 
+from pipeline.config import ConfigError
 from pipeline.sweep import optuna_adapter
 from pipeline.sweep.config import SweepConfig
 
@@ -35,7 +37,12 @@ log = logging.getLogger("aiayn.sweep")
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 _UID = "sweep_uid"  # study attribute: this study's identity in idempotency keys (a re-created study gets a new one)
 _BASE_POINT = "base_point"  # study attribute: the base config's point of the space as the sweep file has it now
-ATTEMPTS = 3  # runs of one trial or confirmation run whose process died (CRASHED) before the sweep gives up on it
+ATTEMPTS = 3  # runs of one trial or confirmation run stopped from outside before the sweep gives up on it
+# How a run that was stopped from outside ends: its process died (CRASHED), or it was CANCELLED with its controller
+# (the sweep flow's hooks cancel what it started when it fails or crashes; Prefect cancels a cancelled flow run's
+# subflows). A controller that finds one when it starts or re-attaches to a run resumes it by a next attempt; one it
+# watches end CANCELLED was cancelled on purpose (pruned, or by hand) and is over.
+STOPPED = {"CRASHED", "CANCELLED"}
 
 
 @dataclass(frozen=True)
@@ -64,17 +71,32 @@ class Runner(Protocol):
     def outcome(self, run_id: str) -> Outcome: ...
 
 
-def storage_url(sweep: SweepConfig, work_dir: Path) -> str | optuna.storages.BaseStorage:
-    """The study's storage: ``sweep.storage``, or SQLite at ``<work_dir>/sweeps/<name>/optuna.db``."""
-    if sweep.storage.startswith("journal:"):
-        path = Path(sweep.storage.removeprefix("journal:")).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(str(path)))
-    if sweep.storage:
-        return sweep.storage
-    folder = Path(work_dir) / "sweeps" / sweep.name
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'optuna.db'}"
+def open_storage(sweep: SweepConfig, work_dir: Path) -> optuna.storages.BaseStorage:
+    """The study's storage: ``sweep.storage``, or SQLite at ``<work_dir>/sweeps/<name>/optuna.db``. One that cannot
+    be opened (a database SQLAlchemy has no dialect or no installed driver for, a file in a folder that is missing or
+    not writable, a server that does not answer) is a :class:`ConfigError` naming the sweep file's ``storage`` and
+    what to write instead, rather than SQLAlchemy's traceback."""
+    try:
+        if sweep.storage.startswith("journal:"):
+            path = Path(sweep.storage.removeprefix("journal:")).expanduser().resolve()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return JournalStorage(JournalFileBackend(str(path)))
+        url = sweep.storage
+        if not url:
+            folder = Path(work_dir) / "sweeps" / sweep.name
+            folder.mkdir(parents=True, exist_ok=True)
+            url = f"sqlite:///{folder / 'optuna.db'}"
+        return optuna.storages.RDBStorage(url)
+    # RuntimeError: a database written by another Optuna version (its message says how to upgrade it)
+    except (ImportError, OSError, RuntimeError, SQLAlchemyError) as e:
+        if isinstance(e, ImportError) and e.__cause__ is not None:
+            why = f"its database driver is not installed ({e.__cause__})"
+        else:
+            why = str(getattr(e, "orig", None) or e).splitlines()[0]  # a DBAPIError: what the database said
+        raise ConfigError(f"{sweep.source}: storage = {sweep.storage!r} cannot be opened: {why}. Leave storage "
+                          "empty (SQLite in the work dir), or give sqlite:///<file in a writable folder>, a database "
+                          "URL whose server answers and whose driver is installed (postgresql://...), or "
+                          "journal:<file>") from None
 
 
 def distributions(sweep: SweepConfig) -> dict[str, BaseDistribution]:
@@ -98,7 +120,7 @@ def open_study(sweep: SweepConfig, work_dir: Path, base: dict[str, Any], objecti
     pruner = (optuna.pruners.HyperbandPruner(sweep.pruner.min_resource_s, sweep.pruner.max_resource_s,
                                              sweep.pruner.reduction_factor)
               if sweep.pruner.kind == "hyperband" else optuna.pruners.NopPruner())
-    study = optuna.create_study(study_name=sweep.name, storage=storage_url(sweep, work_dir), direction="maximize",
+    study = optuna.create_study(study_name=sweep.name, storage=open_storage(sweep, work_dir), direction="maximize",
                                 sampler=optuna.samplers.TPESampler(seed=sweep.seed), pruner=pruner,
                                 load_if_exists=True)
     # A controller that goes on from stored trials must not replay the draws of the one before it: TPE's first
@@ -228,15 +250,16 @@ def enqueued_point(trial: FrozenTrial) -> dict[str, Any] | None:
 
 
 def _launch(study: optuna.Study, runner: Runner, what: str, overrides: dict[str, Any]) -> str:
-    """Start run ``what`` of this study (``trial-3``), or find it started. A run whose process died (the machine
-    went away under it: CRASHED) is followed by a next attempt (``trial-3-attempt-2``, up to :data:`ATTEMPTS`),
-    which resumes its training from the checkpoints in the same folder: the training budget, time included,
-    counts over resumes, so the trial trains no longer than one that never stopped. Every key is idempotent,
-    so a controller started again walks the same chain to the attempt in flight."""
+    """Start run ``what`` of this study (``trial-3``), or find it started. A run stopped from outside (:data:`STOPPED`:
+    its process died when the machine went away under it, or it was cancelled with the controller before this one)
+    is followed by a next attempt (``trial-3-attempt-2``, up to :data:`ATTEMPTS`), which resumes its training from
+    the checkpoints in the same folder: the training budget, time included, counts over resumes, so the trial
+    trains no longer than one that never stopped. Every key is idempotent, so a controller started again walks the
+    same chain to the attempt in flight."""
     for attempt in range(1, ATTEMPTS + 1):
         label = what if attempt == 1 else f"{what}-attempt-{attempt}"
         run_id = runner.start(run_key(study, label), f"{study.study_name}-{label}", overrides)
-        if attempt == ATTEMPTS or runner.state(run_id) != "CRASHED":
+        if attempt == ATTEMPTS or runner.state(run_id) not in STOPPED:
             return run_id
     raise AssertionError("unreachable")
 

@@ -235,6 +235,8 @@ _add("train", "metric",
      ("ppl", "Training perplexity, the exponential of nll (ratio)."),
      ("lr", "Learning rate of the update (per update)."),
      ("grad_norm", "Global norm of the update's gradient before clipping (Euclidean norm, unitless)."),
+     ("skipped_updates", "Updates skipped so far, over resumes, because their loss or gradient was not finite; "
+                         "training stops after more than train.max_nonfinite_updates in a row (count)."),
      ("src_tokens_per_s", "Source tokens trained per second over the interval, all processes (tokens/s)."),
      ("tgt_tokens_per_s", "Target tokens trained per second over the interval, all processes (tokens/s)."),
      ("step_time_s", "Mean wall-clock time of one update over the interval (seconds)."),

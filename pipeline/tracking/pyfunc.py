@@ -157,8 +157,5 @@ class Translator(mlflow.pyfunc.PythonModel):
     def predict(self, context: mlflow.pyfunc.PythonModelContext, model_input, params: dict[str, Any] | None = None):
         decode, nbest = request_decoding(self.decode, params, self.engine.max_positions)
         sentences = [self.normalize(s) for s in source_sentences(model_input)]
-        out: list[list[str]] = [[""] for _ in sentences]  # empty in, empty out: nothing to decode
-        todo = [i for i, s in enumerate(sentences) if s]
-        for i, best in zip(todo, self.engine.translate([sentences[i] for i in todo], decode, nbest)):
-            out[i] = best
+        out = self.engine.translate(sentences, decode, nbest)  # an empty sentence: "" (pipeline.encoding.to_decode)
         return [best[0] for best in out] if nbest == 1 else out

@@ -52,6 +52,7 @@ from pipeline.errors import UserError
 from pipeline.workdir import build_inputs, run_dir
 
 from .distributed import DistInfo, barrier, setup, teardown
+from .launch import record_refusal
 from .trainer import train
 
 
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             s.close()  # raises TrackingError if buffered metrics cannot be sent
     except UserError as e:  # bad input or config (the tracking server down too): one line, exit status 2
         print(f"error: {e}", file=sys.stderr)
+        record_refusal(str(e))  # under torchrun, for the launcher: torchrun itself exits 1 whatever its ranks did
         return 2
     finally:
         for s in sinks:

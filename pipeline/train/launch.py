@@ -1,9 +1,19 @@
-"""The torchrun command an orchestrator starts training with: one node, or one node of several (see LaunchConfig)."""
+"""The torchrun command an orchestrator starts training with (one node, or one node of several: see LaunchConfig),
+and how its ranks tell the launcher that they refused the config or input.
+
+torchrun exits 1 whatever its ranks exited with, so a rank's refusal (exit status 2) would look like any crash
+and be retried. A refusing rank therefore also writes its message into its reply file, the per-rank error file
+torchrun's agent names in ``TORCHELASTIC_ERROR_FILE`` under its ``--log-dir`` (:func:`record_refusal`); after
+torchrun exits, the launcher reads them there (:func:`ranks_refusals`).
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +24,9 @@ import torch
 from pipeline.config import LaunchConfig
 
 from .rendezvous import BACKEND, LOOPBACK, interface_address
+
+# errorTraits.category of a reply file that records a refusal (torch's own reply files use the same field)
+REFUSED = "refused"
 
 
 def processes_per_node(launch: LaunchConfig) -> int:
@@ -68,3 +81,31 @@ def torchrun_command(launch: LaunchConfig, config_file: Path, shards: Path, out:
     if init_checkpoint is not None:
         cmd += ["--init-checkpoint", str(init_checkpoint)]
     return cmd
+
+
+def record_refusal(message: str) -> None:
+    """Under torchrun, record this rank's refusal (a bad config or input; it exits with status 2) in its reply
+    file, in the format torch's agent reads (a ``message`` string and a ``timestamp``), so that torchrun's failure
+    report shows the message and the launcher finds it (:func:`ranks_refusals`); a no-op outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        reply = {"message": message, "timestamp": int(time.time()), "errorTraits": {"category": REFUSED}}
+        Path(path).write_text(json.dumps(reply), encoding="utf-8")
+
+
+def ranks_refusals(log_dir: Path) -> list[str]:
+    """The distinct refusals the ranks of torchrun's last attempt recorded under ``log_dir`` (its ``--log-dir``),
+    in rank order; empty when none refused (they crashed, or were stopped)."""
+    attempts = sorted(Path(log_dir).glob("*/attempt_*"), key=lambda d: int(d.name.removeprefix("attempt_")))
+    if not attempts:
+        return []
+    messages: list[str] = []
+    for reply in sorted(attempts[-1].glob("*/error.json"), key=lambda f: int(f.parent.name)):
+        try:
+            data = json.loads(reply.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # a reply file torch or a dying rank left half-written: not a refusal
+            continue
+        traits = data.get("errorTraits") if isinstance(data, dict) else None
+        if isinstance(traits, dict) and traits.get("category") == REFUSED and data["message"] not in messages:
+            messages.append(data["message"])
+    return messages

@@ -1,8 +1,9 @@
 """Where a training run starts: its own newest checkpoint, another run's weights (``train.init_from``), or scratch.
 
 Resuming restores everything the loop carries between updates (model, Adam, schedule, every rank's RNG
-streams, the data position and the token totals), so an interrupted run continues exactly as if it had not
-stopped. Rank 0 picks the checkpoint; every rank then loads that same file from the shared run folder.
+streams, the data position, the token totals, the count of skipped updates), so an interrupted run continues
+exactly as if it had not stopped. Rank 0 picks the checkpoint; every rank then loads that same file from the
+shared run folder.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ class Start(NamedTuple):
     init: dict | None  # the checkpoint the run's weights started from: path, sha256, its step
     resumed: bool  # True when the run continues from its own checkpoint (already saved at ``step``)
     train_seconds: float  # wall-clock seconds trained up to ``step`` (counted over resumes)
+    skipped_updates: int  # updates skipped as non-finite up to ``step`` (counted over resumes)
 
 
 def _fresh(init: dict | None = None) -> Start:
     """A run's first step, its weights new (``init`` None) or from another run's checkpoint ``init``."""
     return Start(step=0, epoch=0, batch_pos=0, totals=[0.0, 0.0, 0.0], dev={}, init=init, resumed=False,
-                 train_seconds=0.0)
+                 train_seconds=0.0, skipped_updates=0)
 
 
 def resume(ckpt_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
@@ -85,7 +87,8 @@ def _restore(state: dict, path: Path, model: Transformer, optimizer: torch.optim
     # A resumed run keeps where its weights first came from; its own checkpoint now supersedes that file.
     return Start(step=step, epoch=state["epoch"], batch_pos=state["batch_pos"], totals=list(state["totals"]),
                  dev=state["dev"], init=state.get("init_checkpoint"), resumed=True,
-                 train_seconds=float(state.get("train_seconds", 0.0)))  # 0: written before it was recorded
+                 train_seconds=float(state.get("train_seconds", 0.0)),  # 0: written before either was recorded
+                 skipped_updates=int(state.get("skipped_updates", 0)))
 
 
 def _init_from(path: Path, model: Transformer, tokenizer_sha256: str) -> Start:

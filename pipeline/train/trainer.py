@@ -20,6 +20,13 @@ as one that did not, and raising either budget continues the run. A final checkp
 Time-based decisions (``max_minutes``, ``checkpoint_every_minutes``, the clock of ``train.cooldown``, which lowers
 the learning rate linearly to 0 over the budget's last fraction) are taken by rank 0 and shared, so that all ranks
 act on the same step.
+
+Non-finite updates. An update whose loss or gradient is not finite (inf or nan: a diverging model, an overflowing
+batch) is skipped whole: no weight, Adam or schedule change, its batches not trained on, the update count not
+advanced. Every rank takes the same decision (the loss is summed over ranks, the norm is of the all-reduced
+gradient). More than ``train.max_nonfinite_updates`` in a row stop the run with :class:`NonFiniteError` (exit
+status 2), naming the update; no checkpoint of non-finite weights is ever written, so the newest one holds the last
+finite weights.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from model import LabelSmoothedCrossEntropy, Transformer, cooldown_factor, symmetric_kl, transformer_lr_scheduler
+from model import (LabelSmoothedCrossEntropy, Transformer, cooldown_factor, symmetric_kl, transformer_lr,
+                   transformer_lr_scheduler)
 from pipeline.checkpoint import read_index, save_checkpoint
 from pipeline.config import RunConfig, dump_config, write_resolved
 from pipeline.errors import UserError
@@ -108,6 +116,15 @@ def training_precision(setting: str, device: torch.device) -> tuple[str, str]:
         return setting, f"train.precision={setting}"
     ok, why = native_bf16(device)
     return ("bf16" if ok else "fp32"), f"train.precision=auto: {why}"
+
+
+class Update(NamedTuple):
+    """What :meth:`TrainStep.apply` did with one update's gradient."""
+
+    applied: bool  # False: the loss or the gradient was not finite, and nothing changed
+    loss: float  # per target token, over every rank's batches (label smoothing included)
+    grad_norm: float  # the gradient's global norm, before clipping
+    lr: float  # the learning rate Adam stepped at (would have, when not applied)
 
 
 class TrainStep:
@@ -201,21 +218,35 @@ class TrainStep:
             sums += torch.stack([loss.detach(), nll.detach()]).double() / self.passes
         return sums, counts
 
-    def apply(self, want_norm: bool, lr_factor: float = 1.0) -> tuple[float, Tensor | None]:
+    def apply(self, sums: Tensor, counts: Tensor, lr_factor: float = 1.0) -> Update:
         """Clip (if configured), step Adam at the schedule's rate times ``lr_factor`` (the budget cooldown), step
-        the schedule, clear gradients. Returns (lr used, grad norm or None)."""
-        norm = None
-        if self.clip_norm > 0 or want_norm:
-            max_norm = self.clip_norm if self.clip_norm > 0 else math.inf  # inf: measure without clipping
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        the schedule, clear gradients; ``sums`` and ``counts`` are what :meth:`accumulate` returned.
+
+        When the update's loss or gradient norm is not finite, only the gradients are cleared (``applied`` False):
+        every rank decides alike, on the loss summed over ranks and the norm of the all-reduced gradient.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        # One sum over ranks: the update's loss, and a verdict every rank shares (a non-finite value anywhere makes
+        # the sum non-finite everywhere). Each rank holds the same all-reduced gradient, so norms / world is its norm.
+        # It waits for the device once per update: the verdict must precede the optimizer step.
+        loss_sum, norms = all_reduce_sum(torch.stack([sums[0], norm.double()]), self.info).tolist()
+        loss, grad_norm = loss_sum / counts[0].item(), norms / self.info.world_size
+        lr = self.optimizer.param_groups[0]["lr"] * lr_factor
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # No Adam step (its moments and step count stay) and no schedule step either: the paper's rate is a
+            # function of the update count, and an update not made must not move warm-up and decay along.
+            self.optimizer.zero_grad(set_to_none=True)
+            return Update(False, loss, grad_norm, lr)
+        if self.clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.clip_norm, norm, foreach=True)
         for group in self.optimizer.param_groups:  # LambdaLR sets each step's rate afresh: the factor never compounds
             group["lr"] *= lr_factor
-        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.refresh_work()
-        return lr, norm
+        return Update(True, loss, grad_norm, lr)
 
 
 @torch.no_grad()
@@ -286,6 +317,22 @@ class TrainConfigError(UserError, ValueError):
     """A config that cannot train on these shards; raised before any training step, saying what to change."""
 
 
+class NonFiniteError(UserError, FloatingPointError):
+    """Training diverged: its loss or weights are no longer finite; the message names the update, the newest
+    (finite) checkpoint and what to try."""
+
+
+def _diverged(what: str, ckpt_dir: Path) -> NonFiniteError:
+    """:class:`NonFiniteError` saying ``what`` happened, which checkpoint holds the last finite weights and what to
+    try instead."""
+    entries = read_index(ckpt_dir)
+    kept = (f"the newest checkpoint, {ckpt_dir / entries[-1]['file']} (step {entries[-1]['step']}), holds the last "
+            "finite weights" if entries else "no checkpoint was written")
+    return NonFiniteError(f"{what}; {kept}. Try a lower learning rate (train.lr_scale) or a longer warm-up "
+                          "(train.warmup_steps), gradient clipping (train.clip_norm, e.g. 1.0), or check the training "
+                          "data for broken pairs")
+
+
 def preflight(cfg: RunConfig, train_ds: ShardDataset, world_size: int) -> None:
     """Refuse, before training starts, a config that these shards or this many processes cannot honour."""
     t, where = cfg.train, train_ds.dir
@@ -301,6 +348,12 @@ def preflight(cfg: RunConfig, train_ds: ShardDataset, world_size: int) -> None:
             raise TrainConfigError(f"the longest training pair in {where} needs {longest} tokens but {field}="
                                    f"{limit}: raise {field} to at least {longest}, or drop long pairs in the data "
                                    "stage (data.cleaning.max_words)")
+    # Adam's first steps are up to 1 / (1 - beta1) times the rate: beyond float32's range they fail inside Adam
+    peak = transformer_lr(t.warmup_steps, cfg.model.d_model, t.warmup_steps, t.lr_scale)
+    if peak / (1 - t.adam_beta1) > torch.finfo(torch.float32).max:
+        raise TrainConfigError(f"train.lr_scale={t.lr_scale:g} makes the peak learning rate {peak:.3g} (at step "
+                               f"train.warmup_steps={t.warmup_steps}), beyond what float32 weights can take: set "
+                               "a lower train.lr_scale (1 = the paper's rate)")
     if t.update_tokens < t.max_tokens * world_size:
         raise TrainConfigError(f"train.update_tokens={t.update_tokens} cannot be split over {world_size} processes "
                                f"of train.max_tokens={t.max_tokens} each (one update needs at least "
@@ -367,6 +420,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         return start.train_seconds + time.monotonic() - started
 
     totals = torch.tensor(start.totals, dtype=torch.float64, device=info.device)  # [3]: tgt, src tokens, sentences
+    skipped, in_a_row = start.skipped_updates, 0  # updates skipped as non-finite: over resumes, and lately in a row
     accum = accumulation_steps(t.update_tokens, t.max_tokens, info.world_size)
     group = accum * info.world_size
 
@@ -395,6 +449,12 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
             s.log_metrics(metrics, step)
 
     def checkpoint() -> None:
+        # Every rank holds the same weights, so every rank refuses alike. Skipped updates keep them finite; this
+        # guards the newest checkpoint's promise (the last finite weights) against whatever else could break them.
+        broken = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if broken:
+            raise _diverged(f"the weights after update {step} are not finite ({', '.join(broken[:3])}"
+                            f"{', ...' if len(broken) > 3 else ''}), so they are not saved", ckpt_dir)
         rngs = all_gather_object(rng_state(), info)  # every rank's RNG streams, for an exact resume
         if info.is_main:
             state = {"model": model.state_dict(), "optimizer": step_fn.optimizer.state_dict(),
@@ -402,7 +462,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                      "batch_pos": batch_pos, "totals": totals.tolist(), "rng": rngs, "world_size": info.world_size,
                      "config": cfg.model_dump(mode="json"), "model_config": model.config, "shards": shards,
                      "tokenizer_sha256": tokenizer_sha256, "init_checkpoint": init, "dev": last_dev,
-                     "train_seconds": trained_seconds()}
+                     "train_seconds": trained_seconds(), "skipped_updates": skipped}
             entry = save_checkpoint(ckpt_dir, state, step, t.keep_last_checkpoints)
             log.info("checkpoint %s (sha256 %s...)", ckpt_dir / entry["file"], entry["sha256"][:12])
 
@@ -437,22 +497,35 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         micro = [make_batch(epoch_ds, batches[batch_pos + k * info.world_size + info.rank], info.device)
                  for k in range(accum)]
         sums, counts = step_fn.accumulate(micro)
-        log_now = (step + 1) % t.log_every_steps == 0
+        batch_pos += group  # used up even when the update is skipped: its batches are not tried again
         progress = max(step / t.max_steps, shared_seconds / budget_s)  # through the budget, before this update
-        lr, norm = step_fn.apply(want_norm=log_now, lr_factor=cooldown_factor(progress, t.cooldown))
-        step, batch_pos, interval_steps = step + 1, batch_pos + group, interval_steps + 1
+        update = step_fn.apply(sums, counts, lr_factor=cooldown_factor(progress, t.cooldown))
+        if not update.applied:
+            skipped, in_a_row = skipped + 1, in_a_row + 1
+            what = f"update {step + 1} (loss {update.loss:.4g}, gradient norm {update.grad_norm:.4g})"
+            if in_a_row > t.max_nonfinite_updates:
+                log_metrics({"skipped_updates": skipped})
+                raise _diverged(f"training stopped at {what}: non-finite updates in a row: {in_a_row}, more than "
+                                f"train.max_nonfinite_updates={t.max_nonfinite_updates} allows (a skipped update is "
+                                "tried again on new batches)", ckpt_dir)
+            if info.is_main:
+                log.warning("%s: not finite, so skipped (weights, Adam and the learning-rate schedule unchanged; "
+                            "its batches are not trained on); %d in a row, train.max_nonfinite_updates=%d", what,
+                            in_a_row, t.max_nonfinite_updates)
+            continue
+        step, interval_steps, in_a_row = step + 1, interval_steps + 1, 0
         interval_sums += sums
         interval_counts += counts
         totals += counts
 
-        if log_now:
+        if step % t.log_every_steps == 0:
             loss, nll = all_reduce_sum(interval_sums, info).tolist()
             n_tgt, n_src, n_sent = interval_counts.tolist()
             if info.device.type == "cuda":
                 torch.cuda.synchronize(info.device)
             seconds = max(time.monotonic() - interval_start - paused, 1e-9)
-            metrics = {"loss": loss / n_tgt, "nll": nll / n_tgt, "ppl": perplexity(nll / n_tgt), "lr": lr,
-                       "grad_norm": float(norm), "src_tokens_per_s": n_src / seconds,
+            metrics = {"loss": loss / n_tgt, "nll": nll / n_tgt, "ppl": perplexity(nll / n_tgt), "lr": update.lr,
+                       "grad_norm": update.grad_norm, "skipped_updates": skipped, "src_tokens_per_s": n_src / seconds,
                        "tgt_tokens_per_s": n_tgt / seconds,
                        "step_time_s": seconds / interval_steps, "peak_memory_mb": peak_memory_mb(info.device),
                        "epoch": epoch, "tgt_tokens": totals[0].item()}
