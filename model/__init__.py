@@ -7,6 +7,7 @@ Imports nothing from the rest of the project; the pipeline builds the model from
 from .attention import MultiHeadAttention, attention_with_weights
 from .cache import AttentionCache, DecoderCache, reorder_cache
 from .embedding import ScaledEmbedding
+from .ensemble import Ensemble
 from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, ResidualConnection
 from .loss import LabelSmoothedCrossEntropy, symmetric_kl
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoid_table
@@ -20,6 +21,7 @@ __all__ = [
     "DecoderLayer",
     "Encoder",
     "EncoderLayer",
+    "Ensemble",
     "LabelSmoothedCrossEntropy",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",

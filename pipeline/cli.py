@@ -21,9 +21,10 @@ from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.data.clean import Normalizer
 from pipeline.errors import UserError
+from pipeline.evalsets import Checkpoints, checkpoint_list
 from pipeline.evaluate import EVALUATORS, eval_dir, evaluate_checkpoint
 from pipeline.export import GATE, export_model
-from pipeline.inference import model_from_state, truncation_summary
+from pipeline.inference import models_from_states, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
 from pipeline.workdir import Inputs, build_inputs, run_dir
@@ -129,9 +130,10 @@ def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
     _average(cfg, run_dir(cfg, inputs.shards), inputs)
 
 
-def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
-    if not checkpoint.is_file():
-        raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
+def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Checkpoints) -> None:
+    for path in checkpoint_list(checkpoint):
+        if not path.is_file():
+            raise DataError(f"checkpoint not found: {path}; train and average first (python -m pipeline run)")
     progress = _Progress("evaluate", "sentences")
     out = evaluate_checkpoint(cfg, checkpoint, inputs.corpus, inputs.tokenizer, progress=progress)
     progress.close()
@@ -143,8 +145,9 @@ def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
 
 def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
     inputs = build_inputs(cfg, _Progress)
-    checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg, inputs.shards))
-    _evaluate(cfg, inputs, checkpoint)
+    checkpoints = [Path(c) for c in args.checkpoint] if args.checkpoint else [averaged_path(cfg, run_dir(cfg,
+                                                                                                      inputs.shards))]
+    _evaluate(cfg, inputs, checkpoints)
 
 
 def _export(cfg: RunConfig, inputs: Inputs, checkpoint: Path) -> None:
@@ -216,11 +219,12 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
         data = sys.stdin.buffer.read()
     # decoded before the model loads: bad input fails in a moment, not after loading a large checkpoint
     lines = [normalize(line) for line in read_lines(data, name)]
-    checkpoint = Path(args.checkpoint)
-    state = load_checkpoint(checkpoint)  # a bad checkpoint is named first, then a bad tokenizer, then a mismatch
+    checkpoints = [Path(c) for c in args.checkpoint]
+    states = [load_checkpoint(c) for c in checkpoints]  # a bad checkpoint first, then a bad tokenizer, a mismatch
     tokenizer = Tokenizer(Path(args.tokenizer))
-    check_tokenizer(state, checkpoint, tokenizer.sha256, tokenizer.dir)
-    model = model_from_state(state)
+    for checkpoint, state in zip(checkpoints, states):
+        check_tokenizer(state, checkpoint, tokenizer.sha256, tokenizer.dir)
+    model = models_from_states(states)
     progress = None
     if args.input and sys.stderr.isatty():
         from tqdm import tqdm
@@ -275,8 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "config":
             p.add_argument("--out", help="write the resolved config to this file (for python -m pipeline.train "
                                          "--config FILE) instead of printing it")
-        if name in ("evaluate", "export", "translate"):
+        if name == "export":
             p.add_argument("--checkpoint", help="a training or averaged checkpoint (.pt)")
+        if name in ("evaluate", "translate"):
+            p.add_argument("--checkpoint", action="append", help=(
+                "a training or averaged checkpoint (.pt); give it again for each further model to decode with "
+                "their ensemble (the mean of their log-probabilities at each step)"))
         if name == "translate":
             p.add_argument("--tokenizer", help="the tokenizer folder the checkpoint was trained with")
             p.add_argument("--input", help="a text file, one sentence per line (default: stdin)")

@@ -14,14 +14,29 @@ from typing import Callable, Iterable, Sequence
 
 import pyarrow.parquet as pq
 
-from model import Transformer
+from model import Ensemble, Transformer
 from pipeline.config import RunConfig
 from pipeline.data import read_manifest
-from pipeline.inference import load_model
+from pipeline.fsutil import sha256_file
+from pipeline.inference import load_models
 from pipeline.tokenize import Tokenizer
 
 SAMPLE_ROWS = 20
 Progress = Callable[[int, int], None]  # (sentences decoded so far, sentences in every split being evaluated)
+# What is evaluated: one checkpoint, or several decoded as one ensemble (model.Ensemble).
+Checkpoints = Path | Sequence[Path]
+
+
+def checkpoint_list(checkpoint: Checkpoints) -> list[Path]:
+    """``checkpoint`` as a list of paths (one, or an ensemble's members)."""
+    return [Path(checkpoint)] if isinstance(checkpoint, (str, Path)) else [Path(c) for c in checkpoint]
+
+
+def checkpoint_record(checkpoint: Checkpoints) -> dict:
+    """What ``scores.json`` says was decoded: ``{"checkpoint": {path, sha256}}`` for one model (what averaging,
+    registration and the attention maps look up), ``{"ensemble": [{path, sha256}, ...]}`` for several."""
+    entries = [{"path": str(c), "sha256": sha256_file(c)} for c in checkpoint_list(checkpoint)]
+    return {"checkpoint": entries[0]} if len(entries) == 1 else {"ensemble": entries}
 
 
 def samples_markdown(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -47,7 +62,7 @@ class EvalSetup:
 
     corpus: dict  # the corpus manifest
     keys: list[str]  # the splits to score
-    model: Transformer
+    model: Transformer | Ensemble
     tokenizer: Tokenizer
     out_dir: Path
     # called with each batch's sentence count; reports to the evaluation's Progress (None: nothing to report)
@@ -79,16 +94,16 @@ def sentence_counter(total: int, progress: Progress | None) -> Callable[[int], N
     return advance
 
 
-def eval_setup(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+def eval_setup(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
                splits: Sequence[str] | None, device: str, progress: Progress | None = None) -> EvalSetup:
-    """Read the corpus manifest, check the splits, load the tokenizer and the model (refusing a checkpoint of
-    another tokenizer), then create ``out_dir``; ``progress`` will hear of every decoded batch, counted over all
-    the splits."""
+    """Read the corpus manifest, check the splits, load the tokenizer and the model (an ensemble for several
+    checkpoints; a checkpoint of another tokenizer is refused), then create ``out_dir``; ``progress`` will hear of
+    every decoded batch, counted over all the splits."""
     corpus = read_manifest(corpus_dir)
     keys = eval_split_keys(corpus, corpus_dir, splits)
     total = sum(corpus["splits"][k]["rows"] for k in keys)
     tokenizer = Tokenizer(tokenizer_dir)
-    model = load_model(checkpoint, device, tokenizer)
+    model = load_models(checkpoint_list(checkpoint), device, tokenizer)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # only once the checkpoint is known to be usable
     return EvalSetup(corpus, keys, model, tokenizer, out_dir, sentence_counter(total, progress))
@@ -100,13 +115,14 @@ class Evaluator(abc.ABC):
     dev_metric: str  # the name of the dev number models are chosen on (averaging's N), for humans
 
     @abc.abstractmethod
-    def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+    def evaluate(self, cfg: RunConfig, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
                  splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
-        """Decode and score each split of ``splits`` (default: every dev/test split); returns ``scores.json``.
+        """Decode and score each split of ``splits`` (default: every dev/test split) with ``checkpoint`` (several:
+        their ensemble); returns ``scores.json``.
         ``progress`` hears (sentences decoded, sentences in all those splits) after every batch."""
 
     @abc.abstractmethod
-    def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],
+    def outputs(self, cfg: RunConfig, model: Transformer | Ensemble, tokenizer: Tokenizer, lines: Sequence[str],
                 progress: Callable[[int], None] | None = None, *, source: str = "input",
                 truncated: list[int] | None = None) -> list[str]:
         """One output line per input line, as ``python -m pipeline translate`` prints it; a line longer than the

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from model import Transformer
+from model import Ensemble, Transformer
 from model.decoding import beam_search
 from pipeline.allocator import keep_freed_memory
 from pipeline.checkpoint import check_tokenizer, load_checkpoint
@@ -24,10 +24,27 @@ from pipeline.tokenize import Tokenizer
 def load_model(checkpoint: Path, device: torch.device | str = "cpu", tokenizer: Tokenizer | None = None) -> Transformer:
     """A model in eval mode from a training or averaged checkpoint (weights-only load); given the ``tokenizer`` it
     will decode with, one the checkpoint was not trained with is refused first (a ``CheckpointError`` naming both)."""
+    return model_from_state(_checked_state(Path(checkpoint), tokenizer), device)
+
+
+def load_models(checkpoints: Sequence[Path], device: torch.device | str = "cpu",
+                tokenizer: Tokenizer | None = None) -> Transformer | Ensemble:
+    """One checkpoint's model, or the :class:`model.Ensemble` of several, each loaded (and checked against
+    ``tokenizer``) as :func:`load_model` loads one."""
+    return models_from_states([_checked_state(Path(c), tokenizer) for c in checkpoints], device)
+
+
+def _checked_state(checkpoint: Path, tokenizer: Tokenizer | None) -> dict:
     state = load_checkpoint(checkpoint)
     if tokenizer is not None:
-        check_tokenizer(state, Path(checkpoint), tokenizer.sha256, tokenizer.dir)
-    return model_from_state(state, device)
+        check_tokenizer(state, checkpoint, tokenizer.sha256, tokenizer.dir)
+    return state
+
+
+def models_from_states(states: Sequence[dict], device: torch.device | str = "cpu") -> Transformer | Ensemble:
+    """One loaded checkpoint's model, or the :class:`model.Ensemble` of several, in eval mode."""
+    models = [model_from_state(state, device) for state in states]
+    return models[0] if len(models) == 1 else Ensemble(models)
 
 
 def model_from_state(state: dict, device: torch.device | str = "cpu") -> Transformer:

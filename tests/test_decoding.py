@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model import Transformer
+from model import Ensemble, Transformer
 from model.decoding import Hypothesis, beam_search, length_penalty, max_output_lengths
 
 PAD, BOS, EOS, VOCAB = 0, 2, 3, 24
@@ -156,3 +156,57 @@ def test_bf16_decodes_close_to_fp32(model, sources, how) -> None:
     for a, b in zip(fp32, bf16):
         if a[0].tokens == b[0].tokens:
             assert b[0].score == pytest.approx(a[0].score, rel=rel)
+
+
+# ------------------------------------------------------------------------------------------------ ensembles
+
+
+def _nbest(model, src, **kw) -> list[list[tuple[list[int], float]]]:
+    kw = {"bos_id": BOS, "eos_id": EOS, "max_len_b": 12, "beam_size": 4, "nbest": 4, **kw}
+    return [[(h.tokens, h.score) for h in hyps] for hyps in beam_search(model, src, **kw)]
+
+
+def _close(a, b) -> bool:
+    return all([t for t, _ in x] == [t for t, _ in y] and all(abs(s - r) < 1e-5 for (_, s), (_, r) in zip(x, y))
+               for x, y in zip(a, b, strict=True))
+
+
+def test_an_ensemble_of_one_and_of_identical_models_decodes_as_the_model(model, sources) -> None:
+    alone = _nbest(model, sources)
+    assert _close(_nbest(Ensemble([model]), sources), alone)
+    assert _close(_nbest(Ensemble([model, copy.deepcopy(model), copy.deepcopy(model)]), sources), alone)
+
+
+def test_an_ensemble_step_is_the_normalised_mean_of_its_members_log_probabilities(model, sources) -> None:
+    torch.manual_seed(5)
+    other = Transformer(VOCAB, PAD, encoder_layers=1, decoder_layers=3, d_model=16, d_ff=32, n_heads=2,
+                        dropout=0.0, max_positions=64).eval()
+    ens = Ensemble([model, other])
+    assert ens.config["max_positions"] == 64 and ens.num_parameters() == model.num_parameters() + other.num_parameters()
+    tgt = torch.full((len(sources), 1), BOS)
+    with torch.no_grad():
+        memory, mask = ens.encode(sources)
+        got = torch.log_softmax(ens.decode(tgt, memory, mask, ens.new_cache()), -1)
+        each = [torch.log_softmax(m(sources, tgt).float(), -1) for m in (model, other)]
+    assert torch.allclose(got, torch.log_softmax((each[0] + each[1]) / 2, -1), atol=1e-5)
+    # and it decodes: each output is the ensemble's own best, unlike either member's on some sentence
+    hyps = _nbest(ens, sources, nbest=1)
+    assert hyps != _nbest(model, sources, nbest=1) or hyps != _nbest(other, sources, nbest=1)
+
+
+def test_an_ensemble_decodes_the_same_with_and_without_its_caches(model, sources) -> None:
+    ens = Ensemble([model, copy.deepcopy(model).requires_grad_(False).apply(_perturb)])
+    assert _close(_nbest(ens, sources), _nbest(ens, sources, use_cache=False))
+
+
+def _perturb(module: torch.nn.Module) -> None:
+    if isinstance(module, torch.nn.Linear):
+        module.weight.add_(0.05 * torch.randn_like(module.weight))
+
+
+def test_an_ensemble_refuses_members_of_other_vocabularies(model) -> None:
+    with pytest.raises(ValueError, match=r"ensemble members must share vocab_size, got \[24, 30\]: use models "
+                                         r"trained with one tokenizer"):
+        Ensemble([model, Transformer(30, PAD, encoder_layers=1, decoder_layers=1, d_model=16, d_ff=32, n_heads=2)])
+    with pytest.raises(ValueError, match="an ensemble needs at least one model"):
+        Ensemble([])

@@ -16,7 +16,8 @@ from pipeline.average import average_checkpoints, average_run, averaged_path, ch
 from pipeline.checkpoint import CheckpointError, load_checkpoint
 from pipeline.config import ConfigError, DecodeConfig
 from pipeline.fsutil import sha256_file
-from pipeline.inference import load_model, translate
+from pipeline.evaluate import eval_dir, evaluate_checkpoint
+from pipeline.inference import load_model, load_models, translate
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
 from pipeline.translation.bleu import compound_split_tokenize, moses_tokenize, score_translations
@@ -106,6 +107,33 @@ def test_translate_command_reads_stdin(averaged, tiny_stack, shared_data) -> Non
     res = subprocess.run([sys.executable, "-m", "pipeline", "translate"], input="x\n", capture_output=True, text=True,
                          cwd=REPO, timeout=120, env={**os.environ, "AIAYN_DATA_ROOT": str(shared_data)})
     assert res.returncode == 2 and "needs --checkpoint" in res.stderr
+
+
+@pytest.mark.integration
+def test_several_checkpoints_evaluate_and_translate_as_their_ensemble(averaged, tiny_stack, shared_data) -> None:
+    first = averaged.parent.parent / "checkpoints" / "ckpt-00000010.pt"
+    cfg = tiny_config(shared_data, "decode.beam_size=2", "decode.max_len_a=0.5", "decode.max_len_b=4")
+    out = evaluate_checkpoint(cfg, [averaged, first], tiny_stack.corpus, tiny_stack.tokenizer, splits=["dev"])
+    # named by the members, in any order, and by the decoding settings
+    assert out.parent == eval_dir(cfg, [first, averaged]) != eval_dir(cfg, averaged)
+    assert out.parent.name.startswith("eval-ensemble2-")
+    report = json.loads(out.read_text())
+    assert "checkpoint" not in report and [e["path"] for e in report["ensemble"]] == [str(averaged), str(first)]
+    assert report["ensemble"][1]["sha256"] == sha256_file(first)
+    tokenizer = Tokenizer(tiny_stack.tokenizer)
+    src = pq.read_table(tiny_stack.corpus / "dev.parquet").column("src").to_pylist()[:40]
+    hyps = (out.parent / "dev.hyp").read_text(encoding="utf-8").splitlines()[:40]
+    ensemble = load_models([averaged, first], tokenizer=tokenizer)
+    assert translate(ensemble, tokenizer, src, cfg.decode) == hyps
+
+    cmd = [sys.executable, "-m", "pipeline", "translate", "--tokenizer", str(tiny_stack.tokenizer),
+           "--set", "decode.beam_size=2", "--set", "decode.max_len_a=0.5", "--set", "decode.max_len_b=4"]
+    env = {**os.environ, "AIAYN_DATA_ROOT": str(shared_data)}
+    for members, expected in (([averaged, first], hyps[:5]),  # an ensemble of two identical models is the model
+                              ([averaged, averaged], translate(load_model(averaged), tokenizer, src[:5], cfg.decode))):
+        res = subprocess.run(cmd + [a for m in members for a in ("--checkpoint", str(m))], input="\n".join(src[:5]),
+                             capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+        assert res.returncode == 0 and res.stdout.splitlines() == expected, res.stderr
 
 
 @pytest.mark.integration

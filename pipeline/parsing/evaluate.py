@@ -23,11 +23,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
-from model import Transformer
+from model import Ensemble, Transformer
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import DataError
-from pipeline.evalsets import SAMPLE_ROWS, Evaluator, Progress, eval_setup, samples_markdown
-from pipeline.fsutil import sha256_file, write_json, write_text
+from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, checkpoint_record, eval_setup,
+                               samples_markdown)
+from pipeline.fsutil import write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.parsing.constraint import tree_constraint
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
@@ -88,8 +89,8 @@ def score_parses(golds: list[Tree], tests: list[Tree], repairs: list[Repair]) ->
     }
 
 
-def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, out_dir: Path,
-                     splits: Sequence[str] | None = None, device: str = "cpu", leaves: str = PLACEHOLDER,
+def evaluate_parsing(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig,
+                     out_dir: Path, splits: Sequence[str] | None = None, device: str = "cpu", leaves: str = PLACEHOLDER,
                      progress: Progress | None = None) -> Path:
     """Parse each dev/test split of the corpus with the checkpoint and score it with EVALB; returns
     ``scores.json``. ``splits`` defaults to every split but ``train``; ``leaves`` is ``data.tree_leaves``;
@@ -125,7 +126,7 @@ def evaluate_parsing(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, de
                  100 * r["well_formed_before_repair_rate"], r["right_branching_f1"])
     path = out_dir / "scores.json"
     write_json(path, {"task": "parsing", "tree_leaves": leaves,
-                      "checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+                      **checkpoint_record(checkpoint),
                       "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
                       "decoding": decode.model_dump(), "splits": results})
     return path
@@ -136,12 +137,12 @@ class ParsingEvaluator(Evaluator):
 
     dev_metric = "EVALB F1"
 
-    def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+    def evaluate(self, cfg: RunConfig, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
                  splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
         return evaluate_parsing(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device,
                                 cfg.data.tree_leaves, progress)
 
-    def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],
+    def outputs(self, cfg: RunConfig, model: Transformer | Ensemble, tokenizer: Tokenizer, lines: Sequence[str],
                 progress: Callable[[int], None] | None = None, *, source: str = "input",
                 truncated: list[int] | None = None) -> list[str]:
         """Each line is a tokenized sentence (PTB tokens separated by spaces); each output a repaired tree over

@@ -18,10 +18,11 @@ import logging
 from pathlib import Path
 from typing import Callable, Sequence
 
-from model import Transformer
+from model import Ensemble, Transformer
 from pipeline.config import DecodeConfig, RunConfig
-from pipeline.evalsets import SAMPLE_ROWS, Evaluator, Progress, eval_setup, samples_markdown
-from pipeline.fsutil import sha256_file, write_json, write_text
+from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, checkpoint_record, eval_setup,
+                               samples_markdown)
+from pipeline.fsutil import write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.translation.bleu import score_translations, tokenized_bleu
@@ -35,7 +36,7 @@ def _tokenized(split: dict) -> tuple[str, float]:
     return ("tokenized compound-split BLEU" if key == "tok_bleu_compound_split" else "tokenized BLEU"), score["score"]
 
 
-def evaluate_translation(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig,
+def evaluate_translation(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig,
                          out_dir: Path, splits: Sequence[str] | None = None, device: str = "cpu",
                          progress: Progress | None = None) -> Path:
     """Translate each dev/test split of the corpus with the checkpoint and score it; returns ``scores.json``.
@@ -64,7 +65,7 @@ def evaluate_translation(checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path
         log.info("%s: sacreBLEU %.2f, chrF %.2f, %s %.2f", key, results[key]["sacrebleu"]["score"],
                  results[key]["chrf"]["score"], *_tokenized(results[key]))
     path = out_dir / "scores.json"
-    write_json(path, {"checkpoint": {"path": str(checkpoint), "sha256": sha256_file(checkpoint)},
+    write_json(path, {**checkpoint_record(checkpoint),
                       "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
                       "decoding": decode.model_dump(), "splits": results})
     return path
@@ -76,12 +77,12 @@ class TranslationEvaluator(Evaluator):
 
     dev_metric = "sacreBLEU"
 
-    def evaluate(self, cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+    def evaluate(self, cfg: RunConfig, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
                  splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
         return evaluate_translation(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device,
                                     progress)
 
-    def outputs(self, cfg: RunConfig, model: Transformer, tokenizer: Tokenizer, lines: Sequence[str],
+    def outputs(self, cfg: RunConfig, model: Transformer | Ensemble, tokenizer: Tokenizer, lines: Sequence[str],
                 progress: Callable[[int], None] | None = None, *, source: str = "input",
                 truncated: list[int] | None = None) -> list[str]:
         return translate(model, tokenizer, lines, cfg.decode, progress, source=source, truncated=truncated)
