@@ -1,10 +1,13 @@
 """The stage sequence every pipeline flow composes (translation and parsing differ only in their configs):
 
-    data -> tokenizer -> shards -> train (torchrun) -> average -> evaluate -> export (CTranslate2 + its quality
+    data -> [distill: teachers resolved from the registry, their translations of the training sources]
+    -> tokenizer -> shards -> train (torchrun) -> average -> evaluate -> export (CTranslate2 + its quality
     gate; translation) -> register (+ champion) -> report
 
-Each stage task is cached across runs on the content of its inputs, its config and its code; each stage also
-gets a child run in MLflow under the pipeline's parent run, reused stages included.
+With ``distill.teachers`` the stages after ``distill`` read the distilled corpus instead of the data stage's: the
+student trains its own tokenizer on it and is evaluated on the same dev and test sets. Each stage task is cached
+across runs on the content of its inputs, its config and its code; each stage also gets a child run in MLflow
+under the pipeline's parent run, reused stages included.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from pipeline import tracking
 from pipeline.config import DevDomainWarning, RunConfig, ensure_work_dir, flow_overrides, resolve_config
 from tasks.caching import run_cached
 from tasks.report import publish_report
-from tasks.stages import average_stage, data_stage, evaluate_stage, export_stage, shards_stage, tokenizer_stage
-from tasks.tracking import fetch_champion, finish_tracking, log_stage, open_stage, register, start_tracking
+from tasks.stages import (average_stage, data_stage, distill_stage, evaluate_stage, export_stage, shards_stage,
+                          tokenizer_stage)
+from tasks.tracking import (fetch_champion, finish_tracking, log_stage, open_stage, register, resolve_teachers,
+                            start_tracking)
 from tasks.training import train_stage
 
 
@@ -51,13 +56,19 @@ def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, f
     return cfg
 
 
-def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root: str | None,
-                 overrides: BaseModel | dict[str, Any] | None, max_steps: int | None, max_minutes: float | None,
-                 precision: str | None, tracking_uri: str | None, register_model: bool) -> dict:
-    """The stages in order; returns the stage outputs, the scores file and the promotion decision."""
+def pipeline_config(flow_name: str, expect: dict[str, str], config: str, data_root: str | None,
+                    overrides: BaseModel | dict[str, Any] | None, max_steps: int | None, max_minutes: float | None,
+                    precision: str | None) -> RunConfig:
+    """A pipeline flow's config from its parameters: ``overrides`` with the shortcuts (``max_steps``,
+    ``max_minutes``, ``precision``) merged in, resolved by :func:`flow_config`."""
     shortcuts = {k: v for k, v in (("train.max_steps", max_steps), ("train.max_minutes", max_minutes),
                                    ("train.precision", precision)) if v is not None}
-    cfg = flow_config(config, {**flow_overrides(overrides), **shortcuts}, data_root, flow_name, expect)
+    return flow_config(config, {**flow_overrides(overrides), **shortcuts}, data_root, flow_name, expect)
+
+
+def run_pipeline(flow_name: str, cfg: RunConfig, tracking_uri: str | None, register_model: bool) -> dict:
+    """The stages in order on the resolved ``cfg`` (:func:`pipeline_config`); returns the stage outputs, the scores
+    file, the registered model's name and the promotion decision."""
     work = ensure_work_dir(cfg.work_dir)  # a clear error before tracking and the stages start
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
     parent = start_tracking(cfg, uri, run_name=flow_run.get_name() or cfg.name,
@@ -67,6 +78,13 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
         stages: dict[str, tuple[Path, bool]] = {}
         corpus, hit = stages["data"] = run_cached(data_stage, data=cfg.data, work_dir=work)
         log_stage(parent, "data", hit, {"corpus": corpus})
+        teachers = []
+        if cfg.distill.teachers:  # the stages after this read the distilled corpus
+            teachers = resolve_teachers(cfg, work)
+            corpus, hit = stages["distill"] = run_cached(
+                distill_stage, corpus=corpus, teachers=[t.checkpoint for t in teachers],
+                tokenizer_dir=tracking.shared_tokenizer(teachers), distill=cfg.distill, work_dir=work)
+            log_stage(parent, "distill", hit, {"corpus": corpus}, teachers=[t.label for t in teachers])
         # train.init_from=champion continues from the champion's weights, so it reads its vocabulary too.
         init = fetch_champion(cfg, work) if cfg.train.init_from == "champion" else None
         if init is not None:
@@ -94,15 +112,17 @@ def run_pipeline(flow_name: str, expect: dict[str, str], config: str, data_root:
             export, hit = stages["export"] = run_cached(export_stage, cfg=cfg, checkpoint=averaged,
                                                         tokenizer_dir=tokenizer, corpus=corpus, scores=scores)
             log_stage(parent, "export", hit, {"export": export})
-        decision = register(cfg, parent, averaged, tokenizer, scores, corpus, export) if register_model else None
-        publish_report(cfg, stages, decision, parent)
+        decision = register(cfg, parent, averaged, tokenizer, scores, corpus, export,
+                            teachers) if register_model else None
+        publish_report(cfg, stages, decision, parent, [t.label for t in teachers])
     except BaseException as e:
         # Interrupted (cancelled: SIGTERM, Ctrl-C) is not failed: MLflow's KILLED says so.
         interrupted = not isinstance(e, Exception) or isinstance(e, CancelledRun)
         finish_tracking(parent, "KILLED" if interrupted else "FAILED")
         raise
     finish_tracking(parent, "FINISHED")
-    return {"stages": {k: str(v[0]) for k, v in stages.items()}, "scores": str(scores), "decision": decision}
+    return {"stages": {k: str(v[0]) for k, v in stages.items()}, "scores": str(scores),
+            "registered_model": cfg.registered_model_name, "decision": decision}
 
 
 def close_tracking_runs(flow: Any, flow_run: Any, state: Any) -> None:

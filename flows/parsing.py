@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import Precision, close_tracking_runs, run_pipeline
+from flows.common import Precision, close_tracking_runs, pipeline_config, run_pipeline
 from pipeline.config import ConfigName, FlowOverrides
 
 
@@ -22,5 +22,6 @@ def parse_wsj(config: ConfigName | str = "ptb-sample-cpu", data_root: str | None
         data_root: the folder holding the treebank; env AIAYN_DATA_ROOT.
         overrides, max_steps, max_minutes, precision, tracking_uri, register_model: as for ``train-en-de``.
     """
-    return run_pipeline("parse-wsj", {"task": "parsing"}, config, data_root, overrides, max_steps, max_minutes,
-                        precision, tracking_uri, register_model)
+    cfg = pipeline_config("parse-wsj", {"task": "parsing"}, config, data_root, overrides, max_steps, max_minutes,
+                          precision)
+    return run_pipeline("parse-wsj", cfg, tracking_uri, register_model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import Precision, close_tracking_runs, run_pipeline
+from flows.common import Precision, close_tracking_runs, pipeline_config, run_pipeline
 from pipeline.config import ConfigName, FlowOverrides
 
 # What each flow requires of its config (field -> value; :func:`flows.common.flow_config` refuses any other).
@@ -32,8 +32,8 @@ def _train(name: str, config: str, data_root: str | None, overrides: FlowOverrid
            max_minutes: float | None, precision: Precision | None, tracking_uri: str | None,
            register_model: bool) -> dict:
     """The body of every translation flow: the pipeline on ``config``, which must be what flow ``name`` expects."""
-    return run_pipeline(name, EXPECT[name], config, data_root, overrides, max_steps, max_minutes, precision,
-                        tracking_uri, register_model)
+    cfg = pipeline_config(name, EXPECT[name], config, data_root, overrides, max_steps, max_minutes, precision)
+    return run_pipeline(name, cfg, tracking_uri, register_model)
 
 
 @_translation_flow("train-en-de")

@@ -27,7 +27,7 @@ from pipeline.export import GATE, export_model
 from pipeline.inference import models_from_states, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
-from pipeline.workdir import Inputs, build_inputs, run_dir
+from pipeline.workdir import Inputs, build_corpus, build_inputs, run_dir
 
 log = logging.getLogger("aiayn")
 
@@ -46,6 +46,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The config the flags name, resolved (:func:`pipeline.config.resolve_config`): ``--work-dir`` and
     ``--data-root`` are explicit settings, so they win over the environment; ``--set`` overrides come last."""
     overrides = ([("work_dir", args.work_dir)] if args.work_dir else []) + args.set
+    if getattr(args, "teacher", None):  # distill's --teacher: the most specific setting of distill.teachers
+        overrides.append(("distill.teachers", args.teacher))
     return resolve_config(args.config, overrides, data_root=args.data_root)
 
 
@@ -58,19 +60,37 @@ def cmd_config(cfg: RunConfig, args: argparse.Namespace) -> None:
     print(dump_config(cfg), end="")
 
 
+def _print_rules(title: str, report: dict) -> None:
+    print(f"  {title}: read {report['read']:,}, kept {report['kept']:,}")
+    for rule in report["rules"]:
+        print(f"    {rule['rule']:<14} removed {rule['removed']:>9,}   remaining {rule['remaining']:>9,}")
+
+
 def _print_corpus(corpus: Path) -> None:
     manifest = read_manifest(corpus)
     print(f"corpus: {corpus}")
     for key, split in manifest["splits"].items():
         print(f"  {key:<24} {split['rows']:>9,} pairs  {split['file']}")
-    report = manifest["splits"]["train"]["cleaning"]
-    print(f"  train cleaning: read {report['read']:,}, kept {report['kept']:,}")
-    for rule in report["rules"]:
-        print(f"    {rule['rule']:<14} removed {rule['removed']:>9,}   remaining {rule['remaining']:>9,}")
+    _print_rules("train cleaning", manifest["splits"]["train"]["cleaning"])
+    if distilled := manifest.get("distillation"):
+        teachers = len(distilled["teachers"])
+        _print_rules(f"train distillation ({teachers} teacher{'s' if teachers > 1 else ''}, select "
+                     f"{distilled['select']} of {distilled['nbest']})", distilled)
+        if distilled["truncated"]:
+            print(f"    {distilled['truncated']:,} source(s) cut to the teachers' positions")
 
 
 def cmd_prepare_data(cfg: RunConfig, args: argparse.Namespace) -> None:
     _print_corpus(prepare_corpus(cfg.data, Path(cfg.work_dir), _Progress("reading the training pairs", "pairs")))
+
+
+def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> None:
+    """The data stage, then the teachers' translations of its training sources as a distilled corpus (teachers:
+    ``--teacher``, else ``distill.teachers``; checkpoint files only, their tokenizer found in the work dir)."""
+    if not cfg.distill.teachers:
+        raise ConfigError("distill needs teachers: --teacher CHECKPOINT.pt (again for each further member of an "
+                          "ensemble) or distill.teachers in the config")
+    _print_corpus(build_corpus(cfg, _Progress))
 
 
 def cmd_tokenize(cfg: RunConfig, args: argparse.Namespace) -> None:
@@ -240,7 +260,8 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
 
 
 def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
-    """The pipeline's stages in order on this machine, without an orchestrator: data, tokenizer and shards
+    """The pipeline's stages in order on this machine, without an orchestrator: data, distillation (with
+    ``distill.teachers`` checkpoint files: the student trains on the teachers' translations), tokenizer and shards
     (resolved once: each check hashes every input file), training (one process), averaging of the last
     ``average.last_n`` checkpoints (or the best on dev of ``average.choose_from``), evaluation, and for translation
     the CTranslate2 export with its gate (unless ``export.engine: none``)."""
@@ -255,6 +276,8 @@ def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
 COMMANDS = {
     "config": (cmd_config, "print the resolved config (after presets and overrides) and its hash"),
     "prepare-data": (cmd_prepare_data, "data stage: read, clean and version the parallel corpus"),
+    "distill": (cmd_distill, "data stage, then the teachers' translations of its training sources as a distilled "
+                             "corpus (sequence-level knowledge distillation)"),
     "tokenize": (cmd_tokenize, "data stage, then the shared sentencepiece model and the token shards"),
     "train": (cmd_train, "train in this process (several: torchrun ... -m pipeline.train)"),
     "average": (cmd_average, "average the last average.last_n checkpoints of the run (or choose N on dev among "
@@ -281,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "--config FILE) instead of printing it")
         if name == "export":
             p.add_argument("--checkpoint", help="a training or averaged checkpoint (.pt)")
+        if name == "distill":
+            p.add_argument("--teacher", action="append", help=(
+                "a teacher checkpoint (.pt), instead of distill.teachers; give it again for each further model to "
+                "decode with their ensemble"))
         if name in ("evaluate", "translate"):
             p.add_argument("--checkpoint", action="append", help=(
                 "a training or averaged checkpoint (.pt); give it again for each further model to decode with "

@@ -528,6 +528,57 @@ class TrackingConfig(_Strict):
         "Dev sentences whose attention is logged as heat-maps; 0 = none."))
 
 
+class DistillConfig(_Strict):
+    """Sequence-level knowledge distillation (Kim & Rush, 2016; not in the paper), the production road of machine
+    translation: the teachers translate the training split's source side with beam search, the pairs where they
+    failed are dropped (each rule counted), and this config's model (the student) trains on what is left. Dev and
+    test sets keep their human references. No teachers: the run trains on the corpus as it is.
+
+    A teacher is a registered version, ``models:/<registered model>@<alias>`` or
+    ``models:/<registered model>/<version>`` (MLflow's model URIs), or a checkpoint file (``.pt``); several decode as
+    one ensemble (their log-probabilities averaged at each step). They must share one tokenizer; the student trains
+    its own on the distilled corpus.
+    """
+
+    teachers: list[str] = Field(default_factory=list, description=(
+        "The teacher models: registered versions (models:/<name>@<alias>, models:/<name>/<version>) or checkpoint "
+        "files (.pt); several decode as one ensemble. Empty = no distillation (train on the corpus as it is)."))
+    decode: DecodeConfig = Field(default=DecodeConfig(), description=(
+        "How the teachers translate the training sources (beam search; the paper's beam 4 and length penalty 0.6 "
+        "by default)."))
+    nbest: int = Field(default=1, ge=1, description=(
+        "Hypotheses the teachers keep per source (at most decode.beam_size); the one kept is chosen by select."))
+    select: Literal["best", "chrf"] = Field(default="best", description=(
+        "Which of the nbest hypotheses becomes the target: best = the teachers' best-scoring one; chrf = the one "
+        "closest to the human reference by chrF, as mozilla/translations does. Not in the paper."))
+    max_ratio: float = Field(default=3.0, gt=0, description=(
+        "Drop a pair whose teacher output is more than this many times longer or shorter, in words, than its "
+        "source (a hallucination or a truncated translation)."))
+    drop_copies: bool = Field(default=True, description=(
+        "Drop a pair whose teacher output equals its source (the teacher copied instead of translating)."))
+    chunk_sentences: int = Field(default=4096, ge=1, description=(
+        "Training sources decoded per chunk; each finished chunk is kept on disk, so a killed run resumes with the "
+        "next one."))
+
+    @field_validator("teachers")
+    @classmethod
+    def _teacher_forms(cls, v: list[str]) -> list[str]:
+        for ref in v:
+            if not (re.fullmatch(r"models:/[^/@]+(@[A-Za-z0-9_-]+|/[0-9]+)", ref) or ref.endswith(".pt")):
+                raise ValueError(f"teacher {ref!r} is neither a registered version (models:/<name>@<alias>, "
+                                 "models:/<name>/<version>) nor a checkpoint file (.pt)")
+        if len(set(v)) < len(v):
+            raise ValueError(f"teachers {v} name one model twice: an ensemble member counts once")
+        return v
+
+    @model_validator(mode="after")
+    def _nbest_fits(self) -> "DistillConfig":
+        if self.nbest > self.decode.beam_size:
+            raise ValueError(f"nbest ({self.nbest}) must not exceed decode.beam_size ({self.decode.beam_size}): a "
+                             f"beam of {self.decode.beam_size} finds at most {self.decode.beam_size} hypotheses")
+        return self
+
+
 # ------------------------------------------------------------------------------------------------- a run
 
 
@@ -601,6 +652,9 @@ class RunConfig(_Strict):
         "How training processes are started (no stage folder's hash or cache key depends on it)."))
     tracking: TrackingConfig = Field(default=TrackingConfig(), description=(
         "MLflow experiment, registered model and promotion rule."))
+    distill: DistillConfig = Field(default=DistillConfig(), description=(
+        "Sequence-level knowledge distillation: teachers whose translations of the training sources replace its "
+        "targets. No teachers = none."))
 
     @property
     def exports(self) -> bool:
@@ -640,6 +694,9 @@ class RunConfig(_Strict):
             if self.tokenizer.model_type != "word":
                 raise ValueError("task 'parsing' needs tokenizer.model_type 'word' (one piece per word and per "
                                  "bracket symbol)")
+            if self.distill.teachers:
+                raise ValueError("distill.teachers: distillation is for translation; a parse is scored against "
+                                 "the gold tree, which a teacher's output would replace")
         else:
             wrong = [where for where, s in sources if s.format == "ptb"]
             if wrong:
@@ -1004,8 +1061,10 @@ def dump_config(cfg: RunConfig) -> str:
 
 # The run configs under configs/ a flow run can name (tests/test_config.py keeps this equal to the files); a flow
 # also takes a path to any other config file.
-ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", "multi30k-en-fr-cpu", "ptb-sample-cpu",
-                     "wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"]
+ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", "multi30k-en-fr-cpu",
+                     "multi30k-en-fr-student-tiny", "multi30k-student-deep-shallow", "multi30k-student-tiny",
+                     "ptb-sample-cpu", "wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big",
+                     "wsj-parsing"]
 
 
 def _leaf_field_infos(model: type[BaseModel], prefix: str = "") -> list[tuple[str, FieldInfo]]:

@@ -1,11 +1,13 @@
 """The run report's markdown, built from the stage output files (pure: no Prefect, no MLflow; the tracking run's
-URL comes in as a string): what a reviewer asks first (data, tokenizer, training, every score by name, the
-promotion decision, where the tracking run is). ``tasks.report.publish_report`` publishes it as Prefect artifacts."""
+URL and the teachers' names come in as strings): what a reviewer asks first (data, distillation, tokenizer,
+training, every score by name, the promotion decision, where the tracking run is).
+``tasks.report.publish_report`` publishes it as Prefect artifacts."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from pipeline.average import CHOICE
 from pipeline.config import RunConfig
@@ -29,8 +31,9 @@ def _scores_rows(scores: dict) -> list[str]:
 
 
 def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision: dict | None,
-                  tracking_url: str | None) -> str:
-    """The report's markdown from the stage outputs (``stages``: name -> (path, reused from cache))."""
+                  tracking_url: str | None, teachers: Sequence[str] = ()) -> str:
+    """The report's markdown from the stage outputs (``stages``: name -> (path, reused from cache)); ``teachers``
+    names the teachers of a ``distill`` stage (registered versions; default: their checkpoint files)."""
     corpus, shards = _read(stages["data"][0] / "manifest.json"), _read(stages["shards"][0] / "manifest.json")
     summary = _read(stages["train"][0] / "train_summary.json")
     scores = _read(stages["evaluate"][0])
@@ -47,6 +50,8 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
     if boms := [f for es in corpus["inputs"].values() for e in es for f in e.get("bom_stripped", [])]:
         out += [f"A UTF-8 byte order mark opening {len(boms)} file(s) was dropped: "
                 + ", ".join(f"`{f}`" for f in boms) + ".", ""]
+    if "distill" in stages:
+        out += _distill_rows(_read(stages["distill"][0] / "manifest.json")["distillation"], teachers)
     train = shards["splits"]["train"]
     out += ["## Tokenizer", "", f"Vocabulary {shards['tokenizer'].get('vocab_size', '?')}; training split "
             f"{train['src']['tokens']:,} source / {train['tgt']['tokens']:,} target tokens, mean length "
@@ -76,6 +81,23 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
             cell = lambda v: v.replace("|", "\\|")  # noqa: E731  (sacreBLEU signatures hold |)
             out += ["| evidence | value |", "|---|---|", *(f"| {k} | {cell(v)} |" for k, v in rows), ""]
     return "\n".join(out)
+
+
+def _distill_rows(entry: dict, teachers: Sequence[str]) -> list[str]:
+    """The distillation: who translated the training sources, how, and what the filters dropped."""
+    names = teachers or [t["path"] for t in entry["teachers"]]
+    decode = entry["decode"]
+    out = ["## Distillation", "",
+           f"Training targets translated by {', '.join(f'`{n}`' for n in names)}"
+           + (f" (an ensemble of {len(names)})" if len(names) > 1 else "")
+           + f": beam {decode['beam_size']}, length penalty {decode['length_penalty']}, n-best {entry['nbest']}, "
+           f"selection `{entry['select']}`; source corpus `{entry['source_corpus']['fingerprint'][:16]}`. Dev and "
+           "test keep their human references.", "",
+           f"Training sources read {entry['read']:,}, kept {entry['kept']:,}; removed by rule: "
+           + ", ".join(f"{r['rule']} {r['removed']:,}" for r in entry["rules"]) + "."]
+    if entry["truncated"]:
+        out[-1] += f" {entry['truncated']:,} source(s) were cut to the teachers' positions."
+    return out + [""]
 
 
 def _export_rows(gate: dict) -> list[str]:

@@ -1,7 +1,7 @@
 """Where each stage's output lives in the work dir for a config, and the input stages in order (CLI, torchrun).
 
-Every stage folder is content-addressed (corpus, tokenizer, shards) or derived from the config hash (the run
-folder), so running the same config twice reuses what is done and resumes what is not.
+Every stage folder is content-addressed (corpus, distilled corpus, tokenizer, shards) or derived from the config
+hash (the run folder), so running the same config twice reuses what is done and resumes what is not.
 """
 
 from __future__ import annotations
@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from pipeline.config import RunConfig
 from pipeline.data import prepare_corpus
+from pipeline.distill import DistillError, distill_corpus, teacher_tokenizer
 from pipeline.fsutil import sha256_file
 from pipeline.shards import build_shards, read_shard_manifest
 from pipeline.tokenize import train_tokenizer
@@ -19,18 +22,50 @@ from pipeline.tokenize import train_tokenizer
 
 @dataclass(frozen=True)
 class Inputs:
-    """What training reads: the corpus, the tokenizer trained on it and the shards encoded with it."""
+    """What training reads: the corpus (distilled, with ``distill.teachers``), the tokenizer trained on it and the
+    shards encoded with it."""
 
     corpus: Path
     tokenizer: Path
     shards: Path
 
 
-def build_inputs(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, int], None]] | None = None) -> Inputs:
-    """Data stage, tokenizer and shards in order; each is a no-op returning its folder when unchanged.
-    ``progress(what, unit)`` gives the data and shard stages a callback for their progress (done, total)."""
+def checkpoint_teachers(cfg: RunConfig) -> list[Path]:
+    """``distill.teachers`` as checkpoint files (none: no distillation). Registered teachers (``models:/``) need the
+    tracking server and are refused (:class:`~pipeline.distill.DistillError`): the distill-translation flow
+    resolves them."""
+    teachers = cfg.distill.teachers
+    if registered := [t for t in teachers if t.startswith("models:/")]:
+        raise DistillError(f"distill.teachers {registered}: a registered model is resolved through the tracking "
+                           "server, which only the distill-translation flow does; run that flow, or name the "
+                           "teachers' checkpoint files (.pt) here")
+    return [Path(t) for t in teachers]
+
+
+def build_corpus(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, int], None]] | None = None) -> Path:
+    """The corpus training reads: the data stage's, or with ``distill.teachers`` its distilled corpus (the
+    teachers' tokenizer found in the work dir by :func:`~pipeline.distill.teacher_tokenizer`). A no-op returning
+    the folder when unchanged; ``progress`` as for :func:`build_inputs`."""
     work = Path(cfg.work_dir)
+    # the teachers before the data stage: a registered, missing or unmatched teacher is refused at once
+    teachers = checkpoint_teachers(cfg)
+    tokenizer = teacher_tokenizer(teachers, work) if teachers else None
     corpus = prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
+    if tokenizer is None:
+        return corpus
+    # the teachers decode on a GPU when there is one (hours on a CPU for a WMT corpus)
+    return distill_corpus(corpus, teachers, tokenizer, cfg.distill, work,
+                          device="cuda" if torch.cuda.is_available() else "cpu",
+                          progress=progress and progress("distilling the training sources", "sentences"))
+
+
+def build_inputs(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, int], None]] | None = None) -> Inputs:
+    """Corpus (:func:`build_corpus`: distilled with ``distill.teachers``), tokenizer and shards in order; each is a
+    no-op returning its folder when unchanged, so every caller (the CLI's commands, each torchrun rank) finds the
+    same folders. ``progress(what, unit)`` gives the data, distillation and shard stages a callback for their
+    progress (done, total)."""
+    work = Path(cfg.work_dir)
+    corpus = build_corpus(cfg, progress)
     tokenizer = train_tokenizer(corpus, cfg.tokenizer, work)
     shards = build_shards(corpus, tokenizer, cfg.tokenizer, work,
                           progress=progress and progress("encoding token shards", "pairs"))

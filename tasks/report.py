@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from prefect import task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
@@ -17,12 +18,12 @@ from pipeline.report import evidence_rows, render_report, score_rows
 
 @task(name="report")
 def publish_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision: dict | None,
-                   parent_run_id: str) -> str:
+                   parent_run_id: str, teachers: Sequence[str] = ()) -> str:
     """Publish the markdown report (key ``<config name>-report``), the scores table (``<config name>-scores``) and
     links to the MLflow run (``<config name>-mlflow-run``) and model version (``<config name>-model-version``) as
-    Prefect artifacts; returns the report's text."""
+    Prefect artifacts; returns the report's text. ``teachers``: the names of a distillation's teachers."""
     run_url = tracking.run_url(parent_run_id)
-    text = render_report(cfg, stages, decision, run_url)
+    text = render_report(cfg, stages, decision, run_url, teachers)
     key = cfg.name.lower().replace("_", "-")
     create_markdown_artifact(text, key=f"{key}-report", description=f"{cfg.name} pipeline report")
     scores = json.loads(stages["evaluate"][0].read_text(encoding="utf-8"))

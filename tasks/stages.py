@@ -1,20 +1,23 @@
-"""Prefect tasks for the data, tokenizer, shard, averaging and evaluation stages: thin wrappers over the plain
-stage functions (paths and configs in, paths out), adding cross-run caching and, where the network is
+"""Prefect tasks for the data, distillation, tokenizer, shard, averaging and evaluation stages: thin wrappers over
+the plain stage functions (paths and configs in, paths out), adding cross-run caching and, where the network is
 involved, retries."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from prefect import task
 from prefect.tasks import exponential_backoff
 
 from pipeline.average import average_run
-from pipeline.config import DataConfig, RunConfig, TokenizerConfig
+from pipeline.config import DataConfig, DistillConfig, RunConfig, TokenizerConfig
 from pipeline.data import DataError, corpus_fingerprint, prepare_corpus
 from pipeline.data.sources import HubUnavailable
+from pipeline.distill import distill_corpus
 from pipeline.evaluate import evaluate_checkpoint
 from pipeline.export import export_model
+from pipeline.fsutil import sha256_file
 from pipeline.shards import build_shards
 from pipeline.tokenize import train_tokenizer
 from tasks.caching import stage_cache_key
@@ -50,6 +53,26 @@ def data_stage(data: DataConfig, work_dir: Path) -> Path:
     artifact = ProgressArtifact("data-progress", "reading and cleaning the training pairs")
     out = prepare_corpus(data, work_dir, progress=artifact.fraction)
     artifact.finish()  # also when the corpus was there already
+    return out
+
+
+def _teachers_content(teachers: list[Path]) -> str:
+    """The teachers by content: a version downloaded again, or named by another alias, keys the same."""
+    return ",".join(sha256_file(Path(t)) for t in teachers)
+
+
+@task(name="distill-corpus", persist_result=True,
+      cache_key_fn=stage_cache_key(distill_corpus, content={"teachers": _teachers_content}))
+def distill_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, distill: DistillConfig,
+                  work_dir: Path) -> Path:
+    """The corpus with its training targets replaced by what the teachers (checkpoints sharing ``tokenizer_dir``,
+    decoding as one ensemble) translate of its sources, the failed pairs dropped, with a ``distill-progress``
+    artifact (sources decoded); on the GPU when there is one. Keyed like the distilled corpus's fingerprint: the
+    corpus, the teachers' content and the distill settings."""
+    artifact = ProgressArtifact("distill-progress", f"{len(teachers)} teacher(s) translating the training sources")
+    out = distill_corpus(corpus, teachers, tokenizer_dir, distill, work_dir,
+                         device="cuda" if torch.cuda.is_available() else "cpu", progress=artifact.fraction)
+    artifact.finish()  # also when the distilled corpus was there already
     return out
 
 

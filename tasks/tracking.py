@@ -3,13 +3,15 @@ cached: every pipeline run records its own lineage, also for stages reused from 
 
 Bookkeeping (opening, logging and closing runs) is plain function calls of the flow, not tasks, so that the flow
 run's graph in the Prefect UI shows the pipeline's own stages in order (data -> tokenizer -> shards -> train ->
-average -> evaluate -> export -> register -> report), not eight bookkeeping nodes between them. Registering is a
-task: it is a stage of the pipeline, with its own retries and state."""
+average -> evaluate -> export -> register -> report), not eight bookkeeping nodes between them. Registering, and
+resolving a distillation's teachers from the registry, are tasks: they are stages of the pipeline, with their own
+state."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 from uuid import UUID
 
 from prefect import get_run_logger, task
@@ -63,12 +65,15 @@ def open_stage(parent_run_id: str, stage: str) -> str:
 
 
 def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, Path], run_id: str | None = None,
-              attention_sentences: int = 3) -> str:
-    """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given)."""
+              attention_sentences: int = 3, teachers: Sequence[str] = ()) -> str:
+    """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given); ``teachers``
+    names the distill stage's teachers (registered versions)."""
     run_id = run_id or tracking.start_stage_run(parent_run_id, stage)
     tracking.set_tags(run_id, {"cached": str(cached).lower()})
     if stage == "data":
         tracking.log_corpus(run_id, outputs["corpus"])
+    elif stage == "distill":
+        tracking.log_distillation(run_id, outputs["corpus"], teachers)
     elif stage == "tokenize":
         tracking.log_tokenizer(run_id, outputs["tokenizer"], outputs["shards"])
     elif stage == "train":
@@ -93,6 +98,18 @@ def fetch_champion(cfg: RunConfig, work_dir: Path) -> tuple[Path, Path] | None:
     if found is None:
         get_run_logger().warning("train.init_from=champion, but %s has no champion yet: training from scratch", name)
     return found
+
+
+@task(name="resolve-teachers")
+def resolve_teachers(cfg: RunConfig, work_dir: Path) -> list[tracking.Teacher]:
+    """``distill.teachers`` as files: each registered version (an alias pinned to the version it points at now)
+    downloaded under ``<work_dir>/teachers/``, with its dev score (the promotion metric on the config's dev set)
+    and size; refused unless they share one tokenizer."""
+    teachers = tracking.resolve_teachers(cfg.distill.teachers, work_dir,
+                                         f"{cfg.data.dev.name}.{cfg.promotion_metric}")
+    for t in teachers:
+        get_run_logger().info("teacher %s: %s", t.ref, t.describe())
+    return teachers
 
 
 def ensure_promotion_lock(model: str) -> str:
@@ -120,13 +137,15 @@ def promote_locked(name: str, version: str, policy: Policy, run_id: str | None =
 
 @task(name="register-model")
 def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir: Path, scores: Path,
-             corpus: Path, export: Path | None = None) -> dict:
+             corpus: Path, export: Path | None = None, teachers: Sequence[tracking.Teacher] = ()) -> dict:
     """Register the averaged model (in a ``register`` child run) with its scores (also as model metrics on the
-    ``corpus`` splits they were measured on), checkpoint sha256, corpus fingerprint and promotion set, and its
+    ``corpus`` splits they were measured on), checkpoint sha256, corpus fingerprint, size and promotion set, and its
     CTranslate2 ``export`` when that passed its quality gate (a refused
     export is left out: the version serves with PyTorch, and says why in its tags), then decide on the champion
-    alias under the model's lock; returns the decision with its evidence. A model already registered (same
-    checkpoint: no new data, no changed setting) is not registered again and nothing is decided."""
+    alias under the model's lock; returns the decision with its evidence. A student (``teachers``: it was trained
+    on their distilled ``corpus``) also gets its lineage as tags and, as its description, a table of its teachers
+    and itself side by side. A model already registered (same checkpoint: no new data, no changed setting) is not
+    registered again and nothing is decided."""
     logger = get_run_logger()
     name = cfg.registered_model_name
     scores_data = json.loads(scores.read_text(encoding="utf-8"))
@@ -140,6 +159,8 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
         return decision.as_dict()
     policy = Policy.of(cfg)
     tags = {"corpus_fingerprint": scores_data["corpus_fingerprint"]}
+    if teachers:
+        tags |= tracking.lineage_tags(teachers, corpus)
     if export is not None:
         export, gate = servable(export)
         tags |= {"export.gate": "passed" if gate["passed"] else "refused", "export.quantization": gate["quantization"],
@@ -153,6 +174,8 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
                                       tracking.flat_scores(scores_data), read_promotion_set(policy, scores.parent),
                                       tags=tags, export=export,
                                       evaluated=tracking.model_scores(scores_data, corpus))
+    if teachers:
+        tracking.describe_student(name, version, teachers)
     decision = promote_locked(name, version, policy, parent_run_id)
     tracking.finish_run(run_id)
     logger.info("version %s of %s: %s. %s", version, name, decision.decision, decision.reason)

@@ -23,7 +23,9 @@ from mlflow.tracking import MlflowClient
 from ops.localstack import free_port, start_mlflow
 from pipeline import tracking
 from pipeline.average import average_checkpoints
-from pipeline.config import DecodeConfig, ExportConfig
+from pipeline.config import DecodeConfig, DistillConfig, ExportConfig
+from pipeline.data import prepare_corpus
+from pipeline.distill import distill_corpus
 from pipeline.export import export_model
 from pipeline.fsutil import sha256_file
 from pipeline.inference import load_model, translate
@@ -112,6 +114,24 @@ def tracked(mlflow_server, shared_data, tiny_stack, tmp_path_factory) -> dict:
         tracking.finish_run(run_id)
     return {**run, "name": name, "version": version, "scores": scores, "ckpt": ckpt, "promotion": promotion,
             "gate": gate}
+
+
+@pytest.fixture(scope="module")
+def distilled(shared_data, tiny_stack, checkpoint, tmp_path_factory) -> Path:
+    """A distilled corpus: the two-update model translating the first pairs of Multi30k (its junk kept whatever its
+    length: the records are tested, not the translations)."""
+    root = tmp_path_factory.mktemp("data")
+    for lang in ("en", "de"):
+        for src, rows in (("multi30k/train", 500), ("multi30k/val", 100), ("multi30k/test2016", 50),
+                          ("wmt14-en-de/newstest2014", 50)):
+            lines = (shared_data / f"{src}.{lang}").read_text(encoding="utf-8").splitlines(keepends=True)
+            (root / src).parent.mkdir(parents=True, exist_ok=True)
+            (root / f"{src}.{lang}").write_text("".join(lines[:rows]), encoding="utf-8")
+    work = tmp_path_factory.mktemp("distill")
+    corpus = prepare_corpus(tiny_config(shared_data, f"data.root={root}").data, work)
+    junk = DistillConfig(decode=DecodeConfig(beam_size=1, min_len=2, max_len_a=0.0, max_len_b=3, batch_sentences=256),
+                         max_ratio=100.0)
+    return distill_corpus(corpus, [checkpoint], tiny_stack.tokenizer, junk, work)
 
 
 def _artifacts(c: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
@@ -273,6 +293,47 @@ def test_export_gate_is_logged_and_the_champion_serves_with_the_export(tracked) 
     assert {p.name: p.default for p in info.signature.params.params} == \
         {"beam_size": 2, "alpha": 0.6, "max_len_b": 4, "nbest": 1}
     assert info.saved_input_example_info is not None
+
+
+def test_teachers_resolve_to_versions_and_the_student_shows_them_side_by_side(mlflow_server, checkpoint, tiny_stack,
+                                                                             distilled) -> None:
+    """An alias is pinned to the version it points at, whose checkpoint and tokenizer are downloaded under the work
+    dir; a checkpoint file joins with the tokenizer of its work dir. The student's version names its teachers by
+    version, with their dev score and size beside its own, in tags and in a side-by-side description."""
+    tracking.connect(mlflow_server, "test-tracking-teachers")
+    c = MlflowClient(mlflow_server)
+    exp = c.get_experiment_by_name("test-tracking-teachers").experiment_id
+    name, student = f"transformer-en-de-teacher-{free_port()}", f"transformer-en-de-student-{free_port()}"
+    version = tracking.register_model(c.create_run(exp).info.run_id, checkpoint, tiny_stack.tokenizer, FAST_DECODE,
+                                      name, {"multi30k-val.sacrebleu": 12.5})
+    assert tracking.promote(name, version, POLICY).promoted
+    registered = c.get_model_version(name, version).tags
+    assert int(registered["model.parameters"]) > 0 and registered["serving.engine"] == "torch"
+    assert float(registered["serving.model_mb"]) == round(checkpoint.stat().st_size / 2**20, 2)
+
+    work = tiny_stack.work  # a checkpoint file's tokenizer is found in its work dir
+    teachers = tracking.resolve_teachers([f"models:/{name}@champion", str(checkpoint)], work,
+                                         "multi30k-val.sacrebleu")
+    pinned, from_file = teachers
+    assert pinned.label == f"{name}/{version}" and from_file.label == str(checkpoint.resolve())
+    assert pinned.checkpoint.is_relative_to(work / "teachers" / name / version)
+    assert sha256_file(pinned.checkpoint) == sha256_file(checkpoint) and pinned.dev_score == 12.5
+    assert pinned.tokenizer_sha256 == from_file.tokenizer_sha256 == Tokenizer(tiny_stack.tokenizer).sha256
+    assert pinned.parameters == from_file.parameters == int(registered["model.parameters"])
+    assert from_file.dev_score is None and tracking.shared_tokenizer(teachers) == pinned.tokenizer
+    with pytest.raises(tracking.TeacherError, match=f"registered model '{name}' has no version with alias 'nope'"):
+        tracking.resolve_teachers([f"models:/{name}@nope"], work, "multi30k-val.sacrebleu")
+
+    v = tracking.register_model(c.create_run(exp).info.run_id, checkpoint, tiny_stack.tokenizer, FAST_DECODE, student,
+                                {"multi30k-val.sacrebleu": 10.0}, tags=tracking.lineage_tags([pinned], distilled))
+    text = tracking.describe_student(student, v, [pinned])
+    mv = c.get_model_version(student, v)
+    source = json.loads((distilled / "manifest.json").read_text())["distillation"]["source_corpus"]["fingerprint"]
+    assert mv.tags["distill.teachers"] == f"{name}/{version}" and mv.tags["distill.source_corpus_fingerprint"] == source
+    assert mv.tags["distill.teacher.1"] == pinned.describe() and mv.description == text
+    params = int(registered["model.parameters"])
+    assert f"| {name}/{version} | teacher | 12.50 | {params:,} |" in text
+    assert f"| {student}/{v} | student | 10.00 | {params:,} |" in text
 
 
 def _corrupt(lines: list[str], rate: float, seed: int) -> list[str]:
@@ -463,7 +524,7 @@ def _logged(c: MlflowClient, run_id: str) -> dict[str, set[str]]:
 
 
 @pytest.mark.integration
-def test_every_name_logged_to_mlflow_is_in_the_catalog(tracked, tiny_stack) -> None:
+def test_every_name_logged_to_mlflow_is_in_the_catalog(tracked, tiny_stack, distilled) -> None:
     """The MLflow catalog (pipeline/tracking/catalog.py, which the docs' MLflow reference is rendered from) equals
     what a tiny pipeline run logs: each metric, param, tag and artifact of the parent run, of each stage run, of
     the registered version and of its logged model has an entry of that run and kind, and each entry not marked
@@ -486,6 +547,7 @@ def test_every_name_logged_to_mlflow_is_in_the_catalog(tracked, tiny_stack) -> N
             for stage, out in outputs.items()}
     # the flow opens the train run before training and records the finished run folder into it
     runs["train"] = log_stage(parent, "train", False, {"run": ckpt.parent.parent}, run_id=tracked["runs"]["train"])
+    runs["distill"] = log_stage(parent, "distill", False, {"corpus": distilled}, teachers=[f"{tracked['name']}/1"])
     runs["register"] = tracked["runs"]["register"]
 
     logged = {"pipeline": _logged(c, parent), **{stage: _logged(c, run_id) for stage, run_id in runs.items()}}

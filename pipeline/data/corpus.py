@@ -14,7 +14,7 @@ import time
 import unicodedata
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -51,8 +51,9 @@ def _code_hash() -> str:
     return code_hash(*sorted({f for m in modules for f in code_closure(m, ("pipeline.config",))}))
 
 
-class _CorpusSplitWriter:
-    """Streams rows of one split into a Parquet file, ``write_batch_rows`` rows at a time."""
+class CorpusSplitWriter:
+    """Streams rows of one split into a Parquet file in this format, ``batch_rows`` rows at a time (also the
+    writer of a distilled corpus's training split, ``pipeline.distill``)."""
 
     def __init__(self, path: Path, split: str, batch_rows: int):
         self.path, self.split, self.batch_rows = path, split, batch_rows
@@ -95,7 +96,7 @@ class _CorpusSplitWriter:
 def _write_eval_split(source: Source, role: str, out: Path, batch_rows: int, normalize: Normalizer,
                       counts: Counter, tree_leaves: str) -> tuple[dict, list[tuple[str, str]]]:
     """Dev/test: never filtered (that would change what is measured); normalised, raw target kept."""
-    writer = _CorpusSplitWriter(out, role, batch_rows)
+    writer = CorpusSplitWriter(out, role, batch_rows)
     pairs = []
     for line, src, tgt in source.pairs():
         s, t = normalize(src), normalize(source.model_target(tgt, tree_leaves))
@@ -180,7 +181,7 @@ def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, in
         normalize = Normalizer(data.cleaning, counts)
         keep = TrainFilter(data.cleaning, eval_pairs, counts)
         del eval_pairs
-        writer = _CorpusSplitWriter(tmp / "train.parquet", "train", data.write_batch_rows)
+        writer = CorpusSplitWriter(tmp / "train.parquet", "train", data.write_batch_rows)
         read: Counter = Counter()
         symbols: set[str] = set()  # parsing: the closed target vocabulary of the kept training trees
         reading = _TrainProgress(train, progress)
@@ -233,14 +234,20 @@ def _provenance(groups: dict[str, list[Source]], with_rows: bool) -> dict[str, l
             for g, sources in groups.items()}
 
 
-def _cleaning_report(read: int, counts: Counter, kept: int) -> dict:
-    """Per rule, in the order the rules run: pairs it removed and pairs still standing after it."""
-    standing, rules = read, []
-    for rule in TrainFilter.RULES:
+def rule_report(read: int, counts: Counter, rules: Sequence[str], kept: int) -> dict:
+    """Per rule, in the order the rules run: pairs it removed (``counts[rule]``) and pairs still standing after
+    it; with the pairs read and kept (what the rules left)."""
+    standing, steps = read, []
+    for rule in rules:
         standing -= counts[rule]
-        rules.append({"rule": rule, "removed": counts[rule], "remaining": standing})
+        steps.append({"rule": rule, "removed": counts[rule], "remaining": standing})
     assert standing == kept, (standing, kept)
-    return {"read": read, "rules": rules, "kept": kept, "removed": {r["rule"]: r["removed"] for r in rules},
+    return {"read": read, "rules": steps, "kept": kept, "removed": {r["rule"]: r["removed"] for r in steps}}
+
+
+def _cleaning_report(read: int, counts: Counter, kept: int) -> dict:
+    """The training filters' :func:`rule_report`, and how many sentences normalisation changed."""
+    return {**rule_report(read, counts, TrainFilter.RULES, kept),
             "normalized": {k: counts[k] for k in ("nfc_changed", "whitespace_changed")}}
 
 

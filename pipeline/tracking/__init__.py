@@ -3,9 +3,10 @@
 The Prefect flow drives it by run id (:func:`connect` first, fail fast), the trainer reaches it only through
 :class:`MlflowSink`, its ``MetricsSink`` (``python -m pipeline.train --mlflow-run-id``). Layout of a pipeline run:
 a parent run (resolved config as params and ``config.yaml``; git commit, config hash, preset, language pair and
-the Prefect flow run as tags) with one child run per stage (data, tokenize, train, average, evaluate, export,
-register), dataset inputs for the raw sources, the cleaned corpus and the token shards, and the registered model
-``transformer-<src>-<tgt>`` whose ``champion`` alias serving follows.
+the Prefect flow run as tags) with one child run per stage (data, distill when the config has teachers, tokenize,
+train, average, evaluate, export, register), dataset inputs for the raw sources, the cleaned corpus, the distilled
+corpus and the token shards, and the registered model ``transformer-<src>-<tgt>`` whose ``champion`` alias serving
+follows. Teachers of a distillation (registered versions or checkpoint files) are resolved here too.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any
 # but needs only .pyfunc, and the others pull in torch (checkpoints, plots, evaluation), most of a served
 # CTranslate2 model's memory.
 _SOURCES = {
-    "lineage": ("log_corpus", "log_tokenizer"),
+    "lineage": ("log_corpus", "log_distillation", "log_tokenizer"),
     "pyfunc": ("Translator",),
     "registry": ("CHAMPION", "champion", "champion_artifacts", "promote", "promotion_set", "register_model",
                  "version_tags", "version_with_checkpoint"),
+    "teachers": ("Teacher", "TeacherError", "TeacherRef", "describe_student", "lineage_tags", "resolve_teachers",
+                 "shared_tokenizer"),
     "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training", "model_scores"),
     "runs": ("TrackingError", "check_reachable", "close_flow_run", "close_stale_runs", "connect", "finish_run",
              "flatten", "flow_run_pages", "log_metrics", "log_params", "run_url", "set_tags", "start_pipeline_run",

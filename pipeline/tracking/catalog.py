@@ -28,6 +28,8 @@ RUNS = {
     "pipeline": "The parent run of one pipeline run, named after its Prefect flow run: the resolved config, the "
                 "code version and the promotion decision; every stage run below is its child.",
     "data": "Child run of the data stage: the cleaned corpus and what cleaning did.",
+    "distill": "Child run of the distillation stage (configs with teachers only): the teachers by registered "
+               "version, the distilled corpus their translations made and what its filters dropped.",
     "tokenize": "Child run of the tokenizer and shards stages: the subword vocabulary and the token shards.",
     "train": "Child run of the training stage: the trainer streams its step metrics and system metrics into it "
              "while it trains.",
@@ -44,7 +46,7 @@ RUNS = {
     "sweep-trial": "Child run of the sweep per search trial: its values, objective and dev curve.",
     "sweep-confirm": "Child run of the sweep per confirmation run (a candidate at one seed): its values and scores.",
 }
-STAGES = ("data", "tokenize", "train", "average", "evaluate", "export", "register")
+STAGES = ("data", "distill", "tokenize", "train", "average", "evaluate", "export", "register")
 
 # Score names of an evaluation set (``<set>.<score>``): translation's, then parsing's.
 TRANSLATION_SCORES = ("sacrebleu", "chrf", "tok_bleu_compound_split", "tok_bleu")
@@ -134,6 +136,8 @@ _CONFIG = [
                  "configuration reference."),
     ("tracking.*", "The ``tracking`` section, one param per field: experiment, registered model and promotion "
                    "rule; see the configuration reference."),
+    ("distill.*", "The ``distill`` section, one param per field (the teachers by index, as configured, e.g. an "
+                  "alias): sequence-level knowledge distillation; see the configuration reference."),
 ]
 
 _PROMOTION_TAGS = [
@@ -198,6 +202,23 @@ _add("data", "tag", ("corpus_fingerprint", "Prefix of the corpus fingerprint: eq
                                            "cleaned corpora are."))
 _add("data", "artifact", ("data/corpus/manifest.json", "The corpus manifest: raw inputs with their hashes, cleaning "
                                                        "counts per rule, and each split's file, rows and hash."))
+
+# --- distill
+_add("distill", "metric",
+     ("distill.read", "Training sources the teachers translated (count)."),
+     ("distill.kept", "Pairs kept in the distilled training split after the filters (count)."),
+     ("distill.removed.<rule>", "Pairs dropped by this filter of the teachers' output (empty, copy, ratio), filters "
+                                "applied in order (count)."),
+     ("distill.truncated", "Training sources cut to the teachers' positions before decoding (count)."))
+_add("distill", "tag",
+     ("distill.teachers", "The teachers, comma-separated: registered versions as <name>/<version> (an alias "
+                          "resolved to the version it pointed at), or checkpoint paths."),
+     ("corpus_fingerprint", "Prefix of the distilled corpus's fingerprint: equal on two runs exactly when their "
+                            "distilled corpora are."),
+     ("source_corpus_fingerprint", "Prefix of the fingerprint of the corpus the teachers translated."))
+_add("distill", "artifact", ("data/distilled/manifest.json", "The distilled corpus's manifest: the source corpus's "
+                                                             "with the teachers' hashes, the decoding settings and "
+                                                             "each filter's count."))
 
 # --- tokenize
 _add("tokenize", "metric",
@@ -372,8 +393,17 @@ _add("version", "tag",
      ("<set>.<score>", "The version's evaluation scores, one tag per set and score (that score's unit)."),
      ("checkpoint_sha256", "Hash of the version's checkpoint file: the same model is never registered twice."),
      ("serving.engine", "The engine the version serves with: ctranslate2 (its export passed the gate) or torch."),
-     ("corpus_fingerprint", "Fingerprint of the corpus the model was trained on (set by the flow's register task).",
-      True),
+     ("serving.model_mb", "Size on disk of what the version serves with: the export's weights, else the checkpoint "
+                          "(MiB)."),
+     ("model.parameters", "Trainable parameters of the model, shared embeddings counted once (count)."),
+     ("corpus_fingerprint", "Fingerprint of the corpus the model was trained on, the distilled one for a student "
+                            "(set by the flow's register task).", True),
+     ("distill.teachers", "A student's teachers, comma-separated registered versions (<name>/<version>) or "
+                          "checkpoint paths (set by the flow for a distilled model).", True),
+     ("distill.source_corpus_fingerprint", "Fingerprint of the corpus the teachers translated for a student (set by "
+                                           "the flow for a distilled model).", True),
+     ("distill.teacher.<i>", "One teacher of a student, from one: its version, dev score, parameters and served "
+                             "size, beside the student's own tags (set by the flow for a distilled model).", True),
      ("export.gate", "Whether the export passed its gate: passed or refused (set by the flow when it exported).",
       True),
      ("export.quantization", "The export's CTranslate2 weight type (set by the flow when it exported).", True),

@@ -1,4 +1,5 @@
-"""Data lineage: the raw sources, the cleaned corpus and the token shards as MLflow dataset inputs.
+"""Data lineage: the raw sources, the cleaned corpus, the distilled corpus and the token shards as MLflow dataset
+inputs.
 
 Each dataset carries a source (where it came from) and a digest (its content hash from the stage manifest), so
 two runs on different data show different datasets in the UI's "Datasets used" column and run comparison.
@@ -8,6 +9,7 @@ Inputs are logged on the given run and on its parent (the pipeline run), where r
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
@@ -85,6 +87,29 @@ def log_corpus(run_id: str, corpus_dir: Path) -> dict:
         inputs.append(_dataset_input(f"corpus/{key}", LocalArtifactDatasetSource(str(corpus_dir / split["file"])),
                                      split["sha256"], "corpus", CORPUS_SCHEMA, split=key, rows=split["rows"]))
     log_inputs(run_id, inputs)
+    return metrics
+
+
+def log_distillation(run_id: str, corpus_dir: Path, teachers: Sequence[str]) -> dict:
+    """Log the distillation stage: the distilled corpus's manifest (artifact), what its filters did (metrics
+    ``distill.read``, ``distill.kept``, ``distill.removed.<rule>``, and ``distill.truncated``: sources cut to the
+    teachers' positions), the teachers by ``teachers`` (their labels: registered versions, not aliases) and both
+    corpora's fingerprints (tags), and its training split as an input (context ``distilled``: source = its Parquet
+    file, digest = its sha256). Dev and test are the source corpus's files, logged by the data stage. Returns the
+    metrics."""
+    corpus_dir = Path(corpus_dir).resolve()
+    manifest = read_manifest(corpus_dir)
+    entry = manifest["distillation"]
+    client().log_artifact(run_id, str(corpus_dir / MANIFEST), "data/distilled")
+    metrics = {"distill.read": entry["read"], "distill.kept": entry["kept"], "distill.truncated": entry["truncated"],
+               **{f"distill.removed.{k}": v for k, v in entry["removed"].items()}}
+    log_metrics(run_id, metrics)
+    set_tags(run_id, {"distill.teachers": ",".join(teachers), "corpus_fingerprint": manifest["fingerprint"][:16],
+                      "source_corpus_fingerprint": entry["source_corpus"]["fingerprint"][:16]})
+    train = manifest["splits"]["train"]
+    log_inputs(run_id, [_dataset_input("distilled/train", LocalArtifactDatasetSource(str(corpus_dir / train["file"])),
+                                       train["sha256"], "distilled", CORPUS_SCHEMA, split="train", rows=train["rows"],
+                                       teachers=",".join(teachers))])
     return metrics
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import mlflow
 from mlflow.exceptions import MlflowException
@@ -20,6 +21,7 @@ from mlflow.models import Model
 from pipeline.checkpoint import load_checkpoint
 from pipeline.config import DecodeConfig
 from pipeline.fsutil import sha256_file
+from pipeline.inference import model_from_state
 from pipeline.promotion import Decision, Policy, PromotionSet, decide, guards, paired_bootstrap
 
 from .pyfunc import model_arguments
@@ -61,6 +63,15 @@ def promotion_set(name: str, version: str) -> PromotionSet | None:
     return PromotionSet(meta["name"], meta["split"], meta["metric"], lines["hypotheses"], lines["references"])
 
 
+def model_size(state: dict, checkpoint: Path, export: Path | None) -> dict[str, float]:
+    """What a model weighs, by its version tags' names: ``model.parameters`` (trainable parameters, shared
+    embeddings once) and ``serving.model_mb`` (MiB on disk of what it serves with: the CTranslate2 export's
+    weights when given, else the checkpoint file). ``state``: the loaded checkpoint."""
+    parameters = sum(p.numel() for p in model_from_state(state).parameters())
+    served = Path(export) / "model.bin" if export is not None else Path(checkpoint)
+    return {"model.parameters": parameters, "serving.model_mb": round(served.stat().st_size / 2**20, 2)}
+
+
 def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, name: str,
                    scores: dict[str, float], promotion: PromotionSet | None = None,
                    tags: dict[str, str] | None = None, export: Path | None = None,
@@ -68,13 +79,14 @@ def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: D
     """Log the translator pyfunc (checkpoint + tokenizer + decoding settings, and the CTranslate2 ``export`` folder
     when given: the engine it then serves with) and the promotion set in ``run_id``, register it as a new version
     of ``name`` tagged with ``scores``, the checkpoint's sha256, the serving engine and ``tags``, and return the
-    version number. ``evaluated``: scores as (metric, value, dataset name, dataset digest), logged as MLflow 3
-    model metrics (on the logged model and its dataset) besides the run. The promotion set is logged first: no
-    version exists without it."""
+    version number. The version's size (:func:`model_size`) is among its tags. ``evaluated``: scores as (metric,
+    value, dataset name, dataset digest), logged as MLflow 3 model metrics (on the logged model and its dataset)
+    besides the run. The promotion set is logged first: no version exists without it."""
     checkpoint, tokenizer_dir = Path(checkpoint), Path(tokenizer_dir)
     if promotion is not None:
         log_promotion_set(run_id, promotion)
-    cleaning = load_checkpoint(checkpoint)["config"]["data"]["cleaning"]
+    state = load_checkpoint(checkpoint)
+    cleaning = state["config"]["data"]["cleaning"]
     arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export)
     # MLflow files a logged model under the active experiment (Default, "0", when none was set), not its source
     # run's: without this the model page sits outside the run's experiment (seen in the browser check).
@@ -83,7 +95,8 @@ def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: D
     for key, value, dataset, digest in evaluated:
         client().log_metric(run_id, key, value, dataset_name=dataset, dataset_digest=digest, model_id=info.model_id)
     all_tags = {**{k: str(v) for k, v in scores.items()}, "checkpoint_sha256": sha256_file(checkpoint),
-                "serving.engine": arguments["model_config"]["engine"], **(tags or {})}
+                "serving.engine": arguments["model_config"]["engine"],
+                **{k: str(v) for k, v in model_size(state, checkpoint, export).items()}, **(tags or {})}
     return str(mlflow.register_model(info.model_uri, name, tags=all_tags).version)
 
 
@@ -113,29 +126,49 @@ def _scores(tags: dict[str, str]) -> dict[str, float]:
     return out
 
 
-def champion(name: str) -> str | None:
-    """The version the ``champion`` alias points at, or None when there is none yet."""
+def alias_version(name: str, alias: str) -> str | None:
+    """The version the alias ``alias`` of ``name`` points at, or None when it points nowhere (or the model does
+    not exist)."""
     try:
-        return str(client().get_model_version_by_alias(name, CHAMPION).version)
+        return str(client().get_model_version_by_alias(name, alias).version)
     except MlflowException as e:
         if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
             return None
         raise
 
 
-def champion_artifacts(name: str, dst: Path) -> tuple[Path, Path] | None:
-    """Download the champion's checkpoint and tokenizer folder under ``dst`` (paths as its pyfunc records
-    them); None when there is no champion."""
-    version = champion(name)
-    if version is None:
-        return None
+def champion(name: str) -> str | None:
+    """The version the ``champion`` alias points at, or None when there is none yet."""
+    return alias_version(name, CHAMPION)
+
+
+class ModelFiles(NamedTuple):
+    """A registered version's files, downloaded: its checkpoint, tokenizer folder and the CTranslate2 export it
+    serves with (None: it serves with PyTorch)."""
+
+    checkpoint: Path
+    tokenizer: Path
+    export: Path | None
+
+
+def version_files(name: str, version: str, dst: Path) -> ModelFiles:
+    """Download version ``version`` of ``name`` under ``dst`` and return its files (paths as its pyfunc records
+    them)."""
     root = Path(mlflow.artifacts.download_artifacts(f"models:/{name}/{version}", dst_path=str(dst)))
     artifacts = Model.load(str(root / "MLmodel")).flavors["python_function"].get("artifacts", {})
     try:
-        return root / artifacts["checkpoint"]["path"], root / artifacts["tokenizer"]["path"]
+        export = artifacts.get("ctranslate2")
+        return ModelFiles(root / artifacts["checkpoint"]["path"], root / artifacts["tokenizer"]["path"],
+                          root / export["path"] if export else None)
     except KeyError:
-        raise RuntimeError(f"champion version {version} of {name} ({root}) records no checkpoint and tokenizer "
-                           "artifacts; register a model with this pipeline first") from None
+        raise RuntimeError(f"version {version} of {name} ({root}) records no checkpoint and tokenizer artifacts; "
+                           "register a model with this pipeline first") from None
+
+
+def champion_artifacts(name: str, dst: Path) -> tuple[Path, Path] | None:
+    """Download the champion's checkpoint and tokenizer folder under ``dst``; None when there is no champion."""
+    version = champion(name)
+    return None if version is None else version_files(name, version, dst)[:2]
 
 
 def _judge(name: str, version: str, current: str, policy: Policy) -> Decision:

@@ -1,0 +1,225 @@
+"""Issue 41's measurement: a teacher ensemble, its distilled corpus, and students trained on the original against
+the distilled data (paired seeds), each with its quality, decoding speed and size, on one machine.
+
+Every step is a ``python -m pipeline`` command on this machine (no orchestrator), and every stage output is
+content-addressed in ``--work-dir``, so the study resumes where it stopped: run the same command again (each
+30-minute training runs once; a finished one is reused). Phases, in order (``all`` runs them in turn):
+
+- ``teachers``: ``--teachers`` runs of the current default (``multi30k-cpu``, 30 minutes each), seeds 1..k;
+- ``distill``: their ensemble translates the training sources (``python -m pipeline distill``);
+- ``students``: for each seed of ``--seeds``, the student preset (``multi30k-student-tiny``) on the original data
+  and on the distilled data, and the deep-encoder shallow-decoder student on the distilled data. The student
+  preset is the default's model and recipe, so on the original data it is the teacher run of the same seed (one
+  run folder, trained once): the teachers cost nothing beyond the original arm;
+- ``measure``: every arm's dev and test2016 scores per seed; distilled against original (and deep-shallow against
+  original) by the pooled paired bootstrap over the seeds on dev (the choosing set) and on test2016 (reported);
+  the teacher ensemble's and one teacher's scores; for one model per arm (seed 1), decoding speed on test2016
+  (sentences/s, PyTorch fp32 and the int8 CTranslate2 export, 1 and 2 threads, the config's beam and alpha) and
+  size on disk (float32 weights, the int8 export folder). Written to ``--out`` (JSON) and printed as a table.
+
+Run it on an otherwise idle machine: a second busy process on 2 cores slows a 30-minute run 3-10x, which changes
+what the run learns, not only how long it takes.
+
+    python bench/distill_study.py all --work-dir runs/distill-study --out bench/results/distill_study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+from bench.machine import cpu_name  # noqa: E402
+from pipeline.average import averaged_path  # noqa: E402
+from pipeline.config import RunConfig, resolve_config  # noqa: E402
+from pipeline.data import read_manifest  # noqa: E402
+from pipeline.engines import CTranslate2Engine  # noqa: E402
+from pipeline.evaluate import eval_dir  # noqa: E402
+from pipeline.export import export_checkpoint  # noqa: E402
+from pipeline.inference import load_model, load_models, translate  # noqa: E402
+from pipeline.promotion import pooled_bootstrap  # noqa: E402
+from pipeline.tokenize import Tokenizer  # noqa: E402
+from pipeline.workdir import build_inputs, run_dir  # noqa: E402
+
+TEACHER = "multi30k-cpu"
+STUDENTS = {"original": "multi30k-student-tiny", "distilled": "multi30k-student-tiny",
+            "deep-shallow": "multi30k-student-deep-shallow"}
+TEST = "test.test2016"
+
+
+def pipeline(*args: str) -> None:
+    """One ``python -m pipeline`` command, its output on this terminal; a failure stops the study."""
+    cmd = [sys.executable, "-m", "pipeline", *args]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+
+
+class Study:
+    """The study's configs and where their outputs are, for one work dir and data root."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.work, self.data_root = args.work_dir.resolve(), args.data_root
+        self.k, self.seeds = args.teachers, args.seeds
+
+    def flags(self, config: str, overrides: list[str]) -> list[str]:
+        out = ["--config", config, "--work-dir", str(self.work)]
+        out += ["--data-root", self.data_root] if self.data_root else []
+        return out + [a for o in overrides for a in ("--set", o)]
+
+    def config(self, config: str, overrides: list[str]) -> RunConfig:
+        pairs = [("work_dir", str(self.work))] + [tuple(o.split("=", 1)) for o in overrides]
+        return resolve_config(config, pairs, data_root=self.data_root)
+
+    def averaged(self, cfg: RunConfig) -> Path:
+        """The averaged checkpoint of a finished ``python -m pipeline run`` of ``cfg`` (its inputs are found again:
+        a no-op)."""
+        return averaged_path(cfg, run_dir(cfg, build_inputs(cfg).shards))
+
+    def teacher_overrides(self, seed: int) -> list[str]:
+        return [f"train.seed={seed}"]
+
+    def teachers(self) -> list[Path]:
+        return [self.averaged(self.config(TEACHER, self.teacher_overrides(s))) for s in range(1, self.k + 1)]
+
+    def arm_overrides(self, arm: str, seed: int) -> list[str]:
+        teachers = "[]" if arm == "original" else "[" + ", ".join(map(str, self.teachers())) + "]"
+        return [f"distill.teachers={teachers}", f"train.seed={seed}"]
+
+
+def phase_teachers(study: Study) -> None:
+    for seed in range(1, study.k + 1):
+        pipeline("run", *study.flags(TEACHER, study.teacher_overrides(seed)))
+
+
+def phase_distill(study: Study) -> None:
+    pipeline("distill", *study.flags(STUDENTS["distilled"], []),
+             *[a for t in study.teachers() for a in ("--teacher", str(t))])
+
+
+def phase_students(study: Study) -> None:
+    for seed in study.seeds:  # seed by seed: an interrupted study leaves paired arms
+        for arm, config in STUDENTS.items():
+            pipeline("run", *study.flags(config, study.arm_overrides(arm, seed)))
+
+
+def _outputs(scores: Path, split: str) -> tuple[list[str], list[str]]:
+    folder = scores.parent
+    return (folder / f"{split}.hyp").read_text(encoding="utf-8").splitlines(), \
+        (folder / f"{split}.ref").read_text(encoding="utf-8").splitlines()
+
+
+def _size_mb(path: Path) -> float:
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return round(sum(f.stat().st_size for f in files) / 2**20, 2)
+
+
+def speed(cfg: RunConfig, checkpoints: list[Path], tokenizer: Path, sources: list[str], threads: int,
+          export: Path | None) -> dict:
+    """Sentences/s on ``sources`` with PyTorch fp32 (an ensemble for several checkpoints) and, for one model, its
+    int8 CTranslate2 export; one warm-up batch first, ``threads`` threads each."""
+    torch.set_num_threads(threads)
+    tok = Tokenizer(tokenizer)
+    model = load_models(checkpoints, tokenizer=tok)
+    translate(model, tok, sources[:32], cfg.decode)
+    start = time.perf_counter()
+    translate(model, tok, sources, cfg.decode)
+    out = {"pytorch_fp32": round(len(sources) / (time.perf_counter() - start), 2)}
+    if export is not None:
+        engine = CTranslate2Engine(export, tok, threads)
+        engine.translate(sources[:32], cfg.decode)
+        start = time.perf_counter()
+        engine.translate(sources, cfg.decode)
+        out["ct2_int8"] = round(len(sources) / (time.perf_counter() - start), 2)
+    return out
+
+
+def phase_measure(study: Study, out: Path | None) -> dict:
+    teachers = study.teachers()
+    tcfg = study.config(TEACHER, study.teacher_overrides(1))
+    inputs = build_inputs(tcfg)
+    corpus, tokenizer = inputs.corpus, inputs.tokenizer
+    table = pq.read_table(corpus / read_manifest(corpus)["splits"][TEST]["file"], columns=["src"])
+    sources = table.column("src").to_pylist()
+    # the teacher ensemble, evaluated as one model (the CLI writes scores.json beside its first member)
+    pipeline("evaluate", *study.flags(TEACHER, study.teacher_overrides(1)),
+             *[a for t in teachers for a in ("--checkpoint", str(t))])
+    result: dict = {"machine": cpu_name(), "cpus": os.cpu_count(), "seeds": study.seeds, "teachers": {}, "arms": {}}
+    for name, members in (("teacher-1", teachers[:1]), (f"teacher-ensemble-{len(teachers)}", teachers)):
+        scores = json.loads((eval_dir(tcfg, members) / "scores.json").read_text())
+        result["teachers"][name] = {
+            "dev.sacrebleu": scores["splits"]["dev"]["sacrebleu"]["score"],
+            "test2016.sacrebleu": scores["splits"][TEST]["sacrebleu"]["score"],
+            "test2016.chrf": scores["splits"][TEST]["chrf"]["score"],
+            "size_mb.float32": round(sum(_size_mb(m) for m in members), 2),
+            **{f"speed.{k}.threads{t}": v for t in (1, 2)
+               for k, v in speed(tcfg, members, tokenizer, sources, t, None).items()}}
+    outputs: dict[str, dict[str, list]] = {}
+    for arm, config in STUDENTS.items():
+        rows, outputs[arm] = [], {"dev": [], TEST: []}
+        for seed in study.seeds:
+            cfg = study.config(config, study.arm_overrides(arm, seed))
+            averaged = study.averaged(cfg)
+            scores = eval_dir(cfg, averaged) / "scores.json"
+            splits = json.loads(scores.read_text())["splits"]
+            for split in ("dev", TEST):
+                outputs[arm][split].append(_outputs(scores, split))
+            rows.append({"seed": seed, "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
+                         "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"],
+                         "test2016.chrf": splits[TEST]["chrf"]["score"], "checkpoint": str(averaged)})
+        cfg = study.config(config, study.arm_overrides(arm, study.seeds[0]))
+        averaged = Path(rows[0]["checkpoint"])
+        export = Path(tempfile.mkdtemp(prefix="aiayn-distill-study-")) / "int8"
+        student_tokenizer = build_inputs(cfg).tokenizer
+        export_checkpoint(averaged, student_tokenizer, "int8", export, cfg.export.batch_sentences, cfg.decode)
+        result["arms"][arm] = {
+            "config": config, "runs": rows, "parameters": load_model(averaged).num_parameters(),
+            "size_mb.float32": _size_mb(averaged), "size_mb.int8_export": _size_mb(export),
+            **{f"speed.{k}.threads{t}": v for t in (1, 2)
+               for k, v in speed(cfg, [averaged], student_tokenizer, sources, t, export).items()}}
+    result["significance"] = []
+    for arm in ("distilled", "deep-shallow"):
+        for split in ("dev", TEST):
+            refs = outputs["original"][split][0][1]
+            c = pooled_bootstrap("sacrebleu", [h for h, _ in outputs["original"][split]],
+                                 [h for h, _ in outputs[arm][split]], refs)
+            result["significance"].append({"claim": f"{arm} against original", "set": split, "base": c.champion,
+                                           "system": c.challenger, "delta": c.delta, "ci95": [c.ci_low, c.ci_high],
+                                           "p": c.p_value, "test": c.signature})
+    print(json.dumps(result, indent=2))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("phase", choices=["teachers", "distill", "students", "measure", "all"])
+    p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "distill-study")
+    p.add_argument("--data-root", default=None, help="default: the configs' data.root (or AIAYN_DATA_ROOT)")
+    p.add_argument("--teachers", type=int, default=3, help="teacher runs (seeds 1..k) in the ensemble")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="paired student seeds")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    study = Study(args)
+    phases = {"teachers": phase_teachers, "distill": phase_distill, "students": phase_students}
+    for name in (list(phases) + ["measure"]) if args.phase == "all" else [args.phase]:
+        if name == "measure":
+            phase_measure(study, args.out)
+        else:
+            phases[name](study)
+
+
+if __name__ == "__main__":
+    main()
