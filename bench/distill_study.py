@@ -17,8 +17,11 @@ content-addressed in ``--work-dir``, so the study resumes where it stopped: run 
   (sentences/s, PyTorch fp32 and the int8 CTranslate2 export, 1 and 2 threads, the config's beam and alpha) and
   size on disk (float32 weights, the int8 export folder). Written to ``--out`` (JSON) and printed as a table.
 
-Run it on an otherwise idle machine: a second busy process on 2 cores slows a 30-minute run 3-10x, which changes
-what the run learns, not only how long it takes.
+Every run trains a fixed number of updates (``--max-steps``, default 4,400: what the default reaches in its 30
+minutes on the EPYC, ledger L23) instead of the configs' 30-minute clock, so that what a run learns does not depend
+on the machine or on a busy moment, and a study can be split over sessions on different CPUs; each run's own time
+is in its train_summary.json. Speeds are measured by the ``measure`` phase: run that on an otherwise idle machine
+(a second busy process on 2 cores slows a run 3-10x).
 
     python bench/distill_study.py all --work-dir runs/distill-study --out bench/results/distill_study.json
 """
@@ -71,6 +74,7 @@ class Study:
     def __init__(self, args: argparse.Namespace):
         self.work, self.data_root = args.work_dir.resolve(), args.data_root
         self.k, self.seeds = args.teachers, args.seeds
+        self.budget = [f"train.max_steps={args.max_steps}", "train.max_minutes=null"]
 
     def flags(self, config: str, overrides: list[str]) -> list[str]:
         out = ["--config", config, "--work-dir", str(self.work)]
@@ -78,7 +82,7 @@ class Study:
         return out + [a for o in overrides for a in ("--set", o)]
 
     def config(self, config: str, overrides: list[str]) -> RunConfig:
-        pairs = [("work_dir", str(self.work))] + [tuple(o.split("=", 1)) for o in overrides]
+        pairs = [("work_dir", str(self.work)), *overrides]  # "key=value" strings read as --set reads them
         return resolve_config(config, pairs, data_root=self.data_root)
 
     def averaged(self, cfg: RunConfig) -> Path:
@@ -87,14 +91,14 @@ class Study:
         return averaged_path(cfg, run_dir(cfg, build_inputs(cfg).shards))
 
     def teacher_overrides(self, seed: int) -> list[str]:
-        return [f"train.seed={seed}"]
+        return [f"train.seed={seed}", *self.budget]
 
     def teachers(self) -> list[Path]:
         return [self.averaged(self.config(TEACHER, self.teacher_overrides(s))) for s in range(1, self.k + 1)]
 
     def arm_overrides(self, arm: str, seed: int) -> list[str]:
         teachers = "[]" if arm == "original" else "[" + ", ".join(map(str, self.teachers())) + "]"
-        return [f"distill.teachers={teachers}", f"train.seed={seed}"]
+        return [f"distill.teachers={teachers}", f"train.seed={seed}", *self.budget]
 
 
 def phase_teachers(study: Study) -> None:
@@ -210,6 +214,7 @@ def main() -> None:
     p.add_argument("--data-root", default=None, help="default: the configs' data.root (or AIAYN_DATA_ROOT)")
     p.add_argument("--teachers", type=int, default=3, help="teacher runs (seeds 1..k) in the ensemble")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="paired student seeds")
+    p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     study = Study(args)
