@@ -8,7 +8,7 @@ content-addressed in ``--work-dir``, so the study resumes where it stopped: run 
 - ``teachers``: ``--teachers`` runs of the current default (``multi30k-cpu``, 30 minutes each), seeds 1..k;
 - ``distill``: their ensemble translates the training sources (``python -m pipeline distill``);
 - ``students``: for each seed of ``--seeds``, the student preset (``multi30k-student-tiny``) on the original data
-  and on the distilled data, and the deep-encoder shallow-decoder student on the distilled data. The student
+  and on the distilled data, and (En-De) the deep-encoder shallow-decoder student on the distilled data. The student
   preset is the default's model and recipe, so on the original data it is the teacher run of the same seed (one
   run folder, trained once): the teachers cost nothing beyond the original arm;
 - ``measure``: every arm's dev and test2016 scores per seed; distilled against original (and deep-shallow against
@@ -24,6 +24,7 @@ is in its train_summary.json. Speeds are measured by the ``measure`` phase: run 
 (a second busy process on 2 cores slows a run 3-10x).
 
     python bench/distill_study.py all --work-dir runs/distill-study --out bench/results/distill_study.json
+    python bench/distill_study.py all --pair en-fr --work-dir runs/distill-study --out bench/results/distill_fr.json
 """
 
 from __future__ import annotations
@@ -55,9 +56,13 @@ from pipeline.promotion import pooled_bootstrap  # noqa: E402
 from pipeline.tokenize import Tokenizer  # noqa: E402
 from pipeline.workdir import build_inputs, run_dir  # noqa: E402
 
-TEACHER = "multi30k-cpu"
-STUDENTS = {"original": "multi30k-student-tiny", "distilled": "multi30k-student-tiny",
-            "deep-shallow": "multi30k-student-deep-shallow"}
+# Per language pair: the teachers' config (the current default) and each student arm's config.
+PAIRS = {
+    "en-de": ("multi30k-cpu", {"original": "multi30k-student-tiny", "distilled": "multi30k-student-tiny",
+                               "deep-shallow": "multi30k-student-deep-shallow"}),
+    "en-fr": ("multi30k-en-fr-cpu", {"original": "multi30k-en-fr-student-tiny",
+                                     "distilled": "multi30k-en-fr-student-tiny"}),
+}
 TEST = "test.test2016"
 
 
@@ -74,6 +79,7 @@ class Study:
     def __init__(self, args: argparse.Namespace):
         self.work, self.data_root = args.work_dir.resolve(), args.data_root
         self.k, self.seeds = args.teachers, args.seeds
+        self.teacher_config, self.students = PAIRS[args.pair]
         self.budget = [f"train.max_steps={args.max_steps}", "train.max_minutes=null"]
 
     def flags(self, config: str, overrides: list[str]) -> list[str]:
@@ -94,7 +100,8 @@ class Study:
         return [f"train.seed={seed}", *self.budget]
 
     def teachers(self) -> list[Path]:
-        return [self.averaged(self.config(TEACHER, self.teacher_overrides(s))) for s in range(1, self.k + 1)]
+        return [self.averaged(self.config(self.teacher_config, self.teacher_overrides(s)))
+                for s in range(1, self.k + 1)]
 
     def arm_overrides(self, arm: str, seed: int) -> list[str]:
         teachers = "[]" if arm == "original" else "[" + ", ".join(map(str, self.teachers())) + "]"
@@ -103,17 +110,17 @@ class Study:
 
 def phase_teachers(study: Study) -> None:
     for seed in range(1, study.k + 1):
-        pipeline("run", *study.flags(TEACHER, study.teacher_overrides(seed)))
+        pipeline("run", *study.flags(study.teacher_config, study.teacher_overrides(seed)))
 
 
 def phase_distill(study: Study) -> None:
-    pipeline("distill", *study.flags(STUDENTS["distilled"], []),
+    pipeline("distill", *study.flags(study.students["distilled"], []),
              *[a for t in study.teachers() for a in ("--teacher", str(t))])
 
 
 def phase_students(study: Study) -> None:
     for seed in study.seeds:  # seed by seed: an interrupted study leaves paired arms
-        for arm, config in STUDENTS.items():
+        for arm, config in study.students.items():
             pipeline("run", *study.flags(config, study.arm_overrides(arm, seed)))
 
 
@@ -150,13 +157,13 @@ def speed(cfg: RunConfig, checkpoints: list[Path], tokenizer: Path, sources: lis
 
 def phase_measure(study: Study, out: Path | None) -> dict:
     teachers = study.teachers()
-    tcfg = study.config(TEACHER, study.teacher_overrides(1))
+    tcfg = study.config(study.teacher_config, study.teacher_overrides(1))
     inputs = build_inputs(tcfg)
     corpus, tokenizer = inputs.corpus, inputs.tokenizer
     table = pq.read_table(corpus / read_manifest(corpus)["splits"][TEST]["file"], columns=["src"])
     sources = table.column("src").to_pylist()
     # the teacher ensemble, evaluated as one model (the CLI writes scores.json beside its first member)
-    pipeline("evaluate", *study.flags(TEACHER, study.teacher_overrides(1)),
+    pipeline("evaluate", *study.flags(study.teacher_config, study.teacher_overrides(1)),
              *[a for t in teachers for a in ("--checkpoint", str(t))])
     result: dict = {"machine": cpu_name(), "cpus": os.cpu_count(), "seeds": study.seeds, "teachers": {}, "arms": {}}
     for name, members in (("teacher-1", teachers[:1]), (f"teacher-ensemble-{len(teachers)}", teachers)):
@@ -169,7 +176,7 @@ def phase_measure(study: Study, out: Path | None) -> dict:
             **{f"speed.{k}.threads{t}": v for t in (1, 2)
                for k, v in speed(tcfg, members, tokenizer, sources, t, None).items()}}
     outputs: dict[str, dict[str, list]] = {}
-    for arm, config in STUDENTS.items():
+    for arm, config in study.students.items():
         rows, outputs[arm] = [], {"dev": [], TEST: []}
         for seed in study.seeds:
             cfg = study.config(config, study.arm_overrides(arm, seed))
@@ -192,7 +199,7 @@ def phase_measure(study: Study, out: Path | None) -> dict:
             **{f"speed.{k}.threads{t}": v for t in (1, 2)
                for k, v in speed(cfg, [averaged], student_tokenizer, sources, t, export).items()}}
     result["significance"] = []
-    for arm in ("distilled", "deep-shallow"):
+    for arm in [a for a in study.students if a != "original"]:
         for split in ("dev", TEST):
             refs = outputs["original"][split][0][1]
             c = pooled_bootstrap("sacrebleu", [h for h, _ in outputs["original"][split]],
@@ -212,6 +219,7 @@ def main() -> None:
     p.add_argument("phase", choices=["teachers", "distill", "students", "measure", "all"])
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "distill-study")
     p.add_argument("--data-root", default=None, help="default: the configs' data.root (or AIAYN_DATA_ROOT)")
+    p.add_argument("--pair", default="en-de", choices=sorted(PAIRS), help="language pair")
     p.add_argument("--teachers", type=int, default=3, help="teacher runs (seeds 1..k) in the ensemble")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="paired student seeds")
     p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
