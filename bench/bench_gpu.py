@@ -116,11 +116,13 @@ def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argpa
 # --------------------------------------------------------------------------------------------- training
 
 
-def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, args: argparse.Namespace) -> dict:
+def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, args: argparse.Namespace,
+                lever: str | None = None) -> dict:
     """``warmup`` untimed updates of our TrainStep in ``precision`` (bf16 autocast or fp32), then ``args.steps``
-    updates twice (first pass: new shapes; second pass, timed: the same shapes again); one result row."""
+    updates twice (first pass: new shapes; second pass, timed: the same shapes again); one result row. ``lever``:
+    one more config override (``--levers``), measured against the same variant without it."""
     overrides = [f"train.max_tokens={max_tokens}", f"train.compile={str(compiled).lower()}",
-                 f"train.precision={precision}"]
+                 f"train.precision={precision}", *([lever] if lever else [])]
     cfg = load_config(f"wmt14-en-de-{preset}", overrides)
     info = setup()
     if compiled:
@@ -176,7 +178,8 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, ar
     fpt = model.flops_per_token(n_src / n_sent, n_tgt / n_sent)  # the trainer's MFU formula
     peak = peak_flops(dev)
     row = {
-        "preset": preset, "variant": "compile" if compiled else "eager", "precision": precision,
+        "preset": preset, "variant": ("compile" if compiled else "eager") + (f" + {lever}" if lever else ""),
+        "precision": precision,
         "max_tokens": max_tokens,
         "accumulation": len(timed[0]), "updates": len(timed), "params": model.num_parameters(),
         "tgt_tokens_per_update": n_tgt / len(timed), "src_tokens_per_update": n_src / len(timed),
@@ -335,6 +338,9 @@ def main() -> None:
     p.add_argument("--decode-src-len", type=int, default=25, help="mean source length (+-5)")
     p.add_argument("--decode-out-len", type=int, default=25, help="forced output length, eos not counted")
     p.add_argument("--decode-calls", type=int, default=4, help="timed beam-search calls per precision")
+    p.add_argument("--levers", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="config overrides each measured as its own bf16 eager variant beside the plain one, e.g. "
+                        "train.fused_output_loss=true")
     p.add_argument("--out", type=Path, help="write the markdown table here (and the JSON next to it, .json)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -378,6 +384,9 @@ def main() -> None:
         for precision in args.train_precisions:
             attempt("train", f"train {preset} {precision} eager max_tokens={mt}", bench_train, preset, mt, False,
                     precision, args)
+        for lever in args.levers:  # each lever on its own, next to the bf16 eager row it changes
+            attempt("train", f"train {preset} bf16 eager + {lever} max_tokens={mt}", bench_train, preset, mt,
+                    False, "bf16", args, lever)
     if not args.no_decode:
         for precision in ("fp32", "bf16"):
             attempt("decode", f"decode {args.decode_preset} {precision}", bench_decode, args.decode_preset,

@@ -201,12 +201,15 @@ class Transformer(nn.Module):
         hidden, _, _ = self.decoder(tgt_tokens, memory, src_pad_mask, cache)
         return self.output_projection(hidden)  # (batch, tgt_len, vocab)
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+    def forward(self, src: Tensor, tgt_in: Tensor, project: bool = True) -> Tensor:
         """Teacher-forced logits: src (batch, src_len), tgt_in (batch, tgt_len) -> (batch, tgt_len, vocab).
 
-        ``tgt_in`` is the target shifted right (BOS first), right-padded like ``src``."""
+        ``tgt_in`` is the target shifted right (BOS first), right-padded like ``src``. ``project=False``: the
+        decoder's output before the pre-softmax linear transformation, (batch, tgt_len, d_model), for a loss that
+        applies ``output_projection.weight`` itself (``LabelSmoothedCrossEntropy.projected``)."""
         memory, src_pad_mask = self.encode(src)
-        return self.decode(tgt_in, memory, src_pad_mask)
+        hidden, _, _ = self.decoder(tgt_in, memory, src_pad_mask)  # (batch, tgt_len, d_model)
+        return self.output_projection(hidden) if project else hidden
 
     def attention_maps(self, src: Tensor, tgt_in: Tensor) -> dict[str, Tensor]:
         """Attention weights of a teacher-forced pass, for heat-maps (call in eval mode, under no_grad).

@@ -422,6 +422,19 @@ class TrainConfig(_Strict):
         "results ledger)."))
     # why off: on the 2-core CPU compiled steps were no faster than eager ones, after a long compile and a
     # recompile for dynamic batch shapes
+    fused_output_loss: bool = Field(default=False, description=(
+        "Compute the pre-softmax linear transformation and the label-smoothed loss together, chunk by chunk, so "
+        "that the (tokens x vocabulary) logits and their gradient never exist whole: less memory (a larger "
+        "train.max_tokens fits a GPU) for one more matrix product of the output layer in the backward. The same "
+        "loss and gradients. Not with train.rdrop_alpha > 0 (its consistency term reads the logits). Not in the "
+        "paper: an implementation choice."))
+
+    @model_validator(mode="after")
+    def _fusion_fits(self) -> "TrainConfig":
+        if self.fused_output_loss and self.rdrop_alpha > 0:
+            raise ValueError("fused_output_loss never forms the logits, and R-Drop's consistency term "
+                             f"(rdrop_alpha={self.rdrop_alpha:g}) compares them: turn one of them off")
+        return self
 
 
 class AverageConfig(_Strict):

@@ -110,6 +110,32 @@ def test_symmetric_kl_is_the_mean_of_both_divergences_over_real_positions_with_t
 
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-5), (torch.bfloat16, 2e-2)])  # logits: float32
+def test_the_projection_fused_into_the_loss_gives_the_loss_and_gradients_of_the_logits(dtype, tol, monkeypatch):
+    """hidden @ weight.T then the loss, against the loss of the logits: the same sums and gradients for hidden and
+    weight (padding included), with chunks that do not divide the rows evenly."""
+    monkeypatch.setattr("model.loss._CPU_CHUNK_ELEMENTS", 3 * 50)  # 3 rows a chunk of 50 pieces: 17 rows, 6 chunks
+    torch.manual_seed(3)
+    hidden = torch.randn(17, 8, dtype=torch.float64).to(dtype)
+    weight = torch.randn(50, 8, dtype=torch.float64)  # the fp32 master weights: cast to hidden's type inside
+    target = torch.randint(1, 50, (17,))
+    target[[2, 9, 16]] = PAD
+    criterion = LabelSmoothedCrossEntropy(0.1, PAD)
+    for which in (0, 1):  # the loss, then the nll
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        fused = criterion.projected(h, w, target)
+        fused[which].backward()
+        rh, rw = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        ref = criterion(rh @ rw.to(dtype).T, target)
+        ref[which].backward()
+        for a, b in zip(fused, ref):
+            assert torch.allclose(a.double(), b.double(), rtol=tol, atol=tol), (a, b)
+        assert h.grad.dtype == dtype and w.grad.dtype == weight.dtype
+        assert torch.allclose(h.grad.double(), rh.grad.double(), rtol=tol, atol=tol)
+        assert torch.allclose(w.grad, rw.grad.double(), rtol=tol, atol=tol)
+        assert not h.grad[[2, 9, 16]].any()  # padding positions get no gradient
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts the aten operators dispatched (each one a kernel launch on a GPU)."""
 
@@ -138,6 +164,13 @@ def test_loss_and_kl_off_the_cpu_run_in_a_few_large_chunks_not_cache_sized_ones(
             out.backward()
         assert logits[0].grad.shape == shape
         assert counter.ops < 1_000, f"{name}: {counter.ops} operators for one batch"
+    # the projection fused into the loss: the same chunks, the logits never whole (the big model's 1,024 dims)
+    hidden = torch.empty(shape[0], 1024, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    weight = torch.empty(shape[1], 1024, device="meta", requires_grad=True)
+    with _OpCounter() as counter:
+        LabelSmoothedCrossEntropy(0.1, PAD).projected(hidden, weight, target)[0].backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+    assert counter.ops < 1_000, f"fused projection and loss: {counter.ops} operators for one batch"
 
 
 # ----------------------------------------------------------------------------------------------- schedule

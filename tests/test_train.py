@@ -22,6 +22,7 @@ import torch
 from model import Transformer, transformer_lr
 from pipeline.checkpoint import (CheckpointError, check_compatible, find_latest, load_checkpoint, read_index,
                                  save_checkpoint)
+from pipeline.config import ConfigError
 from pipeline.shards import ShardDataset, build_shards
 from pipeline.train import TrainStep, accumulation_steps, make_batch, setup, train, usable_batches
 from tests.conftest import resolved_tiny_config, tiny_config
@@ -611,6 +612,31 @@ def test_accumulation_equals_one_big_batch(shared_data, shards):
     (loss / n).backward()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(p.grad, one[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("precision, tol", [("fp32", 1e-5), ("bf16", 0.02)])
+def test_the_fused_output_loss_trains_as_the_logits_loss(shared_data, shards, precision, tol):
+    """train.fused_output_loss: the same sums and gradients as the loss over the whole logits (fp32: to float32
+    rounding; bf16, the CPU's bf16 copy: to bf16 rounding), the shared embedding's gradient included."""
+    cfg = config(shared_data, "model.dropout=0.0", f"train.precision={precision}")
+    ds = ShardDataset(shards, "train")
+    info = setup()
+    torch.manual_seed(0)
+    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
+    micro = [make_batch(ds, b, info.device) for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:2]]
+    out = {}
+    for fused in (False, True):
+        step = TrainStep(copy.deepcopy(model), cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"fused_output_loss": fused})}), info, ds.special.pad)
+        sums, _ = step.accumulate(micro)
+        out[fused] = sums, {n: p.grad for n, p in step.model.named_parameters()}
+    torch.testing.assert_close(out[True][0], out[False][0], atol=tol, rtol=tol)
+    for name, grad in out[False][1].items():
+        fused = out[True][1][name]
+        assert float((fused - grad).norm()) <= tol * float(grad.norm()) + 1e-6, name
+    with pytest.raises(ConfigError, match="fused_output_loss never forms the logits, and R-Drop"):
+        config(shared_data, "train.fused_output_loss=true", "train.rdrop_alpha=1.0")
 
 
 @pytest.mark.integration

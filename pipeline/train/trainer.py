@@ -154,6 +154,7 @@ class TrainStep:
         self.criterion = LabelSmoothedCrossEntropy(t.label_smoothing, pad_id)
         self.rdrop_alpha = t.rdrop_alpha
         self.passes = 2 if t.rdrop_alpha > 0 else 1  # R-Drop: each batch twice, under independent dropout
+        self.fused_loss = t.fused_output_loss  # the config refuses it with R-Drop
         self.optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(t.adam_beta1, t.adam_beta2),
                                           eps=t.adam_eps, foreach=True)
         self.scheduler = transformer_lr_scheduler(self.optimizer, cfg.model.d_model, t.warmup_steps, t.lr_scale)
@@ -204,9 +205,14 @@ class TrainStep:
             # Gradients are all-reduced only on the last micro-batch; the earlier ones accumulate locally.
             sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
             with sync:
-                with self.autocast():
-                    logits = self.net(self._each_pass(b.src), self._each_pass(b.tgt_in))  # [pB, T, V]
-                loss, nll, _ = self.criterion(logits, self._each_pass(b.tgt_out))
+                if self.fused_loss:  # the logits are formed chunk by chunk inside the loss (model.loss)
+                    with self.autocast():
+                        hidden = self.net(b.src, b.tgt_in, project=False)  # [B, T, d_model]
+                    loss, nll, _ = self.criterion.projected(hidden, self.work.output_projection.weight, b.tgt_out)
+                else:
+                    with self.autocast():
+                        logits = self.net(self._each_pass(b.src), self._each_pass(b.tgt_in))  # [pB, T, V]
+                    loss, nll, _ = self.criterion(logits, self._each_pass(b.tgt_out))
                 objective = loss
                 if self.passes == 2:
                     rows = len(b.src)  # slices, not chunk(): autograd refuses saved views of a multi-view op
