@@ -10,11 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from pipeline.config import RunConfig
 from pipeline.data import prepare_corpus
-from pipeline.distill import DistillError, distill_corpus, teacher_tokenizer
 from pipeline.fsutil import sha256_file
 from pipeline.shards import build_shards, read_shard_manifest
 from pipeline.tokenize import train_tokenizer
@@ -34,6 +31,8 @@ def checkpoint_teachers(cfg: RunConfig) -> list[Path]:
     """``distill.teachers`` as checkpoint files (none: no distillation). Registered teachers (``models:/``) need the
     tracking server and are refused (:class:`~pipeline.distill.DistillError`): the distill-translation flow
     resolves them."""
+    from pipeline.distill import DistillError  # decoding code: imported only where there are teachers
+
     teachers = cfg.distill.teachers
     if registered := [t for t in teachers if t.startswith("models:/")]:
         raise DistillError(f"distill.teachers {registered}: a registered model is resolved through the tracking "
@@ -47,12 +46,18 @@ def build_corpus(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, i
     teachers' tokenizer found in the work dir by :func:`~pipeline.distill.teacher_tokenizer`). A no-op returning
     the folder when unchanged; ``progress`` as for :func:`build_inputs`."""
     work = Path(cfg.work_dir)
+    if not cfg.distill.teachers:
+        return prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
+    # Only here: the decoding code (beam search, sacreBLEU) stays out of every process that does not distill,
+    # the torchrun ranks included.
+    import torch
+
+    from pipeline.distill import distill_corpus, teacher_tokenizer
+
     # the teachers before the data stage: a registered, missing or unmatched teacher is refused at once
     teachers = checkpoint_teachers(cfg)
-    tokenizer = teacher_tokenizer(teachers, work) if teachers else None
+    tokenizer = teacher_tokenizer(teachers, work)
     corpus = prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
-    if tokenizer is None:
-        return corpus
     # the teachers decode on a GPU when there is one (hours on a CPU for a WMT corpus)
     return distill_corpus(corpus, teachers, tokenizer, cfg.distill, work,
                           device="cuda" if torch.cuda.is_available() else "cpu",
