@@ -31,6 +31,39 @@ def _rows_for(device: torch.device, vocab: int) -> int:
     return max(1, elements // vocab)
 
 
+def _forward_rows(x: Tensor, target: Tensor, nll: Tensor, lp_sum: Tensor, lse: Tensor) -> None:
+    """For float32 logits ``x`` (rows, vocab) and their targets (rows, 1): each row's nll, sum of log-probabilities
+    and log-sum-exp, written into ``nll``, ``lp_sum`` and ``lse`` (rows,)."""
+    lprobs = F.log_softmax(x, dim=-1)  # (rows, vocab)
+    lp_target = lprobs.gather(-1, target).squeeze(-1)  # (rows,)
+    torch.neg(lp_target, out=nll)
+    torch.sum(lprobs, dim=-1, out=lp_sum)
+    lse.copy_(x.gather(-1, target).squeeze(-1) - lp_target)  # the row's log-sum-exp
+
+
+def _smoothed(nll: Tensor, lp_sum: Tensor, smoothing: float, vocab: int) -> Tensor:
+    """The smoothed loss per row: -sum_j q_j log p_j = (1 - eps - eps_other) * nll + eps_other * (-sum_j log p_j),
+    with ``eps_other = eps / (vocab - 1)`` the mass on each non-reference token."""
+    eps_other = smoothing / (vocab - 1)
+    return (1.0 - smoothing - eps_other) * nll - eps_other * lp_sum
+
+
+def _gradient_terms(grad_loss: Tensor, grad_nll: Tensor, keep: Tensor, smoothing: float,
+                    vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(scale, shift, on_target), each (tokens, 1), of d loss / dx = p - q_smoothed and d nll / dx = p - onehot:
+    grad = (g_loss + g_nll) p - g_loss eps_other - (g_loss (1 - eps - eps_other) + g_nll) onehot."""
+    eps_other = smoothing / (vocab - 1)
+    grad_loss, grad_nll = grad_loss * keep, grad_nll * keep  # (tokens,): padding gets nothing
+    return ((grad_loss + grad_nll)[:, None], (grad_loss * eps_other)[:, None],
+            -(grad_loss * (1.0 - smoothing - eps_other) + grad_nll)[:, None])
+
+
+def _gradient_rows(x: Tensor, lse: Tensor, target: Tensor, scale: Tensor, shift: Tensor, on_target: Tensor) -> Tensor:
+    """d objective / d logits of float32 logits ``x`` (rows, vocab; overwritten), from the rows' log-sum-exp and
+    :func:`_gradient_terms`: the softmax, recomputed, scaled and shifted."""
+    return x.sub_(lse[:, None]).exp_().mul_(scale).sub_(shift).scatter_add_(-1, target, on_target)
+
+
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """Per-token smoothed loss and nll with a hand-written backward, computed over chunks of rows.
 
@@ -52,36 +85,23 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         rows = _chunk_rows(logits)
         for r in range(0, tokens, rows):
             chunk = slice(r, r + rows)
-            x = logits[chunk].float()  # (rows, vocab), float32 even under bf16
-            lprobs = F.log_softmax(x, dim=-1)  # (rows, vocab)
-            lp_target = lprobs.gather(-1, safe_target[chunk]).squeeze(-1)  # (rows,)
-            torch.neg(lp_target, out=nll[chunk])
-            torch.sum(lprobs, dim=-1, out=lp_sum[chunk])
-            lse[chunk] = x.gather(-1, safe_target[chunk]).squeeze(-1) - lp_target  # the row's log-sum-exp
-        eps_other = smoothing / (vocab - 1)  # mass on each non-reference token
-        # -sum_j q_j log p_j = (1 - eps - eps_other) * nll + eps_other * (-sum_j log p_j)
-        loss = (1.0 - smoothing - eps_other) * nll - eps_other * lp_sum
+            # (rows, vocab), float32 even under bf16
+            _forward_rows(logits[chunk].float(), safe_target[chunk], nll[chunk], lp_sum[chunk], lse[chunk])
+        loss = _smoothed(nll, lp_sum, smoothing, vocab)
         ctx.save_for_backward(logits, lse, safe_target, keep)
-        ctx.eps_other, ctx.smoothing, ctx.rows = eps_other, smoothing, rows
+        ctx.smoothing, ctx.rows = smoothing, rows
         return loss.masked_fill(~keep, 0.0), nll.masked_fill(~keep, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor, None, None, None]:
         logits, lse, safe_target, keep = ctx.saved_tensors
-        grad_loss = grad_loss * keep  # (tokens,)
-        grad_nll = grad_nll * keep
-        # d loss / dx = p - q_smoothed, d nll / dx = p - onehot:
-        # grad = (g_loss + g_nll) p - g_loss eps_other - (g_loss (1 - eps - eps_other) + g_nll) onehot
-        scale = (grad_loss + grad_nll)[:, None]  # (tokens, 1)
-        shift = (grad_loss * ctx.eps_other)[:, None]
-        on_target = -(grad_loss * (1.0 - ctx.smoothing - ctx.eps_other) + grad_nll)[:, None]
+        scale, shift, on_target = _gradient_terms(grad_loss, grad_nll, keep, ctx.smoothing, logits.size(1))
         grad = torch.empty_like(logits)  # (tokens, vocab)
         rows = ctx.rows
         for r in range(0, logits.size(0), rows):
             chunk = slice(r, r + rows)
-            p = logits[chunk].to(torch.float32, copy=True).sub_(lse[chunk, None]).exp_()  # (rows, vocab): softmax
-            p.mul_(scale[chunk]).sub_(shift[chunk]).scatter_add_(-1, safe_target[chunk], on_target[chunk])
-            grad[chunk] = p
+            grad[chunk] = _gradient_rows(logits[chunk].to(torch.float32, copy=True), lse[chunk], safe_target[chunk],
+                                         scale[chunk], shift[chunk], on_target[chunk])
         return grad, None, None, None
 
 
@@ -111,15 +131,10 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         for r in range(0, tokens, rows):
             chunk = slice(r, r + rows)
             x = (hidden[chunk].to(dt) @ w.T).float()  # (rows, vocab): this chunk's logits only
-            lprobs = F.log_softmax(x, dim=-1)
-            lp_target = lprobs.gather(-1, safe_target[chunk]).squeeze(-1)  # (rows,)
-            torch.neg(lp_target, out=nll[chunk])
-            torch.sum(lprobs, dim=-1, out=lp_sum[chunk])
-            lse[chunk] = x.gather(-1, safe_target[chunk]).squeeze(-1) - lp_target
-        eps_other = smoothing / (vocab - 1)
-        loss = (1.0 - smoothing - eps_other) * nll - eps_other * lp_sum
+            _forward_rows(x, safe_target[chunk], nll[chunk], lp_sum[chunk], lse[chunk])
+        loss = _smoothed(nll, lp_sum, smoothing, vocab)
         ctx.save_for_backward(hidden, weight, lse, safe_target, keep)
-        ctx.eps_other, ctx.smoothing, ctx.rows, ctx.dt = eps_other, smoothing, rows, dt
+        ctx.smoothing, ctx.rows, ctx.dt = smoothing, rows, dt
         return loss.masked_fill(~keep, 0.0), nll.masked_fill(~keep, 0.0)
 
     @staticmethod
@@ -127,10 +142,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         hidden, weight, lse, safe_target, keep = ctx.saved_tensors
         dt = ctx.dt
         w = weight.to(dt)
-        grad_loss, grad_nll = grad_loss * keep, grad_nll * keep  # (tokens,)
-        scale = (grad_loss + grad_nll)[:, None]  # (tokens, 1): see _SmoothedCrossEntropy.backward
-        shift = (grad_loss * ctx.eps_other)[:, None]
-        on_target = -(grad_loss * (1.0 - ctx.smoothing - ctx.eps_other) + grad_nll)[:, None]
+        scale, shift, on_target = _gradient_terms(grad_loss, grad_nll, keep, ctx.smoothing, weight.size(0))
         grad_hidden = torch.empty_like(hidden)  # (tokens, d_model)
         # (vocab, d_model), summed over the chunks in float32 at least
         grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
@@ -139,9 +151,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         for r in range(0, hidden.size(0), rows):
             chunk = slice(r, r + rows)
             h = hidden[chunk].to(dt)  # (rows, d_model)
-            g = (h @ w.T).float().sub_(lse[chunk, None]).exp_()  # (rows, vocab): the softmax again
-            g.mul_(scale[chunk]).sub_(shift[chunk]).scatter_add_(-1, safe_target[chunk], on_target[chunk])
-            g = g.to(dt)  # d loss / d logits of this chunk
+            g = _gradient_rows((h @ w.T).float(), lse[chunk], safe_target[chunk], scale[chunk], shift[chunk],
+                               on_target[chunk]).to(dt)  # (rows, vocab): d objective / d logits of this chunk
             grad_hidden[chunk] = g @ w  # (rows, d_model)
             grad_weight += g.T @ h  # (vocab, d_model)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
