@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 import mlflow  # noqa: E402
 import psutil  # noqa: E402
 
-from bench.machine import cpu_name  # noqa: E402
+from pipeline.speed import cpu_name  # noqa: E402
 from ops.localstack import free_port  # noqa: E402
 from pipeline.checkpoint import load_checkpoint  # noqa: E402
 from pipeline.config import load_config  # noqa: E402

@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO))
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from bench.machine import cpu_name  # noqa: E402
+from pipeline.speed import cpu_name  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data import prepare_corpus, read_manifest  # noqa: E402
 from pipeline.shards import ShardDataset, build_shards  # noqa: E402

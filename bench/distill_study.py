@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
-from bench.machine import cpu_name  # noqa: E402
+from pipeline.speed import cpu_name  # noqa: E402
 from pipeline.average import averaged_path  # noqa: E402
 from pipeline.config import RunConfig, resolve_config  # noqa: E402
 from pipeline.data import read_manifest  # noqa: E402

@@ -19,7 +19,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Sequence, get_args
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -429,6 +429,18 @@ class TrainConfig(_Strict):
         "loss and gradients. Not with train.rdrop_alpha > 0 (its consistency term reads the logits). Not in the "
         "paper: an implementation choice."))
 
+    fused_adam: bool = Field(default=False, description=(
+        "Adam's update as torch's fused kernel over all parameters (CUDA and CPU) instead of a few grouped (foreach) "
+        "kernels per step: fewer kernel launches per update. The same update within float rounding. Not in the "
+        "paper: an implementation choice."))
+
+    # How a run is carried out or watched, not what it learns: left out of the run folder's name
+    # (pipeline.workdir.run_dir), so that changing one continues the same run, and a new field of this kind added
+    # to the config does not rename every run folder. Budgets: raising one continues the run.
+    NOT_RUN_IDENTITY: ClassVar[frozenset[str]] = frozenset({
+        "max_steps", "max_minutes", "log_every_steps", "dev_every_steps", "dev_max_sentences", "max_nonfinite_updates",
+        "compile", "fused_output_loss", "fused_adam"})
+
     @model_validator(mode="after")
     def _fusion_fits(self) -> "TrainConfig":
         if self.fused_output_loss and self.rdrop_alpha > 0:
@@ -572,6 +584,10 @@ class DistillConfig(_Strict):
     chunk_sentences: int = Field(default=4096, ge=1, description=(
         "Training sources decoded per chunk; each finished chunk is kept on disk, so a killed run resumes with the "
         "next one."))
+    speed_sentences: int = Field(default=100, ge=0, description=(
+        "Dev sentences the student and each teacher translate side by side when the student is registered: their "
+        "speeds (sentences per second), each with the engine it serves with, go into the student version's "
+        "description and its distill.speedup tag (0: not measured)."))
 
     @field_validator("teachers")
     @classmethod
@@ -724,9 +740,10 @@ class RunConfig(_Strict):
                              f"score; use auto or one of {list(fits)}")
         return self
 
-    def section_hash(self, *sections: str) -> str:
-        """Stable short hash of the named sections (all when none): names folders and cache keys."""
-        dump = self.model_dump(mode="json")
+    def section_hash(self, *sections: str, exclude: Mapping[str, set[str]] | None = None) -> str:
+        """Stable short hash of the named sections (all when none), without the fields of ``exclude`` (section ->
+        field names): names folders and cache keys."""
+        dump = self.model_dump(mode="json", exclude=exclude)
         picked = {k: dump[k] for k in (sections or tuple(dump))}
         return hashlib.sha256(canonical_json(picked).encode()).hexdigest()[:16]
 

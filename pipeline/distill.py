@@ -50,8 +50,8 @@ log = logging.getLogger("aiayn.distill")
 DISTILL_FORMAT = "aiayn-distill/1"  # the chunk files and the identity's layout; the output is a corpus folder
 RULES = ("empty", "copy", "ratio")  # the filters of failure(), in the order they run
 # DistillConfig fields left out of the identity: the teachers are in it by content (sha256), and chunking
-# decides only where a killed run resumes, not what is decoded.
-_NOT_CONTENT = frozenset({"teachers", "chunk_sentences"})
+# decides only where a killed run resumes, not what is decoded; the speed measurement comes after, at registration.
+_NOT_CONTENT = frozenset({"teachers", "chunk_sentences", "speed_sentences"})
 # The filters run on decoded chunks: a partial folder is keyed without them, so a run refused for an empty result
 # resumes, after the filters are relaxed, with every chunk already decoded.
 _FILTERS = frozenset({"max_ratio", "drop_copies"})
@@ -137,7 +137,8 @@ def _identities(corpus: dict, teacher_sha256: Sequence[str], distill: DistillCon
 def distilled_fingerprint(corpus_dir: Path, teachers: Sequence[Path], distill: DistillConfig) -> str:
     """The content address of the corpus :func:`distill_corpus` makes of ``corpus_dir`` with ``teachers``, without
     decoding (it hashes the teachers' files): what an orchestrator keys its cache on. The teachers count by
-    content and in any order; ``distill.teachers`` and ``distill.chunk_sentences`` are not part of it."""
+    content and in any order; ``distill.teachers``, ``distill.chunk_sentences`` and ``distill.speed_sentences`` are not
+    part of it."""
     corpus = _train_corpus(Path(corpus_dir))
     shas = [sha256_file(f) for f in _teacher_files(teachers)]
     return identity_fingerprint(_identities(corpus, shas, distill)[1])

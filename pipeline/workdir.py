@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, TrainConfig
 from pipeline.data import prepare_corpus
 from pipeline.fsutil import sha256_file
 from pipeline.shards import build_shards, read_shard_manifest
@@ -83,11 +83,11 @@ def run_dir(cfg: RunConfig, shards: Path, init_checkpoint: Path | None = None) -
 
     The shards' fingerprint is in the name because one data config can read changing content (a glob source
     that grew, a file replaced in place): new data is a new run, never a resume of checkpoints trained on other
-    shards. A run from a newer champion is likewise a new run. Budgets (``max_steps``, ``max_minutes``) are left
-    out: raising them continues the same run.
+    shards. A run from a newer champion is likewise a new run. Budgets, and the settings of how a run is carried out
+    or watched (``TrainConfig.NOT_RUN_IDENTITY``: compilation, fusions, logging intervals), are left out: changing
+    them continues the same run.
     """
-    budget_free = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_steps": 1, "max_minutes": None})})
-    name = budget_free.section_hash("data", "tokenizer", "model", "train")
+    name = cfg.section_hash("data", "tokenizer", "model", "train", exclude={"train": set(TrainConfig.NOT_RUN_IDENTITY)})
     name += f"-{read_shard_manifest(Path(shards))['fingerprint'][:12]}"
     if init_checkpoint is not None:
         name += f"-init-{sha256_file(Path(init_checkpoint))[:12]}"

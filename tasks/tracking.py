@@ -24,6 +24,7 @@ from pipeline import tracking
 from pipeline.config import RunConfig
 from pipeline.export import servable
 from pipeline.promotion import Decision, Policy, lock_name, read_promotion_set
+from pipeline.speed import Served, student_speeds
 
 
 def start_tracking(cfg: RunConfig, uri: str, run_name: str, tags: dict[str, str]) -> str:
@@ -140,12 +141,12 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
              corpus: Path, export: Path | None = None, teachers: Sequence[tracking.Teacher] = ()) -> dict:
     """Register the averaged model (in a ``register`` child run) with its scores (also as model metrics on the
     ``corpus`` splits they were measured on), checkpoint sha256, corpus fingerprint, size and promotion set, and its
-    CTranslate2 ``export`` when that passed its quality gate (a refused
-    export is left out: the version serves with PyTorch, and says why in its tags), then decide on the champion
-    alias under the model's lock; returns the decision with its evidence. A student (``teachers``: it was trained
-    on their distilled ``corpus``) also gets its lineage as tags and, as its description, a table of its teachers
-    and itself side by side. A model already registered (same checkpoint: no new data, no changed setting) is not
-    registered again and nothing is decided."""
+    CTranslate2 ``export`` when that passed its quality gate (a refused export is left out: the version serves with
+    PyTorch, and says why in its tags), then decide on the champion alias under the model's lock; returns the
+    decision with its evidence. A student (``teachers``: it was trained on their distilled ``corpus``) also gets its
+    lineage as tags and, as its description, a table of its teachers and itself side by side, with their speeds
+    measured side by side now (``distill.speed_sentences``). A model already registered (same checkpoint: no new
+    data, no changed setting) is not registered again and nothing is decided."""
     logger = get_run_logger()
     name = cfg.registered_model_name
     scores_data = json.loads(scores.read_text(encoding="utf-8"))
@@ -159,8 +160,6 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
         return decision.as_dict()
     policy = Policy.of(cfg)
     tags = {"corpus_fingerprint": scores_data["corpus_fingerprint"]}
-    if teachers:
-        tags |= tracking.lineage_tags(teachers, corpus)
     if export is not None:
         export, gate = servable(export)
         tags |= {"export.gate": "passed" if gate["passed"] else "refused", "export.quantization": gate["quantization"],
@@ -169,13 +168,22 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
             logger.warning("the %s CTranslate2 export loses %.2f dev BLEU (more than export.max_bleu_drop %.2f): not "
                            "registered; the model serves with PyTorch", gate["quantization"], gate["drop"],
                            gate["max_bleu_drop"])
+    speeds = None
+    if teachers:
+        tags |= tracking.lineage_tags(teachers, corpus)
+        if cfg.distill.speed_sentences:
+            speeds = student_speeds([Served(t.label, t.checkpoint, t.tokenizer, t.export) for t in teachers],
+                                    Served(name, checkpoint, tokenizer_dir, export), corpus,
+                                    cfg.distill.speed_sentences, cfg.decode)
+            tags |= tracking.speedup_tag(teachers, speeds)
+            logger.info("sentences/s: %s (%s)", speeds.per_s, speeds.describe())
     run_id = tracking.start_stage_run(parent_run_id, "register")
     version = tracking.register_model(run_id, checkpoint, tokenizer_dir, cfg.decode, name,
                                       tracking.flat_scores(scores_data), read_promotion_set(policy, scores.parent),
                                       tags=tags, export=export,
                                       evaluated=tracking.model_scores(scores_data, corpus))
     if teachers:
-        tracking.describe_student(name, version, teachers)
+        tracking.describe_student(name, version, teachers, speeds)
     decision = promote_locked(name, version, policy, parent_run_id)
     tracking.finish_run(run_id)
     logger.info("version %s of %s: %s. %s", version, name, decision.decision, decision.reason)

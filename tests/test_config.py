@@ -257,7 +257,13 @@ def test_run_folder_ignores_budgets_but_not_settings_or_data(tmp_path) -> None:
     base = load_config("multi30k-cpu")
     longer = load_config("multi30k-cpu", ["train.max_steps=50000", "train.max_minutes=120"])
     assert run_dir(base, shards) == run_dir(longer, shards)  # raising a budget continues the same run
-    for change in ("train.warmup_steps=2000", "model.dropout=0.3", "tokenizer.vocab_size=9000"):
+    # how a run is carried out or watched is not what it learns: the same run
+    levers = load_config("multi30k-cpu", ["train.fused_adam=true", "train.fused_output_loss=true",
+                                          "train.compile=true", "train.log_every_steps=7"])
+    assert run_dir(levers, shards) == run_dir(base, shards)
+    assert TrainConfig.NOT_RUN_IDENTITY <= set(TrainConfig.model_fields)  # no stale name
+    for change in ("train.warmup_steps=2000", "model.dropout=0.3", "tokenizer.vocab_size=9000", "train.precision=fp32",
+                   "train.checkpoint_every_steps=500"):
         assert run_dir(load_config("multi30k-cpu", [change]), shards) != run_dir(base, shards), change
     assert run_dir(base, other) != run_dir(base, shards)  # same config, other data (a grown glob source)
     init = tmp_path / "init.pt"

@@ -78,6 +78,19 @@ def test_a_teacher_describes_its_version_score_and_size() -> None:
                             "with torch")
 
 
+def test_speeds_are_measured_on_sentences_with_one_label_per_model(tmp_path: Path) -> None:
+    """Refused before any model loads (the paths do not exist): no sentences, or a label twice (speeds are keyed by
+    label, so one would hide the other)."""
+    from pipeline.config import DecodeConfig
+    from pipeline.speed import Served, side_by_side
+
+    a, b = Served("a", tmp_path / "a.pt", tmp_path), Served("a", tmp_path / "b.pt", tmp_path)
+    with pytest.raises(ValueError, match="no sentences"):
+        side_by_side([a], [], DecodeConfig())
+    with pytest.raises(ValueError, match="each label once"):
+        side_by_side([a, b], ["ein Satz"], DecodeConfig())
+
+
 # ------------------------------------------------------------------------------------------------ the flow
 
 
@@ -237,6 +250,7 @@ def test_a_student_distils_from_a_teacher_trained_first_and_registers_with_its_l
 
     from ops.localstack import free_port
     from pipeline.config import load_config, write_resolved
+    from pipeline.speed import cpu_name
 
     root = tmp_path / "data"  # a short Multi30k: the machinery is tested, not translation quality
     for lang in ("en", "de"):
@@ -252,7 +266,7 @@ def test_a_student_distils_from_a_teacher_trained_first_and_registers_with_its_l
     # the 10-update teacher writes short junk: kept whatever its length, so that the student has targets to learn
     student = {**common, "tracking.registered_model": student_model, "distill.decode.beam_size": 1,
                "distill.decode.min_len": 2, "distill.decode.max_len_a": 0.0, "distill.decode.max_len_b": 3,
-               "distill.decode.batch_sentences": 512, "distill.max_ratio": 100.0}
+               "distill.decode.batch_sentences": 512, "distill.max_ratio": 100.0, "distill.speed_sentences": 20}
     params = {"data_root": str(root), "overrides": student, "max_steps": 10, "teacher_configs": [str(teacher_config)]}
     prefect, mlflow = stack["prefect"], MlflowClient(stack["mlflow"])
 
@@ -288,13 +302,16 @@ def test_a_student_distils_from_a_teacher_trained_first_and_registers_with_its_l
     assert int(tags["model.parameters"]) > 0 and float(tags["serving.model_mb"]) > 0
     assert f"| {label} | teacher |" in version.description and f"| {student_model}/1 | student |" in \
         version.description
+    # the speeds of both, measured side by side at registration, with the machine named
+    assert float(tags["distill.speedup"]) > 0 and "| sentences/s |" in version.description
+    assert "20 dev sentences in one call" in version.description and cpu_name() in version.description
     assert tags["promotion.decision"] == "promoted"  # the first version of its own model
     report = {a["key"]: a for a in prefect.artifacts(first)}["multi30k-student-tiny-report"]["data"]
     assert "## Distillation" in report and f"`{label}`" in report
 
     status, out, second = prefect.run_deployment("distill-translation/multi30k-en-de", params)
     assert status == 0, prefect.logs(second)[-4000:]
-    assert prefect.task_states(second)["distill-corpus"] == "Cached"
+    assert prefect.task_states(second)["distill-corpus"] == "Cached", prefect.logs(second)[-6000:]
     (parent,) = mlflow.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{second}'")
     (again,) = mlflow.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and "
                                                        "tags.stage = 'distill'")

@@ -30,6 +30,7 @@ from pipeline.export import export_model
 from pipeline.fsutil import sha256_file
 from pipeline.inference import load_model, translate
 from pipeline.promotion import Policy, PromotionSet, read_promotion_set
+from pipeline.speed import STUDENT, Served, cpu_name, student_speeds
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
 from pipeline.translation.evaluate import evaluate_translation
@@ -327,6 +328,14 @@ def test_teachers_resolve_to_versions_and_the_student_shows_them_side_by_side(ml
     v = tracking.register_model(c.create_run(exp).info.run_id, checkpoint, tiny_stack.tokenizer, FAST_DECODE, student,
                                 {"multi30k-val.sacrebleu": 10.0}, tags=tracking.lineage_tags([pinned], distilled))
     text = tracking.describe_student(student, v, [pinned])
+    assert "sentences/s" not in text  # none measured
+    # measured side by side: the teacher served by its registry files (PyTorch), the student by its checkpoint
+    speeds = student_speeds([Served(pinned.label, pinned.checkpoint, pinned.tokenizer, pinned.export)],
+                            Served(STUDENT, checkpoint, tiny_stack.tokenizer), distilled, 5, FAST_DECODE)
+    assert sorted(speeds.per_s) == sorted([pinned.label, STUDENT]) and min(speeds.per_s.values()) > 0
+    assert tracking.speedup_tag([pinned], speeds) == {
+        "distill.speedup": f"{speeds.per_s[STUDENT] / speeds.per_s[pinned.label]:.2f}"}
+    text = tracking.describe_student(student, v, [pinned], speeds)
     mv = c.get_model_version(student, v)
     source = json.loads((distilled / "manifest.json").read_text())["distillation"]["source_corpus"]["fingerprint"]
     assert mv.tags["distill.teachers"] == f"{name}/{version}" and mv.tags["distill.source_corpus_fingerprint"] == source
@@ -334,6 +343,8 @@ def test_teachers_resolve_to_versions_and_the_student_shows_them_side_by_side(ml
     params = int(registered["model.parameters"])
     assert f"| {name}/{version} | teacher | 12.50 | {params:,} |" in text
     assert f"| {student}/{v} | student | 10.00 | {params:,} |" in text
+    assert f"| torch | {speeds.per_s[STUDENT]:.1f} |" in text and "| sentences/s |" in text
+    assert f"5 dev sentences in one call, beam {FAST_DECODE.beam_size}" in text and cpu_name() in text
 
 
 def _corrupt(lines: list[str], rate: float, seed: int) -> list[str]:

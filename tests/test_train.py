@@ -25,6 +25,7 @@ from pipeline.checkpoint import (CheckpointError, check_compatible, find_latest,
 from pipeline.config import ConfigError
 from pipeline.shards import ShardDataset, build_shards
 from pipeline.train import TrainStep, accumulation_steps, make_batch, setup, train, usable_batches
+from pipeline.train.resume import load_optimizer
 from tests.conftest import resolved_tiny_config, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -637,6 +638,61 @@ def test_the_fused_output_loss_trains_as_the_logits_loss(shared_data, shards, pr
         assert float((fused - grad).norm()) <= tol * float(grad.norm()) + 1e-6, name
     with pytest.raises(ConfigError, match="fused_output_loss never forms the logits, and R-Drop"):
         config(shared_data, "train.fused_output_loss=true", "train.rdrop_alpha=1.0")
+
+
+def assert_same_weights(a: Transformer, b: Transformer, before: Transformer) -> None:
+    """``a`` and ``b`` trained from ``before`` to the same weights, to float32 rounding, except the keys' biases:
+    adding a constant to every key of a query shifts its logits alike, so their true gradient is zero and what
+    is left is rounding noise, which Adam (eps 1e-9) turns into full-sized steps of either sign."""
+    d = a.config["d_model"]
+    for (name, x), y in zip(a.named_parameters(), b.parameters()):
+        assert not torch.equal(x, before.get_parameter(name)), name  # trained
+        keep = torch.ones_like(x, dtype=torch.bool)
+        if name.endswith("qkv_proj.bias"):
+            keep[d:2 * d] = False  # q, k, v
+        elif name.endswith("kv_proj.bias"):
+            keep[:d] = False  # k, v
+        torch.testing.assert_close(y[keep], x[keep], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.integration
+def test_fused_adam_updates_as_the_grouped_adam_and_resumes_its_state(shared_data, shards):
+    """train.fused_adam: the same weights after three updates as the grouped (foreach) Adam, to float32 rounding;
+    and since it leaves the run folder as it is, a run resumed with it switched on continues from the grouped
+    Adam's state (and back) as the run would have."""
+    cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")
+    ds = ShardDataset(shards, "train")
+    info = setup()
+    torch.manual_seed(0)
+    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
+    batches = [[make_batch(ds, b, info.device)] for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:3]]
+
+    def step_of(fused: bool, weights: Transformer) -> TrainStep:
+        return TrainStep(copy.deepcopy(weights), cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"fused_adam": fused})}), info, ds.special.pad)
+
+    def update(step: TrainStep, micro) -> None:
+        assert step.apply(*step.accumulate(micro)).applied
+
+    grouped, fused = step_of(False, model), step_of(True, model)
+    assert fused.optimizer.defaults["fused"] and not grouped.optimizer.defaults["fused"]
+    for micro in batches:
+        update(grouped, micro)
+        update(fused, micro)
+    assert_same_weights(grouped.model, fused.model, model)
+    # resumed with the lever switched (the same run folder): the other kernel continues from this one's state and
+    # schedule as this one would have, through the trainer's loading, which keeps the kernel it was built with
+    for source, fused_after in ((grouped, True), (fused, False)):
+        saved = copy.deepcopy({"optimizer": source.optimizer.state_dict(), "scheduler": source.scheduler.state_dict()})
+        resumed, cont = step_of(fused_after, source.model), step_of(not fused_after, source.model)
+        for step in (resumed, cont):
+            load_optimizer(step.optimizer, copy.deepcopy(saved["optimizer"]))
+            step.scheduler.load_state_dict(saved["scheduler"])
+        assert resumed.optimizer.param_groups[0]["fused"] is fused_after
+        update(resumed, batches[0])
+        update(cont, batches[0])
+        assert resumed.optimizer.state[next(resumed.model.parameters())]["step"] == len(batches) + 1
+        assert_same_weights(cont.model, resumed.model, source.model)
 
 
 @pytest.mark.integration

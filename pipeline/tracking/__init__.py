@@ -23,7 +23,7 @@ _SOURCES = {
     "registry": ("CHAMPION", "champion", "champion_artifacts", "promote", "promotion_set", "register_model",
                  "version_tags", "version_with_checkpoint"),
     "teachers": ("Teacher", "TeacherError", "TeacherRef", "describe_student", "lineage_tags", "resolve_teachers",
-                 "shared_tokenizer"),
+                 "shared_tokenizer", "speedup_tag"),
     "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training", "model_scores"),
     "runs": ("TrackingError", "check_reachable", "close_flow_run", "close_stale_runs", "connect", "finish_run",
              "flatten", "flow_run_pages", "log_metrics", "log_params", "run_url", "set_tags", "start_pipeline_run",

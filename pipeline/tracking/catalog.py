@@ -404,6 +404,10 @@ _add("version", "tag",
                                            "the flow for a distilled model).", True),
      ("distill.teacher.<i>", "One teacher of a student, from one: its version, dev score, parameters and served "
                              "size, beside the student's own tags (set by the flow for a distilled model).", True),
+     ("distill.speedup", "A student's sentences/s over its fastest teacher's, each with the engine it serves with, "
+                         "measured side by side when it was registered (set by the flow for a distilled model when "
+                         "distill.speed_sentences is set; the description has the sentences/s and the machine).",
+      True),
      ("export.gate", "Whether the export passed its gate: passed or refused (set by the flow when it exported).",
       True),
      ("export.quantization", "The export's CTranslate2 weight type (set by the flow when it exported).", True),

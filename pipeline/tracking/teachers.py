@@ -20,6 +20,7 @@ from pipeline.checkpoint import load_checkpoint
 from pipeline.data import read_manifest
 from pipeline.distill import teacher_tokenizer
 from pipeline.errors import UserError
+from pipeline.speed import STUDENT, SideBySide
 from pipeline.tokenize import Tokenizer
 
 from .registry import alias_version, model_size, version_files, version_tags
@@ -74,6 +75,7 @@ class Teacher:
     engine: str
     score_key: str
     dev_score: float | None = None
+    export: Path | None = None  # the CTranslate2 export it serves with (engine "ctranslate2")
 
     def describe(self) -> str:
         """One line: the teacher, its dev score and its size."""
@@ -95,7 +97,7 @@ def _registered(ref: TeacherRef, work_dir: Path, score_key: str) -> Teacher:
     return Teacher(ref.ref, f"{ref.name}/{version}", files.checkpoint, files.tokenizer,
                    Tokenizer(files.tokenizer).sha256, int(size["model.parameters"]), size["serving.model_mb"],
                    "torch" if files.export is None else "ctranslate2", score_key,
-                   None if score is None else float(score))
+                   None if score is None else float(score), files.export)
 
 
 def _files(refs: Sequence[TeacherRef], work_dir: Path, score_key: str) -> list[Teacher]:
@@ -152,22 +154,36 @@ def lineage_tags(teachers: Sequence[Teacher], distilled: Path) -> dict[str, str]
             **{f"distill.teacher.{i}": t.describe() for i, t in enumerate(teachers, 1)}}
 
 
-def describe_student(name: str, version: str, teachers: Sequence[Teacher]) -> str:
+def speedup_tag(teachers: Sequence[Teacher], speeds: SideBySide) -> dict[str, str]:
+    """``distill.speedup``: the student's sentences/s over its fastest teacher's, from one side-by-side
+    measurement (a ratio, which travels between machines where sentences/s do not)."""
+    fastest = max(speeds.per_s[t.label] for t in teachers)
+    return {"distill.speedup": f"{speeds.per_s[STUDENT] / fastest:.2f}"}
+
+
+def describe_student(name: str, version: str, teachers: Sequence[Teacher], speeds: SideBySide | None = None) -> str:
     """Set the student version's description: a table of its teachers and itself side by side (dev score, parameters,
-    MiB on disk of what serves, engine), every value as the registry records it; returns the text. No speed: the
-    pipeline measures none that would compare them."""
+    MiB on disk of what serves, engine, and with ``speeds`` the sentences/s each served at in one side-by-side
+    measurement, named under the table with its machine), every other value as the registry records it; returns
+    the text."""
     tags = version_tags(name, version)
     key = teachers[0].score_key
     score = tags.get(key)
     cell = lambda v: "n/a" if v is None else f"{float(v):.2f}"  # noqa: E731
+    speed = (lambda label: "") if speeds is None else (lambda label: f" {speeds.per_s[label]:.1f} |")  # noqa: E731
     rows = [f"| {t.label} | teacher | {cell(t.dev_score)} | {t.parameters:,} | {t.serving_mb:.2f} | {t.engine} |"
-            for t in teachers]
+            f"{speed(t.label)}" for t in teachers]
     rows.append(f"| {name}/{version} | student | {cell(score)} | {int(tags['model.parameters']):,} | "
-                f"{float(tags['serving.model_mb']):.2f} | {tags['serving.engine']} |")
+                f"{float(tags['serving.model_mb']):.2f} | {tags['serving.engine']} |{speed(STUDENT)}")
+    header = f"| model | role | {key} | parameters | served MiB | engine |"
+    rule = "|---|---|---|---|---|---|"
+    notes = []
+    if speeds is not None:
+        header, rule = header + " sentences/s |", rule + "---|"
+        notes = ["", f"Sentences/s: {speeds.describe()}."]
     text = "\n".join([
         f"Student of sequence-level knowledge distillation: trained on what {', '.join(t.label for t in teachers)} "
         f"translated of the training sources (corpus {tags.get('corpus_fingerprint', '?')[:16]}); dev and test "
-        "keep their human references.", "",
-        f"| model | role | {key} | parameters | served MiB | engine |", "|---|---|---|---|---|---|", *rows])
+        "keep their human references.", "", header, rule, *rows, *notes])
     client().update_model_version(name, version, description=text)
     return text
