@@ -24,7 +24,9 @@ formula), MFU against :func:`pipeline.train.metrics.peak_flops` (dense bf16 peak
 ``torch.cuda.max_memory_allocated``; and, per preset, the paper's speed: base 100k steps in 12 h, big 300k steps
 in 3.5 days, on 8 P100 with ~25,000 source + ~25,000 target tokens per step.
 
-Decoding. :func:`model.decoding.beam_search` with the config's beam (4) and length penalty (0.6) on the
+Decoding. :func:`model.decoding.beam_search` and, beside it on the same model and sources,
+:func:`model.static_decoding.static_beam_search` (``decode.search=static``: its step replayed as a CUDA graph),
+with the config's beam (4) and length penalty (0.6) on the
 ``--decode-preset`` model (random weights), ``--decode-batch`` synthetic source sentences of ``--decode-src-len``
 +-5 tokens per call, output forced to ``--decode-out-len`` tokens + eos (``min_len`` = max length, as
 bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.inference.decoding_model`, the bf16 copy that
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import platform
 import shlex
@@ -55,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import Transformer  # noqa: E402
 from model.decoding import beam_search  # noqa: E402
+from model.static_decoding import static_beam_search  # noqa: E402
 from pipeline.config import RunConfig, load_config  # noqa: E402
 from pipeline.shards import token_batches  # noqa: E402
 from pipeline.train import Batch, TrainStep, accumulation_steps, setup  # noqa: E402
@@ -202,8 +206,10 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, ar
 # --------------------------------------------------------------------------------------------- decoding
 
 
-def bench_decode(preset: str, precision: str, args: argparse.Namespace) -> dict:
-    """Sentences/s of beam search (the config's beam and length penalty) with the output length forced."""
+def bench_decode(preset: str, precision: str, search: str, args: argparse.Namespace) -> dict:
+    """Sentences/s of beam search (the config's beam and length penalty) with the output length forced, with the
+    ``search`` (``decode.search``: dynamic, or static with its step replayed as a CUDA graph); the first call's
+    hypotheses are kept, as a digest, to compare searches (``tokens``)."""
     from pipeline.inference import decoding_model  # lazily: sacremoses etc., only the decoding part needs them
 
     cfg = load_config(f"wmt14-en-de-{preset}")
@@ -224,24 +230,30 @@ def bench_decode(preset: str, precision: str, args: argparse.Namespace) -> dict:
 
     out_len = args.decode_out_len + 1  # eos included
 
+    run = static_beam_search if search == "static" else beam_search
+
     def call(src: torch.Tensor) -> list:
-        return beam_search(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
-                           max_len_a=0.0, max_len_b=out_len, min_len=out_len)
+        return run(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
+                   max_len_a=0.0, max_len_b=out_len, min_len=out_len)
 
     batches = [sources() for _ in range(args.decode_calls + 1)]
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     call(batches[0])  # warm-up
     torch.cuda.synchronize(dev)
-    times, lengths = [], []
+    times, lengths, first = [], [], None
     for src in batches[1:]:
         t0 = time.perf_counter()
         hyps = call(src)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
         lengths += [len(h[0].tokens) + 1 for h in hyps]
+        first = first or [h[0].tokens for h in hyps]
     n = args.decode_batch * args.decode_calls
-    row = {"preset": preset, "precision": precision, "beam": d.beam_size, "alpha": d.length_penalty,
+    # the first call's best hypotheses, as a digest: equal digests, equal tokens
+    digest = hashlib.sha256(json.dumps(first).encode()).hexdigest()[:16]
+    row = {"preset": preset, "precision": precision, "search": search, "tokens": digest, "beam": d.beam_size,
+           "alpha": d.length_penalty,
            "batch": args.decode_batch, "calls": args.decode_calls, "out_len": out_len,
            "forced_len_ok": all(x == out_len for x in lengths), "sentences_per_s": n / sum(times),
            "tokens_per_s": sum(lengths) / sum(times), "s_per_call_median": statistics.median(times),
@@ -298,12 +310,21 @@ def markdown(res: dict) -> str:
                 f"| {_f(run_h, '.1f')} h ({_f(PAPER.get(preset, {}).get('steps'), ',')} steps) |")
     if res["decode"]:
         lines += ["", "## Decoding (beam search, random weights, output forced to a fixed length)", "",
-                  "| preset | precision | beam | alpha | batch | output tokens (eos incl.) | sentences/s | tokens/s "
-                  "| s/call (median) | peak mem GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "static: `decode.search=static` (its step replayed as a CUDA graph), beside the dynamic search on "
+                  "the same model and sources; x dynamic: its sentences/s over the dynamic row's; same tokens: the "
+                  "first call's best hypotheses equal the dynamic search's.", "",
+                  "| preset | precision | search | beam | alpha | batch | output tokens (eos incl.) | sentences/s "
+                  "| x dynamic | same tokens | tokens/s | s/call (median) | peak mem GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        dynamic = {r["precision"]: r for r in res["decode"] if r["search"] == "dynamic"}
         for r in res["decode"]:
-            lines.append(f"| {r['preset']} | {r['precision']} | {r['beam']} | {r['alpha']} | {r['batch']} "
-                         f"| {r['out_len']}{'' if r['forced_len_ok'] else ' (NOT all)'} | {r['sentences_per_s']:,.0f} "
-                         f"| {r['tokens_per_s']:,.0f} | {r['s_per_call_median']:.3f} | {r['peak_memory_gib']:.2f} |")
+            base = dynamic.get(r["precision"])
+            ratio = r["sentences_per_s"] / base["sentences_per_s"] if base else None
+            same = "-" if base is None or r is base else ("yes" if r["tokens"] == base["tokens"] else "NO")
+            lines.append(f"| {r['preset']} | {r['precision']} | {r['search']} | {r['beam']} | {r['alpha']} "
+                         f"| {r['batch']} | {r['out_len']}{'' if r['forced_len_ok'] else ' (NOT all)'} "
+                         f"| {r['sentences_per_s']:,.0f} | {_f(ratio, '.2f')} | {same} | {r['tokens_per_s']:,.0f} "
+                         f"| {r['s_per_call_median']:.3f} | {r['peak_memory_gib']:.2f} |")
     if res["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e}" for e in res["errors"]]
     return "\n".join(lines) + "\n"
@@ -389,8 +410,9 @@ def main() -> None:
                     False, "bf16", args, lever)
     if not args.no_decode:
         for precision in ("fp32", "bf16"):
-            attempt("decode", f"decode {args.decode_preset} {precision}", bench_decode, args.decode_preset,
-                    precision, args)
+            for search in ("dynamic", "static"):  # the same random model and sources: side by side
+                attempt("decode", f"decode {args.decode_preset} {precision} {search}", bench_decode,
+                        args.decode_preset, precision, search, args)
     if args.compile:  # largest batches first: the GPU's setting matters most if the time budget runs out
         for preset, mt in sorted(variants, key=lambda v: (-v[1], args.presets.index(v[0]))):
             if args.time_budget is not None and time.perf_counter() - started > args.time_budget:

@@ -5,13 +5,14 @@ Imports nothing from the rest of the project; the pipeline builds the model from
 """
 
 from .attention import MultiHeadAttention, attention_with_weights
-from .cache import AttentionCache, DecoderCache, reorder_cache
+from .cache import AttentionCache, DecoderCache, StaticAttentionCache, StaticDecoderCache, reorder_cache
 from .embedding import ScaledEmbedding
 from .ensemble import Ensemble
 from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, ResidualConnection
 from .loss import LabelSmoothedCrossEntropy, symmetric_kl
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoid_table
 from .schedule import TransformerLRLambda, cooldown_factor, transformer_lr, transformer_lr_scheduler
+from .static_decoding import StaticBeamSearch, static_beam_search
 from .transformer import Decoder, Encoder, Transformer
 
 __all__ = [
@@ -29,12 +30,16 @@ __all__ = [
     "PositionwiseFeedForward",
     "ResidualConnection",
     "ScaledEmbedding",
+    "StaticAttentionCache",
+    "StaticBeamSearch",
+    "StaticDecoderCache",
     "Transformer",
     "TransformerLRLambda",
     "attention_with_weights",
     "cooldown_factor",
     "reorder_cache",
     "sinusoid_table",
+    "static_beam_search",
     "symmetric_kl",
     "transformer_lr",
     "transformer_lr_scheduler",

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import AttentionCache
+from .cache import AttentionCache, StaticAttentionCache
 
 
 def key_keep_mask(key_padding_mask: Tensor) -> Tensor:
@@ -96,13 +96,20 @@ class MultiHeadAttention(nn.Module):
         batch, length, _ = x.shape
         return tuple(t.transpose(1, 2) for t in x.view(batch, length, parts, self.n_heads, self.d_k).unbind(2))
 
+    def memory_keys_values(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Encoder-decoder attention's keys and values for a cache: memory (batch, src_len, d_model) -> each
+        (batch, heads, src_len, d_k), contiguous (as strided views, every later step's batched products would
+        copy them)."""
+        k, v = self._split_heads(self.kv_proj(memory), 2)
+        return k.contiguous(), v.contiguous()
+
     def forward(
         self,
         query: Tensor,
         memory: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
-        cache: AttentionCache | None = None,
+        cache: AttentionCache | StaticAttentionCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Attend from ``query`` to itself (self-attention) or to ``memory`` (encoder-decoder attention).
@@ -111,14 +118,17 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: (batch, src_len), True at padding keys. causal: each query sees only keys at or
         before its own position (decoder self-attention). cache: keys/values of earlier decoding steps;
         self-attention appends this call's keys/values to it, encoder-decoder attention fills it on the first
-        call and reuses it afterwards (``memory`` is then not read). need_weights: also return the attention
-        weights (batch, heads, tgt_len, src_len), computed explicitly.
+        call and reuses it afterwards (``memory`` is then not read); a :class:`StaticAttentionCache` (self-attention,
+        one query per row) stores this step's key/value at its position and attends to the positions up to it.
+        need_weights: also return the attention weights (batch, heads, tgt_len, src_len), computed explicitly.
         Returns (output (batch, tgt_len, d_model), weights or None).
         """
         batch, tgt_len, _ = query.shape
         if self.self_attention:
             q, k, v = self._split_heads(self.qkv_proj(query), 3)  # each (batch, heads, tgt_len, d_k)
-            if cache is not None:
+            if isinstance(cache, StaticAttentionCache):
+                k, v = cache.write(k, v)  # (batch, heads, max_len, d_k), positions after this one masked below
+            elif cache is not None:
                 if cache.key is not None:
                     k = torch.cat([cache.key, k], dim=2)  # (batch, heads, past + tgt_len, d_k)
                     v = torch.cat([cache.value, v], dim=2)
@@ -129,17 +139,18 @@ class MultiHeadAttention(nn.Module):
             group = 1 if cache is None else cache.group
             q_in = self.q_proj(query).view(batch // group, group * tgt_len, self.d_model)
             (q,) = self._split_heads(q_in, 1)  # (batch / group, heads, group * tgt_len, d_k)
-            if cache is not None and cache.key is not None:
+            if cache is not None and cache.key is None:
+                cache.key, cache.value = self.memory_keys_values(memory)
+            if cache is not None:
                 k, v = cache.key, cache.value
             else:
                 k, v = self._split_heads(self.kv_proj(memory), 2)  # each (batch, heads, src_len, d_k)
-                if cache is not None:
-                    # Contiguous once here: as strided views, every later step's batched products would copy them.
-                    k, v = k.contiguous(), v.contiguous()
-                    cache.key, cache.value = k, v
         src_len = k.size(2)
 
         keep = None if key_padding_mask is None else key_keep_mask(key_padding_mask)  # (batch, 1, 1, src_len)
+        if isinstance(cache, StaticAttentionCache):  # a mask, not a slice, keeps the shapes fixed
+            visible = cache.visible()  # (max_len,)
+            keep = visible if keep is None else keep & visible
         # The common training case (full square causal mask, nothing else) goes to SDPA's is_causal path; one
         # new query at the end of a cached prefix sees every key and needs no mask at all.
         is_causal = causal and tgt_len > 1 and keep is None and tgt_len == src_len and not need_weights

@@ -46,6 +46,45 @@ def max_output_lengths(src_tokens: Tensor, pad_id: int, max_len_a: float, max_le
     return (max_len_a * src_len.double() + max_len_b).floor().long().clamp(min=1, max=limit)
 
 
+def check_search_args(beam_size: int, nbest: int, alpha: float) -> None:
+    """Raise ValueError unless beam_size >= 1, 1 <= nbest <= beam_size and alpha >= 0."""
+    if beam_size < 1 or not 1 <= nbest <= beam_size:
+        raise ValueError(f"need beam_size >= 1 and 1 <= nbest <= beam_size, got {beam_size}, {nbest}")
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0 (the early-stopping bound relies on it), got {alpha}")
+
+
+def select_candidates(lprobs: Tensor, scores: Tensor, eos_id: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The 2k best continuations of each sentence's k beams, best first.
+
+    lprobs: (n * k, vocab) next-token log-probabilities of every beam, masked; scores: (n, k) float64 raw scores
+    of the beams. Returns (scores (n, 2k) float64, beam (n, 2k) in 0..k-1, token (n, 2k), is_eos (n, 2k): the
+    token is eos and the score finite).
+    """
+    n, k = scores.shape
+    # The 2k best continuations of a sentence are among the 2k best tokens of each of its beams (a token
+    # outside its beam's 2k best is beaten by 2k continuations of that beam alone), so each row is cut to
+    # its 2k best before adding the beam scores: float64 work on (n, k * 2k), not (n, k * vocab).
+    width = min(2 * k, lprobs.size(-1))
+    row_lprobs, row_tok = lprobs.topk(width, dim=1)  # (n * k, width)
+    cand = (scores.view(n * k, 1) + row_lprobs.double()).view(n, k * width)  # (n, k * width)
+    top_scores, top_idx = cand.topk(min(2 * k, k * width), dim=1)  # (n, 2k)
+    top_beam, top_tok = top_idx // width, row_tok.view(n, k * width).gather(1, top_idx)  # (n, 2k)
+    is_eos = top_tok.eq(eos_id) & top_scores.gt(-math.inf)  # (n, 2k)
+    return top_scores, top_beam, top_tok, is_eos
+
+
+def sentences_done(open_scores: Tensor, best_done: Tensor, max_lp: Tensor, must_end: Tensor) -> Tensor:
+    """(n,) bool: which sentences' searches end after this step (see the module docstring): no open beam can
+    beat the best finished hypothesis, the maximum length is reached, or no beam is left open.
+
+    open_scores: (n, k) raw scores of the open beams, best first; best_done: (n,) best finished normalised score
+    (-inf if none); max_lp: (n,) length penalty at the maximum length; must_end: (n,) bool.
+    """
+    bound = open_scores[:, 0] / max_lp  # (n,) best any continuation could still reach
+    return must_end | best_done.ge(bound) | open_scores[:, 0].eq(-math.inf)
+
+
 @torch.inference_mode()
 def beam_search(
     model,
@@ -75,10 +114,7 @@ def beam_search(
     distribution is not renormalised over the allowed ones). The maximum length still wins. None: no constraint
     and no cost.
     """
-    if beam_size < 1 or not 1 <= nbest <= beam_size:
-        raise ValueError(f"need beam_size >= 1 and 1 <= nbest <= beam_size, got {beam_size}, {nbest}")
-    if alpha < 0:
-        raise ValueError(f"alpha must be >= 0 (the early-stopping bound relies on it), got {alpha}")
+    check_search_args(beam_size, nbest, alpha)
     pad_id, k = model.pad_id, beam_size
     batch = src_tokens.size(0)
     device = src_tokens.device
@@ -113,7 +149,6 @@ def beam_search(
             logits = model.decode(prefixes, memory, src_pad_mask)
         # log-softmax in float32 (half the time of float64 here); scores accumulate in float64
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (n * k, vocab)
-        vocab = lprobs.size(-1)
         length = step + 1  # tokens generated once this step's token is chosen, eos included
         must_end = length >= max_lens[active]  # (n,)
         if allowed is not None:
@@ -131,15 +166,7 @@ def beam_search(
             lprobs[rows] = -math.inf
             lprobs[rows, eos_id] = eos_col
 
-        # The 2k best continuations of a sentence are among the 2k best tokens of each of its beams (a token
-        # outside its beam's 2k best is beaten by 2k continuations of that beam alone), so each row is cut to
-        # its 2k best before adding the beam scores: float64 work on (n, k * 2k), not (n, k * vocab).
-        width = min(2 * k, vocab)
-        row_lprobs, row_tok = lprobs.topk(width, dim=1)  # (n * k, width)
-        cand = (scores.view(n * k, 1) + row_lprobs.double()).view(n, k * width)  # (n, k * width)
-        top_scores, top_idx = cand.topk(min(2 * k, k * width), dim=1)  # (n, 2k)
-        top_beam, top_tok = top_idx // width, row_tok.view(n, k * width).gather(1, top_idx)  # (n, 2k)
-        is_eos = top_tok.eq(eos_id) & top_scores.gt(-math.inf)  # (n, 2k)
+        top_scores, top_beam, top_tok, is_eos = select_candidates(lprobs, scores, eos_id)  # each (n, 2k)
 
         # eos among the k best candidates ends a hypothesis (as fairseq: a lower-ranked eos would not be kept).
         lp_now = length_penalty(float(length), alpha)
@@ -150,8 +177,7 @@ def beam_search(
             best_done[sentence] = max(float(best_done[sentence]), raw / lp_now)
 
         open_scores, open_pos = top_scores.masked_fill(is_eos, -math.inf).topk(k, dim=1)  # (n, k)
-        bound = open_scores[:, 0] / max_lp[active]  # (n,) best any continuation could still reach
-        done = must_end | best_done[active].ge(bound) | open_scores[:, 0].eq(-math.inf)  # (n,)
+        done = sentences_done(open_scores, best_done[active], max_lp[active], must_end)  # (n,)
 
         keep = (~done).nonzero().squeeze(1)  # (n',) row groups still searching
         beams = top_beam.gather(1, open_pos)[keep]  # (n', k)

@@ -8,7 +8,8 @@ an ensemble of one is its member, and of identical members is any one of them.
 
 The members must share the vocabulary and padding id (one tokenizer); their sizes may differ. An ensemble has
 the interface :func:`model.decoding.beam_search` uses (``encode``, ``decode`` with a cache, ``new_cache``,
-``reorder_cache``, ``pad_id``, ``config["max_positions"]``), so decoding code takes either.
+``reorder_cache``, ``pad_id``, ``config["max_positions"]``) and ``new_static_cache`` (for
+:func:`model.static_decoding.static_beam_search`), so decoding code takes either.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import DecoderCache, reorder_cache
+from .cache import DecoderCache, StaticDecoderCache, reorder_cache
 from .transformer import Transformer
 
 
@@ -58,7 +59,7 @@ class Ensemble(nn.Module):
         return Memories(m.encode(src_tokens)[0] for m in self.members), src_tokens.eq(self.pad_id)
 
     def decode(self, tgt_tokens: Tensor, memory: Memories | None, src_pad_mask: Tensor | None,
-               cache: list[DecoderCache] | None = None) -> Tensor:
+               cache: list[DecoderCache] | list[StaticDecoderCache] | None = None) -> Tensor:
         """The mean of the members' log-probabilities (batch, tgt_len, vocab) for ``tgt_tokens`` (batch, tgt_len),
         read by the caller as logits (a log-softmax of it is the normalised geometric mean). ``memory`` as
         :meth:`encode` returns it; ``cache`` from :meth:`new_cache`, or None (see :meth:`model.Transformer.decode`)."""
@@ -74,8 +75,16 @@ class Ensemble(nn.Module):
         """One empty cache per member (see :meth:`model.Transformer.new_cache`)."""
         return [m.new_cache(group) for m in self.members]
 
+    def new_static_cache(self, memory: Memories, src_pad_mask: Tensor, *, group: int, max_len: int,
+                         position: Tensor) -> list[StaticDecoderCache]:
+        """One fixed-shape cache per member, all at the one ``position`` (see
+        :meth:`model.Transformer.new_static_cache`)."""
+        return [m.new_static_cache(mem, src_pad_mask, group=group, max_len=max_len, position=position)
+                for m, mem in zip(self.members, memory)]
+
     @staticmethod
-    def reorder_cache(cache: list[DecoderCache], order: Tensor, reorder_memory: bool = True) -> None:
+    def reorder_cache(cache: list[DecoderCache] | list[StaticDecoderCache], order: Tensor,
+                      reorder_memory: bool = True) -> None:
         """Reorder every member's cache as :func:`model.reorder_cache` does one."""
         for member_cache in cache:
             reorder_cache(member_cache, order, reorder_memory=reorder_memory)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
-from .cache import AttentionCache
+from .cache import AttentionCache, StaticAttentionCache
 from .dropout import dropout
 
 
@@ -118,7 +118,7 @@ class DecoderLayer(nn.Module):
         x: Tensor,
         memory: Tensor | None,
         src_pad_mask: Tensor | None,
-        self_attn_cache: AttentionCache | None = None,
+        self_attn_cache: AttentionCache | StaticAttentionCache | None = None,
         cross_attn_cache: AttentionCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:

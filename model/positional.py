@@ -24,19 +24,30 @@ def sinusoid_table(num_positions: int, d_model: int) -> Tensor:
     return table.float()
 
 
-def _check_range(offset: int, length: int, max_positions: int) -> None:
+def _rows(table: Tensor, offset: int | Tensor, length: int) -> Tensor:
+    """Rows ``offset .. offset + length - 1`` of a position table, (length, d_model).
+
+    An int offset is range-checked and sliced (contiguous positions: a slice, cheaper backward than a lookup). A
+    (1,) long tensor offset (a static-shape decoding step, :mod:`model.static_decoding`) is looked up on its device
+    with no host read, so one CUDA graph of the step serves every position; its caller keeps it in range.
+    """
+    if isinstance(offset, Tensor):
+        return table.index_select(0, offset + torch.arange(length, device=offset.device))
+    max_positions = table.size(0)
     if offset + length > max_positions:
         raise ValueError(
             f"positions {offset}..{offset + length - 1} exceed max_positions={max_positions}; "
             "raise model.max_positions or shorten the input"
         )
+    return table[offset : offset + length]
 
 
 class PositionalEncoding(nn.Module):
     """Fixed sinusoidal positional encoding, added to the (already scaled) embeddings.
 
     The table is a non-persistent buffer: it is a function of the shape, so checkpoints do not carry it.
-    ``offset`` is the position of the first input token (the cache length during incremental decoding).
+    ``offset`` is the position of the first input token (the cache length during incremental decoding), an int or
+    a (1,) long tensor on the device.
     """
 
     def __init__(self, d_model: int, max_positions: int) -> None:
@@ -44,10 +55,9 @@ class PositionalEncoding(nn.Module):
         self.max_positions = max_positions
         self.register_buffer("table", sinusoid_table(max_positions, d_model), persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
         """x: (batch, len, d_model) -> x + PE[offset : offset + len]."""
-        _check_range(offset, x.size(1), self.max_positions)
-        return x + self.table[offset : offset + x.size(1)]  # (len, d_model) broadcast over batch
+        return x + _rows(self.table, offset, x.size(1))  # (len, d_model) broadcast over batch
 
 
 class LearnedPositionalEmbedding(nn.Module):
@@ -62,8 +72,6 @@ class LearnedPositionalEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(max_positions, d_model))
         nn.init.normal_(self.weight, mean=0.0, std=d_model**-0.5)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """x: (batch, len, d_model) -> x + P[offset : offset + len]."""
-        _check_range(offset, x.size(1), self.max_positions)
-        # Positions are contiguous, so a slice replaces an embedding lookup (cheaper backward).
-        return x + self.weight[offset : offset + x.size(1)]
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """x: (batch, len, d_model) -> x + P[offset : offset + len] (``offset`` as :class:`PositionalEncoding`'s)."""
+        return x + _rows(self.weight, offset, x.size(1))

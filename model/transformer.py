@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from .cache import DecoderCache, reorder_cache
+from .cache import AttentionCache, DecoderCache, StaticAttentionCache, StaticDecoderCache, reorder_cache
 from .dropout import dropout
 from .embedding import ScaledEmbedding
 from .layers import DecoderLayer, EncoderLayer
@@ -36,8 +36,9 @@ class _Stack(nn.Module):
         self.dropout = dropout
         self.final_norm = nn.LayerNorm(embed_tokens.embedding_dim) if pre_norm else None
 
-    def embed(self, tokens: Tensor, offset: int = 0) -> Tensor:
-        """tokens: (batch, len) -> Dropout(Embedding * sqrt(d_model) + PE): (batch, len, d_model)."""
+    def embed(self, tokens: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """tokens: (batch, len) -> Dropout(Embedding * sqrt(d_model) + PE): (batch, len, d_model); ``offset``: the
+        position of the first token, an int or a (1,) long tensor on the device."""
         return dropout(self.embed_positions(self.embed_tokens(tokens), offset), self.dropout, self.training)
 
 
@@ -72,15 +73,16 @@ class Decoder(_Stack):
         tgt_tokens: Tensor,
         memory: Tensor | None,
         src_pad_mask: Tensor | None,
-        cache: DecoderCache | None = None,
+        cache: DecoderCache | StaticDecoderCache | None = None,
         need_weights: bool = False,
     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """tgt_tokens: (batch, tgt_len), the tokens not yet in ``cache`` (all of them without a cache).
+        """tgt_tokens: (batch, tgt_len), the tokens not yet in ``cache`` (all of them without a cache; one per row
+        with a :class:`StaticDecoderCache`).
 
         Returns (hidden (batch, tgt_len, d_model), per-layer self-attention weights, per-layer encoder-decoder
         attention weights); the weight lists are empty unless ``need_weights``.
         """
-        offset = 0 if cache is None else cache.length  # position of the first new token
+        offset = 0 if cache is None else cache.length  # position of the first new token (a tensor: static cache)
         x = self.embed(tgt_tokens, offset)  # (batch, tgt_len, d_model)
         self_weights, cross_weights = [], []
         for i, layer in enumerate(self.layers):
@@ -184,7 +186,7 @@ class Transformer(nn.Module):
         tgt_tokens: Tensor,
         memory: Tensor | None,
         src_pad_mask: Tensor | None,
-        cache: DecoderCache | None = None,
+        cache: DecoderCache | StaticDecoderCache | None = None,
     ) -> Tensor:
         """Decoder logits (batch, tgt_len, vocab) for ``tgt_tokens`` (batch, tgt_len).
 
@@ -192,7 +194,9 @@ class Transformer(nn.Module):
         mask. With a cache (from :meth:`new_cache`), ``tgt_tokens`` holds only the tokens not yet decoded,
         usually one per step; their keys/values are appended to the cache and the logits of those positions
         are returned. ``memory`` and ``src_pad_mask`` are read on the first call with a fresh cache, which then
-        keeps the encoder-decoder keys/values and the mask; later calls may pass None for both.
+        keeps the encoder-decoder keys/values and the mask; later calls may pass None for both. A
+        :class:`StaticDecoderCache` (from :meth:`new_static_cache`) already holds them: one token per row, at the
+        cache's position, which the caller advances.
         """
         if cache is not None:
             if cache.src_pad_mask is None:
@@ -234,6 +238,22 @@ class Transformer(nn.Module):
         consecutive target rows belong to one source sentence, whose memory and mask are passed once (one row
         per sentence) on the first call (beam search; see :class:`model.cache.DecoderCache`)."""
         return DecoderCache.empty(len(self.decoder.layers), group)
+
+    def new_static_cache(
+        self, memory: Tensor, src_pad_mask: Tensor, *, group: int, max_len: int, position: Tensor
+    ) -> StaticDecoderCache:
+        """A fixed-shape cache for ``memory.size(0) * group`` decoder rows (``group`` consecutive rows per source
+        sentence, as :meth:`new_cache`) and up to ``max_len`` target positions, encoder-decoder keys/values
+        projected here from ``memory`` (batch, src_len, d_model) and ``src_pad_mask`` (batch, src_len). Each
+        :meth:`decode` call writes at ``position`` ((1,) long, on memory's device), which the caller advances."""
+        rows = memory.size(0) * group
+        self_attn, cross_attn = [], []
+        for layer in self.decoder.layers:
+            attn = layer.self_attn
+            key = memory.new_zeros(rows, attn.n_heads, max_len, attn.d_k)  # zeros: masked, but never NaN
+            self_attn.append(StaticAttentionCache(key, torch.zeros_like(key), position))
+            cross_attn.append(AttentionCache(*layer.cross_attn.memory_keys_values(memory), group=group))
+        return StaticDecoderCache(self_attn, cross_attn, src_pad_mask, position)
 
     reorder_cache = staticmethod(reorder_cache)
 

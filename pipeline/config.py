@@ -487,6 +487,11 @@ class DecodeConfig(_Strict):
     batch_sentences: int = Field(default=64, ge=1, description="Sentences per decoding batch (PyTorch).")
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description=(
         "bf16: decode with a bf16 copy of the model (log-softmax in float32, scores in float64); fp32 = the paper."))
+    search: Literal["dynamic", "static"] = Field(default="dynamic", description=(
+        "dynamic: beam search drops finished sentences and grows its key/value cache step by step; static: every "
+        "step keeps the same shapes (finished sentences masked, a preallocated cache), so on a GPU the step is "
+        "captured once as a CUDA graph and replayed. The same translations; static is for GPUs, and takes no "
+        "parsing tree constraint. Not in the paper: an implementation choice."))
     # the constraint and the shape limits below: pipeline/parsing/constraint.py
     tree_constraint: bool = Field(default=True, description=(
         "Parsing only: beam search may write only well-formed trees over the input's words (brackets balance, one "
@@ -726,6 +731,9 @@ class RunConfig(_Strict):
             if self.distill.teachers:
                 raise ValueError("distill.teachers: distillation is for translation; a parse is scored against "
                                  "the gold tree, which a teacher's output would replace")
+            if self.decode.search == "static" and self.decode.tree_constraint:
+                raise ValueError("decode.search 'static' cannot apply decode.tree_constraint (it reads every prefix "
+                                 "on the host at each step); use decode.search: dynamic for parsing")
         else:
             wrong = [where for where, s in sources if s.format == "ptb"]
             if wrong:

@@ -14,6 +14,7 @@ import torch
 
 from model import Ensemble, Transformer
 from model.decoding import beam_search
+from model.static_decoding import static_beam_search
 from pipeline.allocator import keep_freed_memory
 from pipeline.checkpoint import check_tokenizer, load_checkpoint
 from pipeline.config import DecodeConfig
@@ -104,9 +105,11 @@ def translate_nbest(model: Transformer, tokenizer: Tokenizer, sentences: Sequenc
         for r, row in enumerate(rows):
             src[r, : len(row)] = torch.tensor(row)
         allowed = constraint([sentences[i] for i in chunk]) if constraint is not None else None
-        hyps = beam_search(model, src.to(device), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                           beam_size=decode.beam_size, alpha=decode.length_penalty, max_len_a=decode.max_len_a,
-                           max_len_b=decode.max_len_b, min_len=decode.min_len, nbest=nbest, allowed=allowed)
+        # the same translations; static refuses a constraint (the config refuses it with the tree constraint)
+        search = static_beam_search if decode.search == "static" else beam_search
+        hyps = search(model, src.to(device), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                      beam_size=decode.beam_size, alpha=decode.length_penalty, max_len_a=decode.max_len_a,
+                      max_len_b=decode.max_len_b, min_len=decode.min_len, nbest=nbest, allowed=allowed)
         for i, best in zip(chunk, hyps):
             out[i] = tokenizer.decode_batch([h.tokens for h in best])
         if progress:
