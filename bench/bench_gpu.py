@@ -25,8 +25,9 @@ formula), MFU against :func:`pipeline.train.metrics.peak_flops` (dense bf16 peak
 in 3.5 days, on 8 P100 with ~25,000 source + ~25,000 target tokens per step.
 
 Decoding. :func:`model.decoding.beam_search` and, beside it on the same model and sources,
-:func:`model.static_decoding.static_beam_search` (``decode.search=static``: its step replayed as a CUDA graph),
-with the config's beam (4) and length penalty (0.6) on the
+:func:`model.static_decoding.static_beam_search` (``decode.search=static``: its step replayed as a CUDA graph)
+and CTranslate2's CUDA beam search over the same weights (the export's mapping, synthetic pieces), with the
+config's beam (4) and length penalty (0.6) on the
 ``--decode-preset`` model (random weights), ``--decode-batch`` synthetic source sentences of ``--decode-src-len``
 +-5 tokens per call, output forced to ``--decode-out-len`` tokens + eos (``min_len`` = max length, as
 bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.inference.decoding_model`, the bf16 copy that
@@ -48,6 +49,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -206,19 +208,41 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, ar
 # --------------------------------------------------------------------------------------------- decoding
 
 
+CT2_COMPUTE = {"fp32": "float32", "bf16": "bfloat16"}  # CTranslate2's compute type for our precision names
+
+
+def _ctranslate2(base: Transformer, precision: str, vocab_size: int, sp, out_dir: Path):
+    """The random model as a CTranslate2 model on the GPU: :func:`pipeline.export.transformer_spec` (the export's
+    own weight mapping) with synthetic pieces (``p<id>``; the specials at their ids). Returns (translator, pieces)."""
+    import ctranslate2
+
+    from pipeline.export import transformer_spec
+
+    pieces = [f"p{i}" for i in range(vocab_size)]
+    for name in ("pad", "unk", "bos", "eos"):
+        pieces[getattr(sp, name)] = f"<{name}>"
+    state = {"model": {k: v.detach().float().cpu() for k, v in base.state_dict().items()}, "model_config": base.config}
+    spec = transformer_spec(state, pieces, {k: f"<{k}>" for k in ("pad", "unk", "bos", "eos")})
+    spec.validate()
+    spec.optimize(quantization=CT2_COMPUTE[precision])
+    spec.save(str(out_dir))
+    return ctranslate2.Translator(str(out_dir), device="cuda", compute_type=CT2_COMPUTE[precision]), pieces
+
+
 def bench_decode(preset: str, precision: str, search: str, args: argparse.Namespace) -> dict:
     """Sentences/s of beam search (the config's beam and length penalty) with the output length forced, with the
-    ``search`` (``decode.search``: dynamic, or static with its step replayed as a CUDA graph); the first call's
-    hypotheses are kept, as a digest, to compare searches (``tokens``)."""
+    ``search``: ``dynamic`` / ``static`` (``decode.search``; static replays its step as a CUDA graph), or
+    ``ctranslate2`` (the same weights exported, CTranslate2's CUDA beam search; its length penalty is its own, which
+    the forced length makes moot). The first call's best hypotheses are kept, as a digest, to compare searches
+    (``tokens``)."""
     from pipeline.inference import decoding_model  # lazily: sacremoses etc., only the decoding part needs them
 
     cfg = load_config(f"wmt14-en-de-{preset}")
     info = setup()
     dev, sp, d = info.device, cfg.tokenizer.special, cfg.decode
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same random model for every search
     base = Transformer(cfg.tokenizer.vocab_size, sp.pad, **cfg.model.model_dump()).to(dev).eval()
-    model = decoding_model(base, precision)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(1)  # and the same sources
 
     def sources() -> torch.Tensor:  # (batch, longest + 1): ids + eos, right-padded
         lens = torch.randint(args.decode_src_len - 5, args.decode_src_len + 6, (args.decode_batch,), generator=gen)
@@ -229,36 +253,50 @@ def bench_decode(preset: str, precision: str, search: str, args: argparse.Namesp
         return src.to(dev)
 
     out_len = args.decode_out_len + 1  # eos included
-
-    run = static_beam_search if search == "static" else beam_search
-
-    def call(src: torch.Tensor) -> list:
-        return run(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
-                   max_len_a=0.0, max_len_b=out_len, min_len=out_len)
-
     batches = [sources() for _ in range(args.decode_calls + 1)]
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
+    if search == "ctranslate2":
+        translator, pieces = _ctranslate2(base, precision, cfg.tokenizer.vocab_size, sp,
+                                          Path(tempfile.mkdtemp(prefix="bench-gpu-ct2-")))
+        base = None
+        torch.cuda.empty_cache()
+        ids = {p: i for i, p in enumerate(pieces)}
+
+        def call(src: torch.Tensor) -> list[list[int]]:
+            rows = [[pieces[i] for i in row if i not in (sp.pad, sp.eos)] for row in src.tolist()]  # it adds eos
+            out = translator.translate_batch(rows, beam_size=d.beam_size, length_penalty=d.length_penalty,
+                                             max_batch_size=len(rows), max_input_length=0,
+                                             min_decoding_length=out_len - 1, max_decoding_length=out_len - 1)
+            return [[ids[p] for p in r.hypotheses[0]] for r in out]
+    else:
+        model = decoding_model(base, precision)
+        run = static_beam_search if search == "static" else beam_search
+
+        def call(src: torch.Tensor) -> list[list[int]]:
+            hyps = run(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
+                       max_len_a=0.0, max_len_b=out_len, min_len=out_len)
+            return [h[0].tokens for h in hyps]
+
     call(batches[0])  # warm-up
     torch.cuda.synchronize(dev)
     times, lengths, first = [], [], None
     for src in batches[1:]:
         t0 = time.perf_counter()
-        hyps = call(src)
+        best = call(src)
         torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - t0)
-        lengths += [len(h[0].tokens) + 1 for h in hyps]
-        first = first or [h[0].tokens for h in hyps]
+        lengths += [len(tokens) + 1 for tokens in best]
+        first = first or best
     n = args.decode_batch * args.decode_calls
     # the first call's best hypotheses, as a digest: equal digests, equal tokens
     digest = hashlib.sha256(json.dumps(first).encode()).hexdigest()[:16]
     row = {"preset": preset, "precision": precision, "search": search, "tokens": digest, "beam": d.beam_size,
-           "alpha": d.length_penalty,
-           "batch": args.decode_batch, "calls": args.decode_calls, "out_len": out_len,
+           "alpha": d.length_penalty, "batch": args.decode_batch, "calls": args.decode_calls, "out_len": out_len,
            "forced_len_ok": all(x == out_len for x in lengths), "sentences_per_s": n / sum(times),
            "tokens_per_s": sum(lengths) / sum(times), "s_per_call_median": statistics.median(times),
            "peak_memory_gib": peak_memory_mb(dev) / 1024}
-    model = base = None  # free GPU memory for the next variant (call() closes over model)
+    call = base = None  # free GPU memory for the next variant (call() closes over the model)
     torch.cuda.empty_cache()
     return row
 
@@ -310,9 +348,11 @@ def markdown(res: dict) -> str:
                 f"| {_f(run_h, '.1f')} h ({_f(PAPER.get(preset, {}).get('steps'), ',')} steps) |")
     if res["decode"]:
         lines += ["", "## Decoding (beam search, random weights, output forced to a fixed length)", "",
-                  "static: `decode.search=static` (its step replayed as a CUDA graph), beside the dynamic search on "
-                  "the same model and sources; x dynamic: its sentences/s over the dynamic row's; same tokens: the "
-                  "first call's best hypotheses equal the dynamic search's.", "",
+                  "static: `decode.search=static` (its step replayed as a CUDA graph); ctranslate2: the same weights "
+                  "exported, CTranslate2's CUDA beam search; each beside the dynamic search on the same model and "
+                  "sources. x dynamic: its sentences/s over the dynamic row's; same tokens: the first call's best "
+                  "hypotheses equal the dynamic search's (CTranslate2's GPU kernels round differently: a few "
+                  "differences are expected).", "",
                   "| preset | precision | search | beam | alpha | batch | output tokens (eos incl.) | sentences/s "
                   "| x dynamic | same tokens | tokens/s | s/call (median) | peak mem GiB |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -410,7 +450,7 @@ def main() -> None:
                     False, "bf16", args, lever)
     if not args.no_decode:
         for precision in ("fp32", "bf16"):
-            for search in ("dynamic", "static"):  # the same random model and sources: side by side
+            for search in ("dynamic", "static", "ctranslate2"):  # the same random model and sources: side by side
                 attempt("decode", f"decode {args.decode_preset} {precision} {search}", bench_decode,
                         args.decode_preset, precision, search, args)
     if args.compile:  # largest batches first: the GPU's setting matters most if the time budget runs out
