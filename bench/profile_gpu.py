@@ -6,9 +6,10 @@ autocast) on the same synthetic WMT-shaped batches (:func:`bench_gpu.synthetic_u
 ``--max-tokens`` (default: the config's micro-batch, then the whole 25,000-token update as one). ``--warmup``
 updates run first (new shapes, allocator growth), then ``--updates`` updates under ``torch.profiler``.
 
-Decoding: :func:`model.decoding.beam_search` on the ``--decode-preset`` model (random weights, bf16 copy as
-``decode.precision=bf16`` decodes), ``--decode-batch`` sources, output forced to ``--decode-out-len`` tokens, one
-warm-up call, then one profiled call.
+Decoding: :func:`model.decoding.beam_search` and :func:`model.static_decoding.static_beam_search` (its step
+replayed as a CUDA graph) on the ``--decode-preset`` model (random weights, bf16 copy as ``decode.precision=bf16``
+decodes), ``--decode-batch`` sources, output forced to ``--decode-out-len`` tokens, one warm-up call, then one
+profiled call.
 
 Per variant, from the profiler's device events (the GPU's own time, not the host's):
 
@@ -47,6 +48,7 @@ from bench_gpu import synthetic_updates  # noqa: E402
 
 from model import Transformer  # noqa: E402
 from model.decoding import beam_search  # noqa: E402
+from model.static_decoding import static_beam_search  # noqa: E402
 from pipeline.config import RunConfig, load_config  # noqa: E402
 from pipeline.train import Batch, TrainStep, setup  # noqa: E402
 
@@ -135,8 +137,9 @@ def profile_train(cfg: RunConfig, preset: str, max_tokens: int, args: argparse.N
     return row
 
 
-def profile_decode(preset: str, args: argparse.Namespace, device: torch.device) -> dict:
-    """One warm-up and one profiled beam-search call (the config's beam and alpha, output length forced)."""
+def profile_decode(preset: str, search: str, args: argparse.Namespace, device: torch.device) -> dict:
+    """One warm-up and one profiled beam-search call (the config's beam and alpha, output length forced) with the
+    ``search`` (``decode.search``: dynamic, or static with its step replayed as a CUDA graph on the GPU)."""
     from pipeline.inference import decoding_model  # sacremoses etc.: only decoding needs them
 
     cfg = load_config(f"wmt14-en-de-{preset}") if preset != "tiny" else load_config("multi30k-cpu")
@@ -153,9 +156,11 @@ def profile_decode(preset: str, args: argparse.Namespace, device: torch.device) 
     src = src.to(device)
     out_len = args.decode_out_len + 1
 
+    run = static_beam_search if search == "static" else beam_search
+
     def call() -> None:
-        beam_search(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
-                    max_len_a=0.0, max_len_b=out_len, min_len=out_len)
+        run(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
+            max_len_a=0.0, max_len_b=out_len, min_len=out_len)
 
     call()
     _sync(device)
@@ -166,7 +171,8 @@ def profile_decode(preset: str, args: argparse.Namespace, device: torch.device) 
         _sync(device)
         wall = time.perf_counter() - t0
     table = device_table(prof, device.type, out_len)  # per decoding step
-    return {"what": "decode", "preset": preset, "beam": d.beam_size, "batch": args.decode_batch, "out_len": out_len,
+    return {"what": "decode", "preset": preset, "search": search, "beam": d.beam_size, "batch": args.decode_batch,
+            "out_len": out_len,
             "wall_s": wall, "sentences_per_s": args.decode_batch / wall, "step_wall_s": wall / out_len,
             "busy_share": table["busy_s"] * out_len / wall, **table}
 
@@ -179,8 +185,8 @@ def markdown(res: dict) -> str:
     for r in res["rows"]:
         head = (f"## {r['what']}: {r['preset']}, " + (f"max_tokens {r['max_tokens']} x {r['accumulation']} "
                 f"({r['tgt_tokens_per_update']:.0f} target tokens), {r['precision']}" if r["what"] == "train" else
-                f"beam {r['beam']}, {r['batch']} sentences, {r['out_len']} steps, {r['sentences_per_s']:.0f} "
-                "sentences/s"))
+                f"{r['search']} search, beam {r['beam']}, {r['batch']} sentences, {r['out_len']} steps, "
+                f"{r['sentences_per_s']:.0f} sentences/s"))
         per = "update" if r["what"] == "train" else "decoding step"
         out += [head, "", f"- wall {r['wall_s']:.4f} s per {'update' if r['what'] == 'train' else 'call'}; busy "
                 f"{r['busy_share']:.1%} of it" + (f"; {r['launches_per_step']:.0f} kernels per {per}, mean "
@@ -225,7 +231,8 @@ def main() -> None:
             res["rows"].append(profile_train(cfg, preset, max_tokens, args, device))
             print(json.dumps({k: v for k, v in res["rows"][-1].items() if k != "heaviest"}), flush=True)
     if not args.no_decode:
-        res["rows"].append(profile_decode(args.decode_preset, args, device))
+        for search in ("dynamic", "static"):
+            res["rows"].append(profile_decode(args.decode_preset, search, args, device))
     text = markdown(res)
     print(text)
     if args.out:
