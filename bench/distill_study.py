@@ -214,17 +214,87 @@ def phase_measure(study: Study, out: Path | None) -> dict:
     return result
 
 
+def _run_cost(checkpoint: str) -> dict:
+    """The training run behind an averaged checkpoint (``<run>/averaged/<choice>/<file>.pt``): its updates and
+    seconds, from its train_summary.json."""
+    summary = json.loads((Path(checkpoint).parents[2] / "train_summary.json").read_text(encoding="utf-8"))
+    return {"updates": summary["steps"], "train_hours": round(summary["train_seconds"] / 3600, 2)}
+
+
+def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: str, date: str) -> dict:
+    """The results-ledger entry (docs/results/ledger.yaml) of a ``measure`` result: per-seed scores of every arm,
+    the teachers (with their cost), speed and size per arm, and the pooled paired-bootstrap claims, each figure as
+    measured (nothing retyped)."""
+    arms, teachers = result["arms"], result["teachers"]
+    features = result["machine"]
+    costs = [_run_cost(r["checkpoint"]) for r in arms["original"]["runs"]]
+    per_seed = [[arm, r["seed"], r["dev.sacrebleu"], r["test2016.sacrebleu"], r["test2016.chrf"],
+                 _run_cost(r["checkpoint"])["train_hours"]] for arm, a in arms.items() for r in a["runs"]]
+    speed_cols = ["speed.pytorch_fp32.threads1", "speed.pytorch_fp32.threads2", "speed.ct2_int8.threads1",
+                  "speed.ct2_int8.threads2"]
+    serving = [[name, None, t["size_mb.float32"], None, *(t.get(c) for c in speed_cols)]
+               for name, t in teachers.items()]
+    serving += [[arm, a["parameters"], a["size_mb.float32"], a["size_mb.int8_export"], *(a.get(c) for c in speed_cols)]
+                for arm, a in arms.items()]
+    mean = lambda xs: round(sum(xs) / len(xs), 2)  # noqa: E731
+    figures = {f"{arm}.{k}.mean": mean([r[k] for r in a["runs"]]) for arm, a in arms.items()
+               for k in ("dev.sacrebleu", "test2016.sacrebleu")}
+    figures |= {f"{name}.{k}": t[k] for name, t in teachers.items() for k in ("dev.sacrebleu", "test2016.sacrebleu")}
+    figures |= {"teacher.runs": len(costs), "teacher.updates_each": costs[0]["updates"],
+                "teacher.train_hours_total": round(sum(c["train_hours"] for c in costs), 2)}
+    return {
+        "id": entry_id, "date": date,
+        "title": f"Distillation on Multi30k {pair}: students on the teachers' translations "
+                 "against the original data",
+        "what": ("bench/distill_study.py: a teacher ensemble of the current default's runs (seeds 1..k, a fixed "
+                 "number of updates each), its translations of the training sources as the distilled corpus, and "
+                 "each student arm trained on paired seeds; dev and test2016 scored by sacreBLEU; distilled against "
+                 "original by the paired bootstrap pooled over the seeds; decoding speed on test2016 (PyTorch fp32, "
+                 "CTranslate2 int8; 1 and 2 threads) and size on disk for seed 1 of each arm."),
+        "machine": {"cpu": features, "amx": "AMX" in features, "avx512_bf16": "AVX512-BF16" in features,
+                    "threads": result["cpus"]},
+        "commit": commit, "command": command, "figures": figures,
+        "tables": [
+            {"name": "per_seed", "caption": "Every run: arm, seed, dev and test2016 sacreBLEU, test2016 chrF, "
+                                            "training hours",
+             "columns": ["arm", "seed", "dev_sacrebleu", "test2016_sacrebleu", "test2016_chrf", "train_hours"],
+             "rows": per_seed},
+            {"name": "serving", "caption": "Size and test2016 decoding speed (sentences/s) of the teachers and of "
+                                           "seed 1 of each arm, beam and length penalty of its config",
+             "columns": ["model", "parameters", "float32_mb", "int8_export_mb", "pytorch_fp32_1t", "pytorch_fp32_2t",
+                         "ct2_int8_1t", "ct2_int8_2t"],
+             "rows": serving}],
+        "significance": [{"claim": c["claim"], "set": c["set"], "delta": c["delta"], "ci95": c["ci95"], "p": c["p"],
+                          "test": c["test"]} for c in result["significance"]],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("phase", choices=["teachers", "distill", "students", "measure", "all"])
+    p.add_argument("phase", choices=["teachers", "distill", "students", "measure", "all", "ledger"])
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "distill-study")
     p.add_argument("--data-root", default=None, help="default: the configs' data.root (or AIAYN_DATA_ROOT)")
     p.add_argument("--pair", default="en-de", choices=sorted(PAIRS), help="language pair")
     p.add_argument("--teachers", type=int, default=3, help="teacher runs (seeds 1..k) in the ensemble")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="paired student seeds")
     p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="measure: the result JSON; ledger: read from here")
+    p.add_argument("--ledger-id", default="L99", help="ledger: the entry's id")
+    p.add_argument("--commit", default=None, help="ledger: the commit the study ran at (default: HEAD)")
+    p.add_argument("--command", default=None, help="ledger: the command it ran (default: this script's measure)")
     args = p.parse_args()
+    if args.phase == "ledger":  # reads a measure result; trains nothing
+        import datetime
+
+        import yaml
+
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                                               capture_output=True, check=True).stdout.strip()
+        command = args.command or f"python bench/distill_study.py all --pair {args.pair} --out {args.out}"
+        result = json.loads(args.out.read_text(encoding="utf-8"))
+        entry = ledger_entry(result, args.pair, args.ledger_id, commit, command, datetime.date.today().isoformat())
+        print(yaml.safe_dump([entry], sort_keys=False, allow_unicode=True, width=120))
+        return
     study = Study(args)
     phases = {"teachers": phase_teachers, "distill": phase_distill, "students": phase_students}
     for name in (list(phases) + ["measure"]) if args.phase == "all" else [args.phase]:
