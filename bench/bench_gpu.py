@@ -439,7 +439,7 @@ def main() -> None:
     variants = []
     for preset in args.presets:
         t = load_config(f"wmt14-en-de-{preset}").train
-        for mt in args.max_tokens or sorted({t.max_tokens, t.update_tokens}):
+        for mt in args.max_tokens or sorted({t.micro_batch_tokens(1), t.update_tokens}):
             variants.append((preset, mt))
     for preset, mt in variants:
         for precision in args.train_precisions:

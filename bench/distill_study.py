@@ -279,11 +279,13 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="paired student seeds")
     p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
     p.add_argument("--out", type=Path, default=None, help="measure: the result JSON; ledger: read from here")
-    p.add_argument("--ledger-id", default="L99", help="ledger: the entry's id")
+    p.add_argument("--ledger-id", help="ledger: the entry's id (the next free one in docs/results/ledger.yaml)")
     p.add_argument("--commit", default=None, help="ledger: the commit the study ran at (default: HEAD)")
     p.add_argument("--command", default=None, help="ledger: the command it ran (default: this script's measure)")
     args = p.parse_args()
     if args.phase == "ledger":  # reads a measure result; trains nothing
+        if not (args.ledger_id and args.out):
+            p.error("ledger needs --ledger-id and --out (the measure phase's result)")
         import datetime
 
         import yaml

@@ -227,7 +227,7 @@ def main() -> None:
         cfg = load_config(f"wmt14-en-de-{preset}") if preset != "tiny" else load_config("multi30k-cpu")
         if device.type == "cuda":
             cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "bf16"})})
-        for max_tokens in args.max_tokens or [cfg.train.max_tokens, cfg.train.update_tokens]:
+        for max_tokens in args.max_tokens or sorted({cfg.train.micro_batch_tokens(1), cfg.train.update_tokens}):
             res["rows"].append(profile_train(cfg, preset, max_tokens, args, device))
             print(json.dumps({k: v for k, v in res["rows"][-1].items() if k != "heaviest"}), flush=True)
     if not args.no_decode:

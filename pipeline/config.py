@@ -358,8 +358,10 @@ class TrainConfig(_Strict):
     max_minutes: float | None = Field(default=None, gt=0, description=(
         "Wall-clock training budget in minutes, counted over resumes; training stops at it or at max_steps, "
         "whichever comes first. None = steps only (the paper)."))
-    max_tokens: int = Field(default=4096, ge=1, description=(
-        "Target tokens per batch, per process and forward pass (the micro-batch); bounds memory."))
+    max_tokens: Annotated[int, Field(ge=1)] | Literal["update"] = Field(default=4096, description=(
+        "Target tokens per batch, per process and forward pass (the micro-batch); bounds memory. update: the "
+        "update split evenly over the processes, one micro-batch each per update and no accumulation (the paper's "
+        "batch on its 8 GPUs; on a GPU the fastest shape where memory allows)."))
     update_tokens: int = Field(default=25_000, ge=1, description=(
         "Target tokens per optimizer update, reached by gradient accumulation over micro-batches and processes. "
         "Paper: about 25,000."))
@@ -428,6 +430,10 @@ class TrainConfig(_Strict):
         "train.max_tokens fits a GPU) for one more matrix product of the output layer in the backward. The same "
         "loss and gradients. Not with train.rdrop_alpha > 0 (its consistency term reads the logits). Not in the "
         "paper: an implementation choice."))
+
+    def micro_batch_tokens(self, world_size: int) -> int:
+        """``max_tokens`` for ``world_size`` processes: ``update`` is ``update_tokens`` split evenly over them."""
+        return self.update_tokens // world_size if self.max_tokens == "update" else self.max_tokens
 
     fused_adam: bool = Field(default=False, description=(
         "Adam's update as torch's fused kernel over all parameters (CUDA and CPU) instead of a few grouped (foreach) "

@@ -37,6 +37,12 @@ def test_presets_match_the_paper_rows() -> None:
     assert (big.model.d_model, big.model.d_ff, big.model.n_heads, big.model.dropout) == (1024, 4096, 16, 0.3)
     assert big.average.last_n == 20 and big.train.max_steps == 300_000
     assert load_config("wmt14-en-fr-big").model.dropout == 0.1  # En-Fr big uses P_drop 0.1
+    # the paper's batch: one micro-batch per process and update, whatever the number of processes
+    assert base.train.max_tokens == big.train.max_tokens == "update"
+    assert [base.train.micro_batch_tokens(n) for n in (1, 8)] == [25_000, 3_125]
+    assert load_config("wmt14-en-de-base", ["train.max_tokens=4096"]).train.micro_batch_tokens(8) == 4096
+    with pytest.raises(ConfigError, match="max_tokens"):
+        load_config("wmt14-en-de-base", ["train.max_tokens=all"])
     fr = load_config("wmt14-en-fr-base")
     assert (fr.tokenizer.model_type, fr.tokenizer.vocab_size, fr.data.tgt_lang) == ("unigram", 32000, "fr")
     parsing = load_config(CONFIG_DIR / "presets" / "parsing.yaml", {"name": "p", "data": _tiny_data()})

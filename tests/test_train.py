@@ -640,19 +640,21 @@ def test_the_fused_output_loss_trains_as_the_logits_loss(shared_data, shards, pr
         config(shared_data, "train.fused_output_loss=true", "train.rdrop_alpha=1.0")
 
 
-def assert_same_weights(a: Transformer, b: Transformer, before: Transformer) -> None:
-    """``a`` and ``b`` trained from ``before`` to the same weights, to float32 rounding, except the keys' biases:
-    adding a constant to every key of a query shifts its logits alike, so their true gradient is zero and what
-    is left is rounding noise, which Adam (eps 1e-9) turns into full-sized steps of either sign."""
-    d = a.config["d_model"]
-    for (name, x), y in zip(a.named_parameters(), b.parameters()):
-        assert not torch.equal(x, before.get_parameter(name)), name  # trained
-        keep = torch.ones_like(x, dtype=torch.bool)
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], before: dict | None = None,
+                        atol: float = 1e-6, rtol: float = 1e-5) -> None:
+    """State dicts ``a`` and ``b`` hold the same weights to float32 rounding (and differ from ``before`` when
+    given), except the keys' biases: adding a constant to every key of a query shifts its logits alike, so their
+    true gradient is zero and what is left is rounding noise, which Adam (eps 1e-9) turns into full-sized steps of
+    either sign. They are left out ([W^Q; W^K; W^V] / [W^K; W^V])."""
+    for name, x in a.items():
+        y = b[name]
+        if before is not None:
+            assert not torch.equal(x, before[name]), name  # trained
         if name.endswith("qkv_proj.bias"):
-            keep[d:2 * d] = False  # q, k, v
+            x, y = x.view(3, -1)[[0, 2]], y.view(3, -1)[[0, 2]]
         elif name.endswith("kv_proj.bias"):
-            keep[:d] = False  # k, v
-        torch.testing.assert_close(y[keep], x[keep], atol=1e-6, rtol=1e-5, msg=name)
+            x, y = x.view(2, -1)[1], y.view(2, -1)[1]
+        torch.testing.assert_close(y, x, atol=atol, rtol=rtol, msg=name)
 
 
 @pytest.mark.integration
@@ -679,7 +681,7 @@ def test_fused_adam_updates_as_the_grouped_adam_and_resumes_its_state(shared_dat
     for micro in batches:
         update(grouped, micro)
         update(fused, micro)
-    assert_same_weights(grouped.model, fused.model, model)
+    assert_same_weights(grouped.model.state_dict(), fused.model.state_dict(), model.state_dict())
     # resumed with the lever switched (the same run folder): the other kernel continues from this one's state and
     # schedule as this one would have, through the trainer's loading, which keeps the kernel it was built with
     for source, fused_after in ((grouped, True), (fused, False)):
@@ -692,7 +694,7 @@ def test_fused_adam_updates_as_the_grouped_adam_and_resumes_its_state(shared_dat
         update(resumed, batches[0])
         update(cont, batches[0])
         assert resumed.optimizer.state[next(resumed.model.parameters())]["step"] == len(batches) + 1
-        assert_same_weights(cont.model, resumed.model, source.model)
+        assert_same_weights(cont.model.state_dict(), resumed.model.state_dict(), source.model.state_dict())
 
 
 @pytest.mark.integration
@@ -768,6 +770,17 @@ def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared
     for p, w, old in zip(step.model.parameters(), work.parameters(), before):
         assert p.dtype == torch.float32 and not torch.equal(p, old)  # Adam stepped the fp32 weights...
         assert torch.equal(w, p.detach().to(torch.bfloat16))  # ...and the bf16 copy follows them
+
+
+@pytest.mark.integration
+def test_max_tokens_update_takes_the_update_in_one_micro_batch_per_process(shared_data, shards, tmp_path):
+    """train.max_tokens=update (the paper presets'): no accumulation, each update one batch of at most
+    train.update_tokens target tokens on one process."""
+    out = train(config(shared_data, "train.max_steps=3", "train.update_tokens=2048", "train.max_tokens=update"),
+                shards, tmp_path / "run")
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["accumulation_steps"] == 1
+    assert 3 * 1024 < summary["tokens"]["tgt"] <= 3 * 2048  # three updates of one full batch each
 
 
 def test_accumulation_steps():
@@ -856,16 +869,7 @@ def test_torchrun_two_processes_listen_on_loopback_only(shared_data, shards, tmp
     check_ranks_agree(out, world=2, steps=4)
     single = train(config(shared_data, *extra), shards, tmp_path / "single")
     assert json.loads((single / "train_summary.json").read_text())["accumulation_steps"] == 4
-    ddp, one = final_state(out)["model"], final_state(single)["model"]
-    for name in one:
-        a, b = ddp[name], one[name]
-        # The key bias has a zero true gradient (softmax ignores a constant shift), so Adam turns rounding noise
-        # in it into full-size steps of either sign: leave those entries out ([W^Q; W^K; W^V] / [W^K; W^V]).
-        if name.endswith("qkv_proj.bias"):
-            a, b = a.view(3, -1)[[0, 2]], b.view(3, -1)[[0, 2]]
-        elif name.endswith("kv_proj.bias"):
-            a, b = a.view(2, -1)[1], b.view(2, -1)[1]
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_weights(final_state(out)["model"], final_state(single)["model"], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.integration

@@ -294,7 +294,7 @@ def _flops_peak(cfg: RunConfig, info: DistInfo, bf16: bool, vocab: int) -> tuple
     if info.device.type == "cuda":
         peak = peak_flops(info.device)
         return peak, f"datasheet dense bf16, {torch.cuda.get_device_name(info.device)}" if peak else None
-    m, d, d_ff = cfg.train.max_tokens, cfg.model.d_model, cfg.model.d_ff
+    m, d, d_ff = cfg.train.micro_batch_tokens(info.world_size), cfg.model.d_model, cfg.model.d_ff
     dtype = torch.bfloat16 if bf16 else torch.float32
     roof = matmul_roofline([(m, d, d_ff), (m, d_ff, d), (m, d, vocab)], dtype)
     shape = max(roof, key=roof.get)
@@ -349,7 +349,8 @@ def preflight(cfg: RunConfig, train_ds: ShardDataset, world_size: int) -> None:
                                f"encoded with a {vocab}-piece tokenizer: use the shards this config builds (omit "
                                f"--shards) or set tokenizer.vocab_size={vocab}")
     longest = int(train_ds.sizes.max(initial=0))  # max(src, tgt) + 1 tokens of the longest pair
-    for field, limit in (("train.max_tokens", t.max_tokens), ("train.update_tokens", t.update_tokens),
+    micro = t.micro_batch_tokens(world_size)
+    for field, limit in (("train.max_tokens", micro), ("train.update_tokens", t.update_tokens),
                          ("model.max_positions", cfg.model.max_positions)):
         if longest > limit:
             raise TrainConfigError(f"the longest training pair in {where} needs {longest} tokens but {field}="
@@ -361,11 +362,11 @@ def preflight(cfg: RunConfig, train_ds: ShardDataset, world_size: int) -> None:
         raise TrainConfigError(f"train.lr_scale={t.lr_scale:g} makes the peak learning rate {peak:.3g} (at step "
                                f"train.warmup_steps={t.warmup_steps}), beyond what float32 weights can take: set "
                                "a lower train.lr_scale (1 = the paper's rate)")
-    if t.update_tokens < t.max_tokens * world_size:
+    if t.update_tokens < micro * world_size:
         raise TrainConfigError(f"train.update_tokens={t.update_tokens} cannot be split over {world_size} processes "
-                               f"of train.max_tokens={t.max_tokens} each (one update needs at least "
-                               f"{t.max_tokens * world_size}): set train.max_tokens to at most "
-                               f"{t.update_tokens // world_size}, or raise train.update_tokens")
+                               f"of train.max_tokens={micro} each (one update needs at least "
+                               f"{micro * world_size}): set train.max_tokens to at most "
+                               f"{t.update_tokens // world_size} (or to update), or raise train.update_tokens")
 
 
 def train(cfg: RunConfig, shard_dir: Path, out_dir: Path, sinks: Sequence[MetricsSink] = (),
@@ -428,7 +429,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
 
     totals = torch.tensor(start.totals, dtype=torch.float64, device=info.device)  # [3]: tgt, src tokens, sentences
     skipped, in_a_row = start.skipped_updates, 0  # updates skipped as non-finite: over resumes, and lately in a row
-    accum = accumulation_steps(t.update_tokens, t.max_tokens, info.world_size)
+    micro = t.micro_batch_tokens(info.world_size)  # the micro-batch's target tokens
+    accum = accumulation_steps(t.update_tokens, micro, info.world_size)
     group = accum * info.world_size
 
     vocab = train_ds.manifest["tokenizer"]["vocab_size"]
@@ -473,16 +475,16 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
             entry = save_checkpoint(ckpt_dir, state, step, t.keep_last_checkpoints)
             log.info("checkpoint %s (sha256 %s...)", ckpt_dir / entry["file"], entry["sha256"][:12])
 
-    dev_batches = usable_batches(dev_ds, t.max_tokens, cfg.model.max_positions, seed=0, epoch=0,
+    dev_batches = usable_batches(dev_ds, micro, cfg.model.max_positions, seed=0, epoch=0,
                                  limit=t.dev_max_sentences)
     def epoch_batches(epoch: int) -> tuple[ShardDataset, list[np.ndarray]]:
         """The split epoch ``epoch`` reads and its batches."""
         ds = epoch_sets[epoch % len(epoch_sets)]
-        return ds, usable_batches(ds, t.max_tokens, cfg.model.max_positions, t.seed, epoch)
+        return ds, usable_batches(ds, micro, cfg.model.max_positions, t.seed, epoch)
 
     epoch_ds, batches = epoch_batches(epoch)
     if len(batches) < group:
-        raise TrainConfigError(f"the train split has {len(batches)} batches of max_tokens={t.max_tokens}, fewer "
+        raise TrainConfigError(f"the train split has {len(batches)} batches of max_tokens={micro}, fewer "
                                f"than one update needs ({accum} per rank x {info.world_size} ranks); lower "
                                "train.update_tokens")
     saved_step = step if start.resumed else -1
