@@ -415,6 +415,11 @@ class TrainConfig(_Strict):
     # why auto and not always bf16: on a CPU without native bf16, bf16 trains slower than fp32; where it is native
     # it trains faster at the same loss (bench/bench_vs_fairseq.py). auto is resolved by
     # pipeline.train.trainer.training_precision.
+    bf16_copy: Literal["auto", "on", "off"] = Field(default="auto", description=(
+        "How bf16 training runs (with precision bf16). on: forward and backward run a bf16 copy of the model, Adam "
+        "updates the fp32 weights, copied into it after each update; off: autocast, which casts weights and "
+        "activations around each operation; auto: the copy on a CPU (measured faster there), autocast on CUDA. "
+        "Not in the paper: an implementation choice."))
     init_from: Literal["champion"] | None = Field(default=None, description=(
         "champion: start from the weights of the registered model's current champion (reusing its tokenizer so "
         "the vocabularies match); the schedule, warm-up included, still runs from step 0. None = a random "

@@ -773,6 +773,29 @@ def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared
 
 
 @pytest.mark.integration
+def test_bf16_copy_or_autocast_both_train_and_keep_fp32_weights(shared_data, shards):
+    """train.bf16_copy: on, forward and backward run a bf16 copy and Adam the fp32 weights; off, autocast runs the
+    fp32 model. Both train to about the same loss from the same weights and batches (bf16 rounding apart)."""
+    cfg = config(shared_data, "model.dropout=0.0", "train.precision=bf16")
+    ds = ShardDataset(shards, "train")
+    info = setup()
+    torch.manual_seed(0)
+    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
+    batches = [[make_batch(ds, b, info.device)] for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:3]]
+    losses = {}
+    for mode in ("on", "off"):
+        step = TrainStep(copy.deepcopy(model), cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"bf16_copy": mode})}), info, ds.special.pad)
+        assert (step.work is not step.model) == (mode == "on")
+        assert next(step.work.parameters()).dtype == (torch.bfloat16 if mode == "on" else torch.float32)
+        assert next(step.model.parameters()).dtype == torch.float32  # what Adam updates and checkpoints hold
+        assert step.autocast().__class__ is torch.autocast and step.autocast()._enabled == (mode == "off")
+        losses[mode] = [step.apply(*step.accumulate(micro)).loss for micro in batches]
+    assert losses["on"][-1] < losses["on"][0] and losses["off"][-1] < losses["off"][0]
+    assert losses["on"] == pytest.approx(losses["off"], rel=0.02)
+
+
+@pytest.mark.integration
 def test_max_tokens_update_takes_the_update_in_one_micro_batch_per_process(shared_data, shards, tmp_path):
     """train.max_tokens=update (the paper presets'): no accumulation, each update one batch of at most
     train.update_tokens target tokens on one process."""
