@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU comparison of issue 42 in one call of about 8 minutes on one H100 or H200: where a training update and a
 # beam-search call spend the GPU's time (profile_gpu.py), then the training levers (train.fused_output_loss,
-# train.fused_adam, train.bf16_copy) and the decoding searches (dynamic, static with CUDA graphs, CTranslate2) side by side
-# (bench_gpu.py), at the paper presets' shape (train.max_tokens: update). Results are written under $OUT (default
-# bench/results), named after the GPU.
+# train.fused_adam, train.bf16_copy) and the decoding searches (dynamic, static with CUDA graphs, CTranslate2) side
+# by side (bench_gpu.py), at the paper presets' shape (train.max_tokens: update). Results are written under $OUT
+# (default bench/results), named after the GPU.
 #
 # A GPU machine whose Python lacks this project's pure dependencies (pydantic and its three helpers, ctranslate2)
 # can be given them as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: --python-version
