@@ -798,12 +798,14 @@ def test_bf16_copy_or_autocast_both_train_and_keep_fp32_weights(shared_data, sha
 @pytest.mark.integration
 def test_max_tokens_update_takes_the_update_in_one_micro_batch_per_process(shared_data, shards, tmp_path):
     """train.max_tokens=update (the paper presets'): no accumulation, each update one batch of at most
-    train.update_tokens target tokens on one process."""
-    out = train(config(shared_data, "train.max_steps=3", "train.update_tokens=2048", "train.max_tokens=update"),
-                shards, tmp_path / "run")
+    train.update_tokens positions on one process, into the next epoch (Multi30k's ~770k positions are ~12 such
+    updates)."""
+    steps, update = 14, 65_536
+    out = train(config(shared_data, f"train.max_steps={steps}", f"train.update_tokens={update}",
+                       "train.max_tokens=update", "train.checkpoint_every_steps=100"), shards, tmp_path / "run")
     summary = json.loads((out / "train_summary.json").read_text())
-    assert summary["accumulation_steps"] == 1
-    assert 3 * 1024 < summary["tokens"]["tgt"] <= 3 * 2048  # three updates of one full batch each
+    assert summary["accumulation_steps"] == 1 and summary["epoch"] == 1
+    assert steps * update // 2 < summary["tokens"]["tgt"] <= steps * update  # one full batch per update
 
 
 def test_accumulation_steps():

@@ -430,8 +430,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
 
     totals = torch.tensor(start.totals, dtype=torch.float64, device=info.device)  # [3]: tgt, src tokens, sentences
     skipped, in_a_row = start.skipped_updates, 0  # updates skipped as non-finite: over resumes, and lately in a row
-    micro = t.micro_batch_tokens(info.world_size)  # the micro-batch's target tokens
-    accum = accumulation_steps(t.update_tokens, micro, info.world_size)
+    micro_tokens = t.micro_batch_tokens(info.world_size)  # train.max_tokens for this many processes
+    accum = accumulation_steps(t.update_tokens, micro_tokens, info.world_size)
     group = accum * info.world_size
 
     vocab = train_ds.manifest["tokenizer"]["vocab_size"]
@@ -476,16 +476,16 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
             entry = save_checkpoint(ckpt_dir, state, step, t.keep_last_checkpoints)
             log.info("checkpoint %s (sha256 %s...)", ckpt_dir / entry["file"], entry["sha256"][:12])
 
-    dev_batches = usable_batches(dev_ds, micro, cfg.model.max_positions, seed=0, epoch=0,
+    dev_batches = usable_batches(dev_ds, micro_tokens, cfg.model.max_positions, seed=0, epoch=0,
                                  limit=t.dev_max_sentences)
     def epoch_batches(epoch: int) -> tuple[ShardDataset, list[np.ndarray]]:
         """The split epoch ``epoch`` reads and its batches."""
         ds = epoch_sets[epoch % len(epoch_sets)]
-        return ds, usable_batches(ds, micro, cfg.model.max_positions, t.seed, epoch)
+        return ds, usable_batches(ds, micro_tokens, cfg.model.max_positions, t.seed, epoch)
 
     epoch_ds, batches = epoch_batches(epoch)
     if len(batches) < group:
-        raise TrainConfigError(f"the train split has {len(batches)} batches of max_tokens={micro}, fewer "
+        raise TrainConfigError(f"the train split has {len(batches)} batches of max_tokens={micro_tokens}, fewer "
                                f"than one update needs ({accum} per rank x {info.world_size} ranks); lower "
                                "train.update_tokens")
     saved_step = step if start.resumed else -1
