@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import pyarrow.parquet as pq  # noqa: E402
+from sacrebleu.metrics import BLEU  # noqa: E402
 import torch  # noqa: E402
 
 from pipeline.speed import cpu_name  # noqa: E402
@@ -64,6 +65,9 @@ PAIRS = {
                                      "distilled": "multi30k-en-fr-student-tiny"}),
 }
 TEST = "test.test2016"
+# Each student arm is measured with its config's search and greedy (a distilled student is often decoded greedily:
+# Kim & Rush 2016); the teachers with their config's.
+SEARCHES = {"beam": [], "greedy": ["decode.beam_size=1"]}
 
 
 def pipeline(*args: str) -> None:
@@ -150,8 +154,9 @@ def speed(cfg: RunConfig, checkpoints: list[Path], tokenizer: Path, sources: lis
         engine = CTranslate2Engine(export, tok, threads)
         engine.translate(sources[:32], cfg.decode)
         start = time.perf_counter()
-        engine.translate(sources, cfg.decode)
+        hypotheses = [n[0] for n in engine.translate(sources, cfg.decode)]
         out["ct2_int8"] = round(len(sources) / (time.perf_counter() - start), 2)
+        out["ct2_int8_hypotheses"] = hypotheses
     return out
 
 
@@ -175,38 +180,51 @@ def phase_measure(study: Study, out: Path | None) -> dict:
             "size_mb.float32": round(sum(_size_mb(m) for m in members), 2),
             **{f"speed.{k}.threads{t}": v for t in (1, 2)
                for k, v in speed(tcfg, members, tokenizer, sources, t, None).items()}}
-    outputs: dict[str, dict[str, list]] = {}
+    outputs: dict[str, dict[str, list]] = {}  # "<arm>" (the config's search) and "<arm>.greedy": per split
     for arm, config in study.students.items():
-        rows, outputs[arm] = [], {"dev": [], TEST: []}
-        for seed in study.seeds:
-            cfg = study.config(config, study.arm_overrides(arm, seed))
-            averaged = study.averaged(cfg)
-            scores = eval_dir(cfg, averaged) / "scores.json"
-            splits = json.loads(scores.read_text())["splits"]
-            for split in ("dev", TEST):
-                outputs[arm][split].append(_outputs(scores, split))
-            rows.append({"seed": seed, "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
-                         "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"],
-                         "test2016.chrf": splits[TEST]["chrf"]["score"], "checkpoint": str(averaged)})
-        cfg = study.config(config, study.arm_overrides(arm, study.seeds[0]))
-        averaged = Path(rows[0]["checkpoint"])
-        export = Path(tempfile.mkdtemp(prefix="aiayn-distill-study-")) / "int8"
-        student_tokenizer = build_inputs(cfg).tokenizer
-        export_checkpoint(averaged, student_tokenizer, "int8", export, cfg.export.batch_sentences, cfg.decode)
-        result["arms"][arm] = {
-            "config": config, "runs": rows, "parameters": load_model(averaged).num_parameters(),
-            "size_mb.float32": _size_mb(averaged), "size_mb.int8_export": _size_mb(export),
-            **{f"speed.{k}.threads{t}": v for t in (1, 2)
-               for k, v in speed(cfg, [averaged], student_tokenizer, sources, t, export).items()}}
+        result["arms"][arm] = {"config": config}
+        for search, extra in SEARCHES.items():
+            key = arm if search == "beam" else f"{arm}.{search}"
+            rows, outputs[key] = [], {"dev": [], TEST: []}
+            for seed in study.seeds:
+                overrides = [*study.arm_overrides(arm, seed), *extra]
+                cfg = study.config(config, overrides)
+                # the model the run chose (with its config's search), decoded here with this one
+                averaged = study.averaged(study.config(config, study.arm_overrides(arm, seed)))
+                if extra:  # the run evaluated with its config's search; this one is decoded here
+                    pipeline("evaluate", *study.flags(config, overrides), "--checkpoint", str(averaged))
+                scores = eval_dir(cfg, averaged) / "scores.json"
+                splits = json.loads(scores.read_text())["splits"]
+                for split in ("dev", TEST):
+                    outputs[key][split].append(_outputs(scores, split))
+                rows.append({"seed": seed, "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
+                             "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"],
+                             "test2016.chrf": splits[TEST]["chrf"]["score"], "checkpoint": str(averaged)})
+            cfg = study.config(config, [*study.arm_overrides(arm, study.seeds[0]), *extra])
+            averaged = Path(rows[0]["checkpoint"])
+            export = Path(tempfile.mkdtemp(prefix="aiayn-distill-study-")) / "int8"
+            student_tokenizer = build_inputs(cfg).tokenizer
+            export_checkpoint(averaged, student_tokenizer, "int8", export, cfg.export.batch_sentences, cfg.decode)
+            measured = {t: speed(cfg, [averaged], student_tokenizer, sources, t, export) for t in (1, 2)}
+            result["arms"][arm][search] = {
+                "decode": cfg.decode.model_dump(include={"beam_size", "length_penalty"}), "runs": rows,
+                "parameters": load_model(averaged).num_parameters(), "size_mb.float32": _size_mb(averaged),
+                "size_mb.int8_export": _size_mb(export),
+                # the int8 export's own translations of test2016 (seed 1), scored as the evaluation scores
+                "test2016.sacrebleu.ct2_int8": round(BLEU().corpus_score(
+                    measured[2].pop("ct2_int8_hypotheses"), [outputs[key][TEST][0][1]]).score, 2),
+                **{f"speed.{k}.threads{t}": v for t, m in measured.items() for k, v in m.items()
+                   if not k.endswith("hypotheses")}}
     result["significance"] = []
-    for arm in [a for a in study.students if a != "original"]:
+    base = outputs["original"]
+    claims = [(k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in outputs if k != "original"]
+    for key, claim in claims:
         for split in ("dev", TEST):
-            refs = outputs["original"][split][0][1]
-            c = pooled_bootstrap("sacrebleu", [h for h, _ in outputs["original"][split]],
-                                 [h for h, _ in outputs[arm][split]], refs)
-            result["significance"].append({"claim": f"{arm} against original", "set": split, "base": c.champion,
-                                           "system": c.challenger, "delta": c.delta, "ci95": [c.ci_low, c.ci_high],
-                                           "p": c.p_value, "test": c.signature})
+            refs = base[split][0][1]
+            c = pooled_bootstrap("sacrebleu", [h for h, _ in base[split]], [h for h, _ in outputs[key][split]], refs)
+            result["significance"].append({"claim": claim, "set": split, "base": c.champion, "system": c.challenger,
+                                           "delta": c.delta, "ci95": [c.ci_low, c.ci_high], "p": c.p_value,
+                                           "test": c.signature})
     print(json.dumps(result, indent=2))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -225,19 +243,20 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
     """The results-ledger entry (docs/results/ledger.yaml) of a ``measure`` result: per-seed scores of every arm,
     the teachers (with their cost), speed and size per arm, and the pooled paired-bootstrap claims, each figure as
     measured (nothing retyped)."""
-    arms, teachers = result["arms"], result["teachers"]
-    features = result["machine"]
-    costs = [_run_cost(r["checkpoint"]) for r in arms["original"]["runs"]]
-    per_seed = [[arm, r["seed"], r["dev.sacrebleu"], r["test2016.sacrebleu"], r["test2016.chrf"],
-                 _run_cost(r["checkpoint"])["train_hours"]] for arm, a in arms.items() for r in a["runs"]]
+    teachers, features = result["teachers"], result["machine"]
+    # (arm, search, its measurements) for every arm and search: the arm's config's search and greedy
+    arms = [(arm, search, m) for arm, a in result["arms"].items() for search, m in a.items() if search != "config"]
+    costs = [_run_cost(r["checkpoint"]) for r in result["arms"]["original"]["beam"]["runs"]]
+    per_seed = [[arm, search, r["seed"], r["dev.sacrebleu"], r["test2016.sacrebleu"], r["test2016.chrf"],
+                 _run_cost(r["checkpoint"])["train_hours"]] for arm, search, m in arms for r in m["runs"]]
     speed_cols = ["speed.pytorch_fp32.threads1", "speed.pytorch_fp32.threads2", "speed.ct2_int8.threads1",
                   "speed.ct2_int8.threads2"]
-    serving = [[name, None, t["size_mb.float32"], None, *(t.get(c) for c in speed_cols)]
+    serving = [[name, "beam", None, t["size_mb.float32"], None, None, *(t.get(c) for c in speed_cols)]
                for name, t in teachers.items()]
-    serving += [[arm, a["parameters"], a["size_mb.float32"], a["size_mb.int8_export"], *(a.get(c) for c in speed_cols)]
-                for arm, a in arms.items()]
+    serving += [[arm, search, m["parameters"], m["size_mb.float32"], m["size_mb.int8_export"],
+                 m["test2016.sacrebleu.ct2_int8"], *(m.get(c) for c in speed_cols)] for arm, search, m in arms]
     mean = lambda xs: round(sum(xs) / len(xs), 2)  # noqa: E731
-    figures = {f"{arm}.{k}.mean": mean([r[k] for r in a["runs"]]) for arm, a in arms.items()
+    figures = {f"{arm}.{search}.{k}.mean": mean([r[k] for r in m["runs"]]) for arm, search, m in arms
                for k in ("dev.sacrebleu", "test2016.sacrebleu")}
     figures |= {f"{name}.{k}": t[k] for name, t in teachers.items() for k in ("dev.sacrebleu", "test2016.sacrebleu")}
     figures |= {"teacher.runs": len(costs), "teacher.updates_each": costs[0]["updates"],
@@ -250,19 +269,21 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
                  "number of updates each), its translations of the training sources as the distilled corpus, and "
                  "each student arm trained on paired seeds; dev and test2016 scored by sacreBLEU; distilled against "
                  "original by the paired bootstrap pooled over the seeds; decoding speed on test2016 (PyTorch fp32, "
-                 "CTranslate2 int8; 1 and 2 threads) and size on disk for seed 1 of each arm."),
+                 "CTranslate2 int8; 1 and 2 threads) and size on disk for seed 1 of each arm; each arm with its "
+                 "config's beam search and greedy."),
         "machine": {"cpu": features, "amx": "AMX" in features, "avx512_bf16": "AVX512-BF16" in features,
                     "threads": result["cpus"]},
         "commit": commit, "command": command, "figures": figures,
         "tables": [
-            {"name": "per_seed", "caption": "Every run: arm, seed, dev and test2016 sacreBLEU, test2016 chrF, "
-                                            "training hours",
-             "columns": ["arm", "seed", "dev_sacrebleu", "test2016_sacrebleu", "test2016_chrf", "train_hours"],
+            {"name": "per_seed", "caption": "Every run and search (beam: its config's; greedy: beam 1): dev and "
+                                            "test2016 sacreBLEU, test2016 chrF, training hours",
+             "columns": ["arm", "search", "seed", "dev_sacrebleu", "test2016_sacrebleu", "test2016_chrf",
+                         "train_hours"],
              "rows": per_seed},
-            {"name": "serving", "caption": "Size and test2016 decoding speed (sentences/s) of the teachers and of "
-                                           "seed 1 of each arm, beam and length penalty of its config",
-             "columns": ["model", "parameters", "float32_mb", "int8_export_mb", "pytorch_fp32_1t", "pytorch_fp32_2t",
-                         "ct2_int8_1t", "ct2_int8_2t"],
+            {"name": "serving", "caption": "Size, the int8 export's test2016 sacreBLEU and test2016 decoding speed "
+                                           "(sentences/s) of the teachers and of seed 1 of each arm and search",
+             "columns": ["model", "search", "parameters", "float32_mb", "int8_export_mb", "int8_test2016_sacrebleu",
+                         "pytorch_fp32_1t", "pytorch_fp32_2t", "ct2_int8_1t", "ct2_int8_2t"],
              "rows": serving}],
         "significance": [{"claim": c["claim"], "set": c["set"], "delta": c["delta"], "ci95": c["ci95"], "p": c["p"],
                           "test": c["test"]} for c in result["significance"]],
