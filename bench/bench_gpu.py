@@ -130,6 +130,7 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, ar
     overrides = [f"train.max_tokens={max_tokens}", f"train.compile={str(compiled).lower()}",
                  f"train.precision={precision}", *([lever] if lever else [])]
     cfg = load_config(f"wmt14-en-de-{preset}", overrides)
+    compiled = cfg.train.compile is not False  # a lever may compile (train.compile=layers)
     info = setup()
     if compiled:
         torch._dynamo.reset()  # a fresh cache per model: earlier variants' graphs must not use up the recompile limit

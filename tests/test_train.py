@@ -640,12 +640,12 @@ def test_the_fused_output_loss_trains_as_the_logits_loss(shared_data, shards, pr
         config(shared_data, "train.fused_output_loss=true", "train.rdrop_alpha=1.0")
 
 
-def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], before: dict | None = None,
+def assert_close_except_key_biases(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], before: dict | None = None,
                         atol: float = 1e-6, rtol: float = 1e-5) -> None:
-    """State dicts ``a`` and ``b`` hold the same weights to float32 rounding (and differ from ``before`` when
-    given), except the keys' biases: adding a constant to every key of a query shifts its logits alike, so their
-    true gradient is zero and what is left is rounding noise, which Adam (eps 1e-9) turns into full-sized steps of
-    either sign. They are left out ([W^Q; W^K; W^V] / [W^K; W^V])."""
+    """``a`` and ``b`` (parameter name -> weights or gradients) are equal to float32 rounding (and differ from
+    ``before`` when given), except the keys' biases: adding a constant to every key of a query shifts its logits
+    alike, so their true gradient is zero and what is left is rounding noise, which Adam (eps 1e-9) turns into
+    full-sized steps of either sign. They are left out ([W^Q; W^K; W^V] / [W^K; W^V])."""
     for name, x in a.items():
         y = b[name]
         if before is not None:
@@ -681,7 +681,7 @@ def test_fused_adam_updates_as_the_grouped_adam_and_resumes_its_state(shared_dat
     for micro in batches:
         update(grouped, micro)
         update(fused, micro)
-    assert_same_weights(grouped.model.state_dict(), fused.model.state_dict(), model.state_dict())
+    assert_close_except_key_biases(grouped.model.state_dict(), fused.model.state_dict(), model.state_dict())
     # resumed with the lever switched (the same run folder): the other kernel continues from this one's state and
     # schedule as this one would have, through the trainer's loading, which keeps the kernel it was built with
     for source, fused_after in ((grouped, True), (fused, False)):
@@ -694,7 +694,7 @@ def test_fused_adam_updates_as_the_grouped_adam_and_resumes_its_state(shared_dat
         update(resumed, batches[0])
         update(cont, batches[0])
         assert resumed.optimizer.state[next(resumed.model.parameters())]["step"] == len(batches) + 1
-        assert_same_weights(cont.model.state_dict(), resumed.model.state_dict(), source.model.state_dict())
+        assert_close_except_key_biases(cont.model.state_dict(), resumed.model.state_dict(), source.model.state_dict())
 
 
 @pytest.mark.integration
@@ -796,6 +796,28 @@ def test_bf16_copy_or_autocast_both_train_and_keep_fp32_weights(shared_data, sha
 
 
 @pytest.mark.integration
+def test_compiling_the_layers_computes_the_eager_loss_and_gradients(shared_data, shards):
+    """train.compile=layers: each encoder and decoder layer compiled on its own (torch.compile, inductor), the rest
+    eager; the same loss and gradients as eager to float32 rounding (one batch shape: one compilation)."""
+    cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")
+    ds = ShardDataset(shards, "train")
+    info = setup()
+    torch.manual_seed(0)
+    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
+    micro = [make_batch(ds, usable_batches(ds, 512, 1024, seed=1, epoch=0)[0], info.device)]
+    out = {}
+    for mode in (False, "layers"):
+        step = TrainStep(copy.deepcopy(model), cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"compile": mode})}), info, ds.special.pad)
+        sums, _ = step.accumulate(micro)
+        out[mode] = sums, {n: p.grad for n, p in step.model.named_parameters()}
+    assert all(hasattr(layer, "_compiled_call_impl") and layer._compiled_call_impl is not None
+               for layer in step.work.encoder.layers)  # compiled in place
+    torch.testing.assert_close(out["layers"][0], out[False][0], atol=1e-4, rtol=1e-5)
+    assert_close_except_key_biases(out[False][1], out["layers"][1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.integration
 def test_max_tokens_update_takes_the_update_in_one_micro_batch_per_process(shared_data, shards, tmp_path):
     """train.max_tokens=update (the paper presets'): no accumulation, each update one batch of at most
     train.update_tokens positions on one process, into the next epoch (Multi30k's ~770k positions are ~12 such
@@ -894,7 +916,7 @@ def test_torchrun_two_processes_listen_on_loopback_only(shared_data, shards, tmp
     check_ranks_agree(out, world=2, steps=4)
     single = train(config(shared_data, *extra), shards, tmp_path / "single")
     assert json.loads((single / "train_summary.json").read_text())["accumulation_steps"] == 4
-    assert_same_weights(final_state(out)["model"], final_state(single)["model"], atol=1e-5, rtol=1e-4)
+    assert_close_except_key_biases(final_state(out)["model"], final_state(single)["model"], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.integration
