@@ -615,6 +615,12 @@ def test_accumulation_equals_one_big_batch(shared_data, shards):
         torch.testing.assert_close(p.grad, one[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+def lever_step(cfg, model: Transformer, info, pad_id: int, **train) -> TrainStep:
+    """A TrainStep over a copy of ``model`` with the ``train`` fields of ``cfg`` replaced (one lever at a time)."""
+    return TrainStep(copy.deepcopy(model), cfg.model_copy(update={"train": cfg.train.model_copy(update=train)}), info,
+                     pad_id)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("precision, tol", [("fp32", 1e-5), ("bf16", 0.02)])
 def test_the_fused_output_loss_trains_as_the_logits_loss(shared_data, shards, precision, tol):
@@ -628,8 +634,7 @@ def test_the_fused_output_loss_trains_as_the_logits_loss(shared_data, shards, pr
     micro = [make_batch(ds, b, info.device) for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:2]]
     out = {}
     for fused in (False, True):
-        step = TrainStep(copy.deepcopy(model), cfg.model_copy(update={"train": cfg.train.model_copy(
-            update={"fused_output_loss": fused})}), info, ds.special.pad)
+        step = lever_step(cfg, model, info, ds.special.pad, fused_output_loss=fused)
         sums, _ = step.accumulate(micro)
         out[fused] = sums, {n: p.grad for n, p in step.model.named_parameters()}
     torch.testing.assert_close(out[True][0], out[False][0], atol=tol, rtol=tol)
@@ -670,8 +675,7 @@ def test_fused_adam_updates_as_the_grouped_adam_and_resumes_its_state(shared_dat
     batches = [[make_batch(ds, b, info.device)] for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:3]]
 
     def step_of(fused: bool, weights: Transformer) -> TrainStep:
-        return TrainStep(copy.deepcopy(weights), cfg.model_copy(update={"train": cfg.train.model_copy(
-            update={"fused_adam": fused})}), info, ds.special.pad)
+        return lever_step(cfg, weights, info, ds.special.pad, fused_adam=fused)
 
     def update(step: TrainStep, micro) -> None:
         assert step.apply(*step.accumulate(micro)).applied
@@ -784,8 +788,7 @@ def test_bf16_copy_or_autocast_both_train_and_keep_fp32_weights(shared_data, sha
     batches = [[make_batch(ds, b, info.device)] for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:3]]
     losses = {}
     for mode in ("on", "off"):
-        step = TrainStep(copy.deepcopy(model), cfg.model_copy(update={"train": cfg.train.model_copy(
-            update={"bf16_copy": mode})}), info, ds.special.pad)
+        step = lever_step(cfg, model, info, ds.special.pad, bf16_copy=mode)
         assert (step.work is not step.model) == (mode == "on")
         assert next(step.work.parameters()).dtype == (torch.bfloat16 if mode == "on" else torch.float32)
         assert next(step.model.parameters()).dtype == torch.float32  # what Adam updates and checkpoints hold
@@ -807,8 +810,7 @@ def test_compiling_the_layers_computes_the_eager_loss_and_gradients(shared_data,
     micro = [make_batch(ds, usable_batches(ds, 512, 1024, seed=1, epoch=0)[0], info.device)]
     out = {}
     for mode in (False, "layers"):
-        step = TrainStep(copy.deepcopy(model), cfg.model_copy(update={"train": cfg.train.model_copy(
-            update={"compile": mode})}), info, ds.special.pad)
+        step = lever_step(cfg, model, info, ds.special.pad, compile=mode)
         sums, _ = step.accumulate(micro)
         out[mode] = sums, {n: p.grad for n, p in step.model.named_parameters()}
     assert all(hasattr(layer, "_compiled_call_impl") and layer._compiled_call_impl is not None
