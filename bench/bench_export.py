@@ -45,28 +45,10 @@ from pipeline.promotion import paired_bootstrap  # noqa: E402
 from pipeline.tokenize import Tokenizer  # noqa: E402
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--tokenizer", required=True, type=Path)
-    p.add_argument("--corpus", required=True, type=Path)
-    p.add_argument("--split", default="dev")
-    p.add_argument("--config", default="multi30k-cpu", help="its decode section (alpha, lengths, batch)")
-    p.add_argument("--quantizations", nargs="+", default=["float32", "int8"])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--limit", type=int, default=None, help="first N sentences only")
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    table = pq.read_table(args.corpus / read_manifest(args.corpus)["splits"][args.split]["file"],
-                          columns=["src", "tgt_raw"])
-    src, refs = table.column("src").to_pylist()[: args.limit], table.column("tgt_raw").to_pylist()[: args.limit]
-    decode = load_config(args.config).decode
-    searches = {"greedy": decode.model_copy(update={"beam_size": 1, "length_penalty": 0.0}),
-                "beam4-alpha0": decode.model_copy(update={"beam_size": 4, "length_penalty": 0.0}),
-                f"beam4-alpha{decode.length_penalty}": decode.model_copy(update={"beam_size": 4})}
+def _measure(args: argparse.Namespace, src: list[str], refs: list[str], searches: dict, work: Path
+             ) -> tuple[dict, list[dict]]:
+    """Each search with our decoder and each export (written under ``work``): sizes (MB) and one row per pair."""
     model, tokenizer = load_model(args.checkpoint), Tokenizer(args.tokenizer)
-    work = Path(tempfile.mkdtemp(prefix="aiayn-bench-export-"))
     engines = {q: CTranslate2Engine(export_checkpoint(args.checkpoint, args.tokenizer, q, work / q), tokenizer,
                                     args.threads) for q in args.quantizations}
     sizes_mb = {"pytorch fp32": round(sum(p.numel() * 4 for p in model.parameters()) / 2**20, 2),
@@ -88,6 +70,31 @@ def main() -> None:
                          "ci95": [c.ci_low, c.ci_high], "p_value": c.p_value, "ours_s": round(ours_s, 2),
                          "export_s": round(theirs_s, 2), "speedup": round(ours_s / theirs_s, 2)})
             print(json.dumps(rows[-1]), flush=True)
+    return sizes_mb, rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, type=Path)
+    p.add_argument("--tokenizer", required=True, type=Path)
+    p.add_argument("--corpus", required=True, type=Path)
+    p.add_argument("--split", default="dev")
+    p.add_argument("--config", default="multi30k-cpu", help="its decode section (alpha, lengths, batch)")
+    p.add_argument("--quantizations", nargs="+", default=["float32", "int8"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--limit", type=int, default=None, help="first N sentences only")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    table = pq.read_table(args.corpus / read_manifest(args.corpus)["splits"][args.split]["file"],
+                          columns=["src", "tgt_raw"])
+    src, refs = table.column("src").to_pylist()[: args.limit], table.column("tgt_raw").to_pylist()[: args.limit]
+    decode = load_config(args.config).decode
+    searches = {"greedy": decode.model_copy(update={"beam_size": 1, "length_penalty": 0.0}),
+                "beam4-alpha0": decode.model_copy(update={"beam_size": 4, "length_penalty": 0.0}),
+                f"beam4-alpha{decode.length_penalty}": decode.model_copy(update={"beam_size": 4})}
+    with tempfile.TemporaryDirectory(prefix="aiayn-bench-export-") as work:
+        sizes_mb, rows = _measure(args, src, refs, searches, Path(work))
     print(f"\n{args.split}: {len(src)} sentences, {args.threads} threads, {cpu_name()}, {args.checkpoint}")
     print(f"sizes (MB): {sizes_mb}\n")
     print("| search | export | identical | ours sacreBLEU | export sacreBLEU | delta (95% CI) | p | ours s | export s "

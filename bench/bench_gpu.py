@@ -258,8 +258,8 @@ def bench_decode(preset: str, precision: str, search: str, args: argparse.Namesp
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     if search == "ctranslate2":
-        translator, pieces = _ctranslate2(base, precision, cfg.tokenizer.vocab_size, sp,
-                                          Path(tempfile.mkdtemp(prefix="bench-gpu-ct2-")))
+        with tempfile.TemporaryDirectory(prefix="bench-gpu-ct2-") as tmp:  # the translator holds the model loaded
+            translator, pieces = _ctranslate2(base, precision, cfg.tokenizer.vocab_size, sp, Path(tmp))
         base = None
         torch.cuda.empty_cache()
         ids = {p: i for i, p in enumerate(pieces)}

@@ -34,7 +34,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -202,7 +201,7 @@ def phase_measure(study: Study, out: Path | None) -> dict:
                              "test2016.chrf": splits[TEST]["chrf"]["score"], "checkpoint": str(averaged)})
             cfg = study.config(config, [*study.arm_overrides(arm, study.seeds[0]), *extra])
             averaged = Path(rows[0]["checkpoint"])
-            export = Path(tempfile.mkdtemp(prefix="aiayn-distill-study-")) / "int8"
+            export = study.work / "exports" / f"{key}-seed{study.seeds[0]}-int8"  # kept beside the runs it measures
             student_tokenizer = build_inputs(cfg).tokenizer
             export_checkpoint(averaged, student_tokenizer, "int8", export, cfg.export.batch_sentences, cfg.decode)
             measured = {t: speed(cfg, [averaged], student_tokenizer, sources, t, export) for t in (1, 2)}

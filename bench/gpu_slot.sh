@@ -6,10 +6,17 @@
 # Results are written under $OUT (default bench/results), named after the GPU.
 #
 # A GPU machine whose Python lacks this project's pure dependencies (pydantic and its three helpers, ctranslate2)
-# can be given them as wheels in .whl/ (python3 -m pip download --no-deps --only-binary=:all: --python-version
-# 3.12 ... -d .whl NAME==VERSION, the versions of requirements/); they are installed into a temporary folder.
+# can be given them as wheels in .whl/ (`bash bench/gpu_slot.sh wheels`, here, before the device call: the device
+# machine reaches no package index; the pins are requirements/constraints.txt's); they are installed into a
+# temporary folder there. The device call: run(command="OUT=$OUT bash bench/gpu_slot.sh", carry=[".whl"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = wheels ]; then
+  pins=$(grep -E '^(pydantic|pydantic_core|annotated-types|typing-inspection|ctranslate2)==' \
+    requirements/constraints.txt) || exit 1
+  # shellcheck disable=SC2086  # one argument per pin
+  exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl $pins
+fi
 out=${OUT:-bench/results}
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" >/dev/null; then

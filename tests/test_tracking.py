@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -96,7 +97,9 @@ def tracked(mlflow_server, shared_data, tiny_stack, tmp_path_factory) -> dict:
                            str(tiny_stack.shards), "--out", str(out), "--mlflow-run-id", runs["train"]],
                           cwd=REPO, env=_env(mlflow_server), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    tracking.log_training(runs["train"], out)
+    plots_before = set(Path(tempfile.gettempdir()).glob("aiayn-plots-*"))
+    curves = tracking.log_training(runs["train"], out)
+    leaked = set(Path(tempfile.gettempdir()).glob("aiayn-plots-*")) - plots_before
 
     ckpt = average_checkpoints(out / "checkpoints", 2, out / "averaged" / "last2.pt")
     scores_json = evaluate_translation(ckpt, tiny_stack.tokenizer, tiny_stack.corpus, FAST_DECODE,
@@ -114,7 +117,7 @@ def tracked(mlflow_server, shared_data, tiny_stack, tmp_path_factory) -> dict:
     for run_id in (*runs.values(), run["parent"]):
         tracking.finish_run(run_id)
     return {**run, "name": name, "version": version, "scores": scores, "ckpt": ckpt, "promotion": promotion,
-            "gate": gate}
+            "gate": gate, "curves": curves, "leaked": leaked}
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +179,9 @@ def test_training_step_metrics_and_system_metrics(tracked) -> None:
     assert run.data.params["world_size"] == "1" and run.data.params["model.d_model"] == "32"
     assert "system/cpu_utilization_percentage" in run.data.metrics
     assert "system/system_memory_usage_megabytes" in run.data.metrics
-    assert {"training/train_summary.json", "training/metrics.jsonl", "plots/learning_curves.png"} <= _artifacts(
-        c, run_id)
+    assert tracked["curves"] == "plots/learning_curves.png"
+    assert {"training/train_summary.json", "training/metrics.jsonl", tracked["curves"]} <= _artifacts(c, run_id)
+    assert not tracked["leaked"], "the curves' temporary folder is left behind"
 
 
 def test_data_lineage_inputs_with_source_and_digest(started, tiny_stack) -> None:

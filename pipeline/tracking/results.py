@@ -24,10 +24,10 @@ from .runs import TrackingError, client, log_metrics, log_params, set_tags
 ATTENTION_MAX_PIECES = 30  # longer dev sentences make unreadable heat-maps; the first short ones are drawn
 
 
-def log_training(run_id: str, run_dir: Path) -> Path:
+def log_training(run_id: str, run_dir: Path) -> str:
     """Log a training run folder: ``train_summary.json``, ``config.yaml``, ``metrics.jsonl`` and the learning
-    curves (``plots/learning_curves.png``: train/dev loss, perplexity, learning rate, tokens/s). Returns the
-    PNG's local path."""
+    curves (train/dev loss, perplexity, learning rate, tokens/s), drawn in a temporary folder that is removed once
+    logged. Returns the curves' artifact path in the run."""
     run_dir = Path(run_dir)
     c = client()
     for name in ("train_summary.json", "config.yaml", "metrics.jsonl"):
@@ -36,10 +36,10 @@ def log_training(run_id: str, run_dir: Path) -> Path:
     set_tags(run_id, {"stopped_by": summary["stopped_by"], "world_size": summary["world_size"]})
     log_metrics(run_id, {"train.steps": summary["steps"], "train.wall_seconds": summary["wall_seconds"],
                          "train.tgt_tokens": summary["tokens"]["tgt"]}, step=summary["steps"])
-    out = Path(tempfile.mkdtemp(prefix="aiayn-plots-")) / "learning_curves.png"
-    learning_curves(read_metrics(run_dir / "metrics.jsonl"), out)
-    c.log_artifact(run_id, str(out), "plots")
-    return out
+    with tempfile.TemporaryDirectory(prefix="aiayn-plots-") as tmp:
+        png = learning_curves(read_metrics(run_dir / "metrics.jsonl"), Path(tmp) / "learning_curves.png")
+        c.log_artifact(run_id, str(png), "plots")
+    return f"plots/{png.name}"
 
 
 def log_averaging(run_id: str, checkpoint: Path) -> dict:
