@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,19 @@ SHARED_DATA = Path(os.environ.get("AIAYN_SHARED_DATA", REPO_ROOT.parent / "share
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_pytests_folder(tmp_path_factory: pytest.TempPathFactory):
+    """Temporary files of the tests and of every process they start (torchrun's log folders, MLflow's model
+    downloads) go into pytest's own temporary folder, which pytest prunes (it keeps the last three sessions'),
+    instead of piling up in the system's."""
+    tmp = str(tmp_path_factory.mktemp("tmp"))
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TMPDIR", tmp)
+    patch.setattr(tempfile, "tempdir", tmp)
+    yield tmp
+    patch.undo()
 
 
 # Fixtures that read the shared data or start servers/processes: a test using any of them (directly or through
