@@ -35,6 +35,8 @@ Run (results also in bench/results/vs_fairseq_{train,decode}.json)::
     python bench/bench_vs_fairseq.py train --sizes tiny --updates 200 --skip 20 --repeats 1   # longer loss curve
     python bench/bench_vs_fairseq.py decode
     python bench/bench_vs_fairseq.py train --sizes tiny --tag epyc-no-amx   # results of another CPU beside these
+    git worktree add /tmp/aiayn-before REV   # before and after a change: REV's trainer interleaved with this one's
+    python bench/bench_vs_fairseq.py train --baseline /tmp/aiayn-before --tag before-after
 """
 
 from __future__ import annotations
@@ -105,12 +107,12 @@ def prepare(data_root: str, work_dir: Path, venv: Path) -> dict[str, Path]:
 # ------------------------------------------------------------------------------------------------ running
 
 
-def run_child(cmd: list, env: dict, log: Path) -> tuple[int, float, float, float]:
-    """Run ``cmd`` with output to ``log``; returns (exit status, wall seconds, peak RSS MB of the process tree's
-    largest member, CPU seconds of the tree (user + system), from wait4)."""
+def run_child(cmd: list, env: dict, log: Path, cwd: Path = REPO) -> tuple[int, float, float, float]:
+    """Run ``cmd`` in ``cwd`` with output to ``log``; returns (exit status, wall seconds, peak RSS MB of the
+    process tree's largest member, CPU seconds of the tree (user + system), from wait4)."""
     start = time.monotonic()
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(c) for c in cmd], env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([str(c) for c in cmd], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, time.monotonic() - start, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
@@ -125,7 +127,9 @@ def child_env(threads: int) -> dict:
 
 
 def ours_train_cmd(paths: dict, size: str, precision: str, updates: int, log_every: int, out: Path,
-                   data_root: str) -> list:
+                   data_root: str, repo: Path = REPO) -> list:
+    """Our trainer's command for one run; ``repo``: the checkout whose code runs (``python -m`` imports the
+    working directory's packages first, so a baseline checkout runs its own code with this interpreter)."""
     sets = {f"model.{k}": v for k, v in SIZES[size].items()} | {
         "train.max_steps": updates, "train.max_minutes": "null", "train.warmup_steps": WARMUP,
         "train.max_tokens": 4096, "train.update_tokens": 4096, "train.log_every_steps": log_every,
@@ -136,7 +140,7 @@ def ours_train_cmd(paths: dict, size: str, precision: str, updates: int, log_eve
     config = Path(out).with_suffix(".yaml")
     subprocess.run([sys.executable, "-m", "pipeline", "config", "--config", "multi30k-cpu", "--data-root", data_root,
                     *[a for k, v in sets.items() for a in ("-s", f"{k}={v}")], "--out", str(config)], check=True,
-                   cwd=REPO, env=child_env(1), stdout=subprocess.DEVNULL)
+                   cwd=repo, env=child_env(1), stdout=subprocess.DEVNULL)
     return [sys.executable, "-m", "pipeline.train", "--config", str(config), "--shards", paths["shards"], "--out", out]
 
 
@@ -202,6 +206,8 @@ def summarize(rows: list[dict], skip: int) -> dict:
 
 def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
     impls = [f"ours-{p}" for p in args.precisions] + ["fairseq"]
+    if args.baseline:  # the same trainer at an earlier commit, interleaved with the rest: before and after
+        impls += [f"baseline-{p}" for p in args.precisions]
     env = child_env(args.threads)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-vs-fairseq-") as tmp:
@@ -214,9 +220,10 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
                     if impl == "fairseq":
                         cmd = fairseq_train_cmd(args.venv, paths, size, args.updates, args.log_every, None)
                     else:
+                        repo = args.baseline if impl.startswith("baseline") else REPO
                         cmd = ours_train_cmd(paths, size, impl.split("-")[1], args.updates, args.log_every, out,
-                                             args.data_root)
-                    rc, wall, rss, cpu = run_child(cmd, env, log)
+                                             args.data_root, repo)
+                    rc, wall, rss, cpu = run_child(cmd, env, log, repo if impl != "fairseq" else REPO)
                     if rc:
                         raise SystemExit(f"{impl} failed ({rc}); its log:\n{log.read_text()[-3000:]}")
                     rows = fairseq_intervals(log, args.log_every) if impl == "fairseq" else ours_intervals(out)
@@ -261,6 +268,14 @@ def print_train(results: dict, args: argparse.Namespace) -> None:
         for u in updates:
             print(f"| {u} | " + " | ".join(f"{rs[0]['loss_curve'][u]:.3f}" for rs in runs.values()) + " |")
         print()
+    if args.baseline:
+        print(f"Before and after: ours at this checkout over ours at {args.baseline} "
+              f"({args.baseline_commit}), median tgt tok/s:\n")
+        for size, runs in results.items():
+            for p in args.precisions:
+                now, before = (statistics.median(r["tgt_tokens_per_s"] for r in runs[f"{who}-{p}"])
+                               for who in ("ours", "baseline"))
+                print(f"- {size} {p}: {now / before:.3f}")
 
 
 # ------------------------------------------------------------------------------------------------ decoding
@@ -415,6 +430,8 @@ def main() -> None:
     t.add_argument("--updates", type=int, default=40, help="updates per run")
     t.add_argument("--skip", type=int, default=10, help="updates left out of the throughput (start-up)")
     t.add_argument("--log-every", type=int, default=5, help="log interval of both trainers, in updates")
+    t.add_argument("--baseline", type=Path, default=None,
+                   help="a checkout of an earlier commit (git worktree add DIR REV) whose trainer runs beside ours")
     d = sub.add_parser("decode", parents=[common], help="decoding throughput")
     d.add_argument("--beams", nargs="+", type=int, default=[4, 1])
     d.add_argument("--batch", type=int, default=64)
@@ -432,6 +449,12 @@ def main() -> None:
         return
     if args.command == "train" and args.skip % args.log_every:
         p.error("--skip must be a multiple of --log-every")
+    if getattr(args, "baseline", None):
+        args.baseline = args.baseline.resolve()
+        if not (args.baseline / "pipeline" / "train").is_dir():
+            p.error(f"--baseline {args.baseline}: not a checkout of this project (no pipeline/train)")
+        args.baseline_commit = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"],
+                                              capture_output=True, text=True).stdout.strip() or "not a git checkout"
     paths = prepare(args.data_root, args.work_dir, args.venv)
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.command == "train":
