@@ -134,6 +134,28 @@ def tiny_stack(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> S
     return Stack(work, corpus, tokenizer, build_shards(corpus, tokenizer, cfg.tokenizer, work))
 
 
+SMALL_TRAIN_PAIRS = 2_000
+
+
+@pytest.fixture(scope="session")
+def small_stack(shared_data: Path, tiny_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    """The first SMALL_TRAIN_PAIRS Multi30k pairs (dev: Multi30k val) through the corpus stage, sharded with
+    tiny_stack's tokenizer: an epoch of a few updates, for the tests that cross epochs."""
+    from pipeline.data import prepare_corpus
+    from pipeline.shards import build_shards
+
+    root = tmp_path_factory.mktemp("small-data")
+    for split, n in (("train", SMALL_TRAIN_PAIRS), ("val", None)):
+        for lang in ("en", "de"):
+            lines = (shared_data / "multi30k" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()[:n]
+            (root / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    cfg = tiny_config(root, "data.train=[{name: m2000, format: text, path: train}]",
+                      "data.dev={name: multi30k-val, format: text, path: val}", "data.test=[]")
+    work = tmp_path_factory.mktemp("small-work")
+    corpus = prepare_corpus(cfg.data, work)
+    return Stack(work, corpus, tiny_stack.tokenizer, build_shards(corpus, tiny_stack.tokenizer, cfg.tokenizer, work))
+
+
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
     """A real MLflow tracking server (SQLite + local artifacts) on a free port; yields its URL."""

@@ -128,16 +128,22 @@ def test_exact_resume_bitwise(shared_data, shards, tmp_path, precision):
 
 
 @pytest.mark.slow
-def test_exact_resume_across_epoch_boundary(shared_data, shards, tmp_path):
-    # Large batches (13 per epoch, 6 updates) so that the resumed part crosses an epoch boundary.
-    extra = ["train.max_tokens=65536", "train.update_tokens=131072", "model.dropout=0.1"]
-    whole = train(config(shared_data, "train.max_steps=8", *extra), shards, tmp_path / "whole")
+def test_exact_resume_across_epoch_boundary(shared_data, small_stack, tmp_path):
+    # Two batches an update on the small corpus, so that the resumed part crosses an epoch boundary.
+    extra = ["train.max_tokens=4096", "train.update_tokens=8192", "model.dropout=0.1"]
+    cfg = config(shared_data, *extra)
+    batches = len(usable_batches(ShardDataset(small_stack.shards, "train"), 4096, cfg.model.max_positions,
+                                 cfg.train.seed, 0))
+    per_epoch = batches // 2  # an update never spans two epochs: an odd last batch is left out
+    whole = train(config(shared_data, f"train.max_steps={per_epoch + 2}", *extra), small_stack.shards,
+                  tmp_path / "whole")
     split = tmp_path / "split"
-    train(config(shared_data, "train.max_steps=5", *extra), shards, split)
-    assert (final_state(split)["epoch"], final_state(split)["batch_pos"]) == (0, 10)
-    train(config(shared_data, "train.max_steps=8", *extra), shards, split)
+    train(config(shared_data, f"train.max_steps={per_epoch - 1}", *extra), small_stack.shards, split)
+    assert (final_state(split)["epoch"], final_state(split)["batch_pos"]) == (0, 2 * (per_epoch - 1))
+    train(config(shared_data, f"train.max_steps={per_epoch + 2}", *extra), small_stack.shards, split)
     a, b = final_state(whole), final_state(split)
-    assert a["step"] == b["step"] == 8 and (a["epoch"], a["batch_pos"]) == (b["epoch"], b["batch_pos"]) == (1, 4)
+    assert a["step"] == b["step"] == per_epoch + 2
+    assert (a["epoch"], a["batch_pos"]) == (b["epoch"], b["batch_pos"]) == (1, 4)
     assert_same_tensors(a["model"], b["model"])
     assert_same_tensors(a["optimizer"], b["optimizer"])
     assert_same_rng(a["rng"], b["rng"])
@@ -145,13 +151,13 @@ def test_exact_resume_across_epoch_boundary(shared_data, shards, tmp_path):
 
 
 @pytest.mark.integration
-def test_epochs_cycle_through_the_sampled_copies_of_the_training_split(shared_data, tiny_stack, tmp_path):
-    extra = ["tokenizer.sampling_alpha=0.1", "tokenizer.sampled_copies=2", "train.max_tokens=65536",
-             "train.update_tokens=65536"]  # one batch per update, a dozen or two per epoch
+def test_epochs_cycle_through_the_sampled_copies_of_the_training_split(shared_data, small_stack, tmp_path):
+    extra = ["tokenizer.sampling_alpha=0.1", "tokenizer.sampled_copies=2", "train.max_tokens=4096",
+             "train.update_tokens=4096"]  # one batch per update, a dozen or so per epoch
     cfg = config(shared_data, *extra)
-    sampled = build_shards(tiny_stack.corpus, tiny_stack.tokenizer, cfg.tokenizer, tmp_path)
+    sampled = build_shards(small_stack.corpus, small_stack.tokenizer, cfg.tokenizer, tmp_path)
     copies = [ShardDataset(sampled, k) for k in ("train.sampled1", "train.sampled2")]
-    epochs = [usable_batches(ds, 65536, cfg.model.max_positions, cfg.train.seed, e) for e, ds in enumerate(copies)]
+    epochs = [usable_batches(ds, 4096, cfg.model.max_positions, cfg.train.seed, e) for e, ds in enumerate(copies)]
     # the whole of epoch 0, then the first update of epoch 1
     state = final_state(train(config(shared_data, *extra, f"train.max_steps={len(epochs[0]) + 1}"), sampled,
                               tmp_path / "run"))
@@ -820,13 +826,15 @@ def test_compiling_the_layers_computes_the_eager_loss_and_gradients(shared_data,
 
 
 @pytest.mark.integration
-def test_max_tokens_update_takes_the_update_in_one_micro_batch_per_process(shared_data, shards, tmp_path):
+def test_max_tokens_update_takes_the_update_in_one_micro_batch_per_process(shared_data, small_stack, tmp_path):
     """train.max_tokens=update (the paper presets'): no accumulation, each update one batch of at most
-    train.update_tokens positions on one process, into the next epoch (Multi30k's ~770k positions are ~12 such
-    updates)."""
-    steps, update = 14, 65_536
-    out = train(config(shared_data, f"train.max_steps={steps}", f"train.update_tokens={update}",
-                       "train.max_tokens=update", "train.checkpoint_every_steps=100"), shards, tmp_path / "run")
+    train.update_tokens positions on one process, into the next epoch."""
+    update = 8192
+    extra = [f"train.update_tokens={update}", "train.max_tokens=update", "train.checkpoint_every_steps=100"]
+    cfg = config(shared_data, *extra)
+    steps = len(usable_batches(ShardDataset(small_stack.shards, "train"), update, cfg.model.max_positions,
+                               cfg.train.seed, 0)) + 2
+    out = train(config(shared_data, *extra, f"train.max_steps={steps}"), small_stack.shards, tmp_path / "run")
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["accumulation_steps"] == 1 and summary["epoch"] == 1
     assert steps * update // 2 < summary["tokens"]["tgt"] <= steps * update  # one full batch per update
