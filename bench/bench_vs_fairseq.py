@@ -217,13 +217,13 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
                 order = impls[rep % len(impls):] + impls[: rep % len(impls)]  # rotate who goes first
                 for impl in order:
                     out, log = Path(tmp) / f"{size}-{impl}-{rep}", Path(tmp) / f"{size}-{impl}-{rep}.log"
+                    repo = args.baseline if impl.startswith("baseline") else REPO
                     if impl == "fairseq":
                         cmd = fairseq_train_cmd(args.venv, paths, size, args.updates, args.log_every, None)
                     else:
-                        repo = args.baseline if impl.startswith("baseline") else REPO
                         cmd = ours_train_cmd(paths, size, impl.split("-")[1], args.updates, args.log_every, out,
                                              args.data_root, repo)
-                    rc, wall, rss, cpu = run_child(cmd, env, log, repo if impl != "fairseq" else REPO)
+                    rc, wall, rss, cpu = run_child(cmd, env, log, repo)
                     if rc:
                         raise SystemExit(f"{impl} failed ({rc}); its log:\n{log.read_text()[-3000:]}")
                     rows = fairseq_intervals(log, args.log_every) if impl == "fairseq" else ours_intervals(out)

@@ -134,6 +134,13 @@ def tiny_stack(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> S
     return Stack(work, corpus, tokenizer, build_shards(corpus, tokenizer, cfg.tokenizer, work))
 
 
+def copy_lines(src: Path, dst: Path, stop: int | None, start: int = 0) -> None:
+    """Lines ``start`` to ``stop`` of text file ``src`` into ``dst`` (folders made): a short corpus for a test."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
+    dst.write_text("".join(lines[start:stop]), encoding="utf-8")
+
+
 SMALL_TRAIN_PAIRS = 2_000
 
 
@@ -147,8 +154,7 @@ def small_stack(shared_data: Path, tiny_stack: Stack, tmp_path_factory: pytest.T
     root = tmp_path_factory.mktemp("small-data")
     for split, n in (("train", SMALL_TRAIN_PAIRS), ("val", None)):
         for lang in ("en", "de"):
-            lines = (shared_data / "multi30k" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()[:n]
-            (root / f"{split}.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            copy_lines(shared_data / "multi30k" / f"{split}.{lang}", root / f"{split}.{lang}", n)
     cfg = tiny_config(root, "data.train=[{name: m2000, format: text, path: train}]",
                       "data.dev={name: multi30k-val, format: text, path: val}", "data.test=[]")
     work = tmp_path_factory.mktemp("small-work")

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import QUICK
+from tests.conftest import QUICK, copy_lines
 from tests.conftest import REPO_ROOT as REPO
 from tests.conftest import api as _api
 from tests.test_report import stage_files, write
@@ -233,12 +233,6 @@ def test_the_report_has_a_distillation_section(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ end to end (slow)
 
 
-def _copy_head(src: Path, dst: Path, rows: int) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
-    dst.write_text("".join(lines[:rows]), encoding="utf-8")
-
-
 @pytest.mark.slow
 @pytest.mark.integration
 def test_a_student_distils_from_a_teacher_trained_first_and_registers_with_its_lineage(stack, shared_data: Path,
@@ -255,8 +249,8 @@ def test_a_student_distils_from_a_teacher_trained_first_and_registers_with_its_l
     root = tmp_path / "data"  # a short Multi30k: the machinery is tested, not translation quality
     for lang in ("en", "de"):
         for name, rows in (("train", 3000), ("val", 200), ("test2016", 100)):
-            _copy_head(shared_data / "multi30k" / f"{name}.{lang}", root / "multi30k" / f"{name}.{lang}", rows)
-        _copy_head(shared_data / "wmt14-en-de" / f"newstest2014.{lang}",
+            copy_lines(shared_data / "multi30k" / f"{name}.{lang}", root / "multi30k" / f"{name}.{lang}", rows)
+        copy_lines(shared_data / "wmt14-en-de" / f"newstest2014.{lang}",
                    root / "wmt14-en-de" / f"newstest2014.{lang}", 50)
     port = free_port()
     teacher_model, student_model = f"transformer-en-de-teacher-{port}", f"transformer-en-de-student-{port}"

@@ -18,7 +18,7 @@ from typing import get_args
 import psutil
 import pytest
 
-from tests.conftest import QUICK
+from tests.conftest import QUICK, copy_lines
 from tests.conftest import REPO_ROOT as REPO
 from tests.conftest import api as _api
 
@@ -307,12 +307,6 @@ def test_the_data_task_retries_an_unreachable_hub_but_not_bad_input(stack, share
             assert task_run["run_count"] == runs, (cfg.name, task_run["run_count"])
 
 
-def _copy_head(src: Path, dst: Path, start: int, stop: int) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    lines = src.read_text(encoding="utf-8").splitlines(keepends=True)
-    dst.write_text("".join(lines[start:stop]), encoding="utf-8")
-
-
 @pytest.mark.slow
 @pytest.mark.integration
 def test_weekly_retraining_decides_on_new_data_with_evidence_and_never_on_old(stack, shared_data: Path,
@@ -326,11 +320,11 @@ def test_weekly_retraining_decides_on_new_data_with_evidence_and_never_on_old(st
 
     root = tmp_path / "data"
     for lang in ("en", "de"):
-        _copy_head(shared_data / "multi30k" / f"train.{lang}", root / "multi30k" / f"train.{lang}", 0, 3000)
-        _copy_head(shared_data / "multi30k" / f"val.{lang}", root / "multi30k" / f"val.{lang}", 0, 300)
-        _copy_head(shared_data / "multi30k" / f"test2016.{lang}", root / "multi30k" / f"test2016.{lang}", 0, 200)
-        _copy_head(shared_data / "wmt14-en-de" / f"newstest2014.{lang}",
-                   root / "wmt14-en-de" / f"newstest2014.{lang}", 0, 100)
+        copy_lines(shared_data / "multi30k" / f"train.{lang}", root / "multi30k" / f"train.{lang}", 3000)
+        copy_lines(shared_data / "multi30k" / f"val.{lang}", root / "multi30k" / f"val.{lang}", 300)
+        copy_lines(shared_data / "multi30k" / f"test2016.{lang}", root / "multi30k" / f"test2016.{lang}", 200)
+        copy_lines(shared_data / "wmt14-en-de" / f"newstest2014.{lang}",
+                   root / "wmt14-en-de" / f"newstest2014.{lang}", 100)
     model = f"transformer-en-de-weekly-{free_port()}"
     base = {**QUICK, "tracking.registered_model": model, "tracking.experiment": "weekly-test",
             "decode.max_len_a": 1.0, "decode.max_len_b": 5, "train.checkpoint_every_steps": 20}
@@ -352,7 +346,7 @@ def test_weekly_retraining_decides_on_new_data_with_evidence_and_never_on_old(st
     assert first["promotion.decision"] == "promoted" and "first model" in first["promotion.reason"]
 
     for lang in ("en", "de"):  # a new week's data
-        _copy_head(shared_data / "multi30k" / f"train.{lang}", root / "multi30k" / f"train-extra.{lang}", 3000, 6000)
+        copy_lines(shared_data / "multi30k" / f"train.{lang}", root / "multi30k" / f"train-extra.{lang}", 6000, 3000)
     second, rows = run()
     assert second["promotion.decision"] in ("promoted", "not promoted")
     assert second["promotion.champion_version"] == "1" and second["promotion.set"] == "multi30k-val"

@@ -26,7 +26,7 @@ from pipeline.config import ConfigError
 from pipeline.shards import ShardDataset, build_shards
 from pipeline.train import TrainStep, accumulation_steps, make_batch, setup, train, usable_batches
 from pipeline.train.resume import load_optimizer
-from tests.conftest import resolved_tiny_config, tiny_config
+from tests.conftest import copy_lines, resolved_tiny_config, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -1099,11 +1099,9 @@ def test_tiny_model_overfits_a_few_hundred_shared_pairs(shared_data, tmp_path):
     from pipeline.tokenize import train_tokenizer
 
     root = tmp_path / "data"
-    root.mkdir()
     for lang in ("en", "de"):
-        lines = (shared_data / "multi30k" / f"train.{lang}").read_text(encoding="utf-8").splitlines()[:200]
-        (root / f"train.{lang}").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        (root / f"dev.{lang}").write_text("\n".join(lines[:20]) + "\n", encoding="utf-8")
+        copy_lines(shared_data / "multi30k" / f"train.{lang}", root / f"train.{lang}", 200)
+        copy_lines(shared_data / "multi30k" / f"train.{lang}", root / f"dev.{lang}", 20)
     cfg = tiny_config(root, "data.train=[{name: m200, format: text, path: train}]",
                       "data.dev={name: d, format: text, path: dev}", "data.test=[]", "tokenizer.vocab_size=600",
                       "model.encoder_layers=2", "model.decoder_layers=2", "model.d_model=64", "model.d_ff=128",
