@@ -5,7 +5,9 @@
 - ``integration``: reads the shared data in ../shared/data, starts servers (MLflow, Prefect) or processes
   (``python -m pipeline``, torchrun, ...); with the unit tests it is the default run: ``.venv/bin/python -m pytest``
 - ``slow``: end-to-end or benchmark-scale, skipped unless --run-slow; everything, as CI runs it:
-  ``.venv/bin/python -m pytest --run-slow``
+  ``.venv/bin/python -m pytest --run-slow -n 2 --dist loadfile`` (two pytest-xdist workers, a file each at a time:
+  session fixtures, the servers included, exist once per worker, so a test must not depend on which tests ran
+  before it on the same stack)
 
 A test that uses one of INTEGRATION_FIXTURES (or a fixture built on one) without an ``integration`` or ``slow``
 mark is refused at collection, so the unit tier stays fast.
@@ -247,15 +249,30 @@ def stack(tmp_path_factory: pytest.TempPathFactory, shared_data: Path):
 
 
 @pytest.fixture(scope="session")
-def chromium() -> str:
+def chromium(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Headless Chromium for the browser checks: Debian's ``chromium``, installed here when missing (apt-get, as
     root); a test that needs it is skipped, with the reason, when it cannot be installed."""
+    import fcntl
+
     from ops.browser import executable
 
     if (exe := executable()) is not None:
         return exe
     if os.geteuid() != 0:
         pytest.skip("chromium is not installed and this user cannot install it: apt-get install chromium")
+    # One installer at a time: under pytest-xdist each worker has this fixture, and a second apt-get would fail on
+    # dpkg's lock. The lock file lies beside the workers' own temporary folders (their common parent).
+    with open(tmp_path_factory.getbasetemp().parent / "chromium-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _install_chromium()
+
+
+def _install_chromium() -> str:
+    """``apt-get install chromium`` (after an index update if the first try fails); the executable, or a skip."""
+    from ops.browser import executable
+
+    if (exe := executable()) is not None:  # another worker installed it while this one waited
+        return exe
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     why = ""
     for attempt in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],

@@ -85,7 +85,9 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
     """First run: every stage runs and logs; same parameters again: every stage is Cached; a changed training
     setting re-runs training (resuming its run folder) and what follows, never data or tokenization."""
     prefect = stack["prefect"]
-    params = {"overrides": QUICK, "max_steps": 10}
+    # A cleaning bound no other test sets (Multi30k has no sentence near it): a data stage of its own, so that the
+    # first run prepares its data whichever tests used this stack before (in any order under pytest-xdist).
+    params = {"overrides": {**QUICK, "data.cleaning.max_words": 249}, "max_steps": 10}
     status, out, first = prefect.run_deployment("train-en-de/multi30k-cpu", params)
     assert status == 0, out[-4000:]
     assert prefect.flow_run(first)["state"]["type"] == "COMPLETED"
@@ -138,7 +140,7 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
 
     # A larger step budget is a changed training config: training re-runs, in the same run folder, so it
     # resumes from the last checkpoint (step 10) instead of starting over. N is now chosen on dev among 1, 2.
-    choose = {"overrides": {**QUICK, "average.choose_from": [1, 2]}, "max_steps": 14}
+    choose = {"overrides": {**params["overrides"], "average.choose_from": [1, 2]}, "max_steps": 14}
     status, out, third = prefect.run_deployment("train-en-de/multi30k-cpu", choose)
     assert status == 0, out[-4000:]
     states = prefect.task_states(third)

@@ -586,10 +586,12 @@ def test_cooldown_takes_the_learning_rate_linearly_to_zero_at_the_end_of_the_bud
     assert [r["lr"] for r in rows] == pytest.approx(
         [transformer_lr(r["step"], d, warmup) * min(1.0, (1 - (r["step"] - 1) / 20) / 0.5) for r in rows], rel=1e-9)
     assert rows[-1]["step"] == 20 and rows[-1]["lr"] < 0.11 * transformer_lr(20, d, warmup)
-    # on the clock: the last updates before max_minutes run at a small fraction of the paper's rate
-    timed = config(shared_data, "train.max_steps=100000", "train.max_minutes=0.05", "train.cooldown=1.0")
+    # on the clock: the factor on the paper's rate falls update by update and the last updates before max_minutes
+    # run at a fraction of it (how small depends on how long one update takes: loose on a busy machine)
+    timed = config(shared_data, "train.max_steps=100000", "train.max_minutes=0.1", "train.cooldown=1.0")
     rows = [r for r in metrics(train(timed, shards, tmp_path / "minutes")) if "lr" in r]
-    assert rows[-1]["lr"] < 0.2 * transformer_lr(rows[-1]["step"], d, warmup)
+    factors = [r["lr"] / transformer_lr(r["step"], d, warmup) for r in rows]
+    assert factors == sorted(factors, reverse=True) and factors[-1] < 0.5, factors
 
 
 @pytest.mark.integration
