@@ -143,6 +143,17 @@ def copy_lines(src: Path, dst: Path, stop: int | None, start: int = 0) -> None:
     dst.write_text("".join(lines[start:stop]), encoding="utf-8")
 
 
+def short_multi30k(shared_data: Path, root: Path, train: int, val: int, test2016: int, newstest2014: int) -> Path:
+    """A data root laid out as the shared one for the En-De configs: the first lines of Multi30k train, val and
+    test2016 and of newstest2014 (the machinery is tested, not translation quality). Returns ``root``."""
+    for lang in ("en", "de"):
+        for name, rows in (("train", train), ("val", val), ("test2016", test2016)):
+            copy_lines(shared_data / "multi30k" / f"{name}.{lang}", root / "multi30k" / f"{name}.{lang}", rows)
+        copy_lines(shared_data / "wmt14-en-de" / f"newstest2014.{lang}", root / "wmt14-en-de" / f"newstest2014.{lang}",
+                   newstest2014)
+    return root
+
+
 SMALL_TRAIN_PAIRS = 2_000
 
 

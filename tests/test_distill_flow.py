@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import QUICK, copy_lines
+from tests.conftest import QUICK, short_multi30k
 from tests.conftest import REPO_ROOT as REPO
 from tests.conftest import api as _api
 from tests.test_report import stage_files, write
@@ -246,12 +246,7 @@ def test_a_student_distils_from_a_teacher_trained_first_and_registers_with_its_l
     from pipeline.config import load_config, write_resolved
     from pipeline.speed import cpu_name
 
-    root = tmp_path / "data"  # a short Multi30k: the machinery is tested, not translation quality
-    for lang in ("en", "de"):
-        for name, rows in (("train", 3000), ("val", 200), ("test2016", 100)):
-            copy_lines(shared_data / "multi30k" / f"{name}.{lang}", root / "multi30k" / f"{name}.{lang}", rows)
-        copy_lines(shared_data / "wmt14-en-de" / f"newstest2014.{lang}",
-                   root / "wmt14-en-de" / f"newstest2014.{lang}", 50)
+    root = short_multi30k(shared_data, tmp_path / "data", train=3000, val=200, test2016=100, newstest2014=50)
     port = free_port()
     teacher_model, student_model = f"transformer-en-de-teacher-{port}", f"transformer-en-de-student-{port}"
     common = {**QUICK, "tracking.experiment": "distill-test"}

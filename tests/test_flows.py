@@ -18,7 +18,7 @@ from typing import get_args
 import psutil
 import pytest
 
-from tests.conftest import QUICK, copy_lines
+from tests.conftest import QUICK, copy_lines, short_multi30k
 from tests.conftest import REPO_ROOT as REPO
 from tests.conftest import api as _api
 
@@ -81,13 +81,14 @@ def test_up_after_the_worker_died_marks_its_runs_crashed(stack) -> None:
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
+def test_deployment_runs_every_stage_then_reuses_them(stack, shared_data: Path, tmp_path: Path) -> None:
     """First run: every stage runs and logs; same parameters again: every stage is Cached; a changed training
     setting re-runs training (resuming its run folder) and what follows, never data or tokenization."""
     prefect = stack["prefect"]
-    # A cleaning bound no other test sets (Multi30k has no sentence near it): a data stage of its own, so that the
-    # first run prepares its data whichever tests used this stack before (in any order under pytest-xdist).
-    params = {"overrides": {**QUICK, "data.cleaning.max_words": 249}, "max_steps": 10}
+    # A short corpus no other test uses: data stages of its own, so that the first run prepares its data whichever
+    # tests used this stack before (in any order under pytest-xdist), and in seconds.
+    root = short_multi30k(shared_data, tmp_path / "data", train=2500, val=300, test2016=200, newstest2014=100)
+    params = {"overrides": QUICK, "max_steps": 10, "data_root": str(root)}
     status, out, first = prefect.run_deployment("train-en-de/multi30k-cpu", params)
     assert status == 0, out[-4000:]
     assert prefect.flow_run(first)["state"]["type"] == "COMPLETED"
@@ -140,7 +141,7 @@ def test_deployment_runs_every_stage_then_reuses_them(stack) -> None:
 
     # A larger step budget is a changed training config: training re-runs, in the same run folder, so it
     # resumes from the last checkpoint (step 10) instead of starting over. N is now chosen on dev among 1, 2.
-    choose = {"overrides": {**params["overrides"], "average.choose_from": [1, 2]}, "max_steps": 14}
+    choose = {**params, "overrides": {**QUICK, "average.choose_from": [1, 2]}, "max_steps": 14}
     status, out, third = prefect.run_deployment("train-en-de/multi30k-cpu", choose)
     assert status == 0, out[-4000:]
     states = prefect.task_states(third)
@@ -320,13 +321,7 @@ def test_weekly_retraining_decides_on_new_data_with_evidence_and_never_on_old(st
 
     from ops.localstack import free_port
 
-    root = tmp_path / "data"
-    for lang in ("en", "de"):
-        copy_lines(shared_data / "multi30k" / f"train.{lang}", root / "multi30k" / f"train.{lang}", 3000)
-        copy_lines(shared_data / "multi30k" / f"val.{lang}", root / "multi30k" / f"val.{lang}", 300)
-        copy_lines(shared_data / "multi30k" / f"test2016.{lang}", root / "multi30k" / f"test2016.{lang}", 200)
-        copy_lines(shared_data / "wmt14-en-de" / f"newstest2014.{lang}",
-                   root / "wmt14-en-de" / f"newstest2014.{lang}", 100)
+    root = short_multi30k(shared_data, tmp_path / "data", train=3000, val=300, test2016=200, newstest2014=100)
     model = f"transformer-en-de-weekly-{free_port()}"
     base = {**QUICK, "tracking.registered_model": model, "tracking.experiment": "weekly-test",
             "decode.max_len_a": 1.0, "decode.max_len_b": 5, "train.checkpoint_every_steps": 20}
