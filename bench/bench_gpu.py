@@ -126,9 +126,10 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, ar
                 lever: str | None = None) -> dict:
     """``warmup`` untimed updates of our TrainStep in ``precision`` (bf16 autocast or fp32), then ``args.steps``
     updates twice (first pass: new shapes; second pass, timed: the same shapes again); one result row. ``lever``:
-    one more config override (``--levers``), measured against the same variant without it."""
+    one more config override, or several joined by commas (``--levers``), measured against the same variant
+    without it."""
     overrides = [f"train.max_tokens={max_tokens}", f"train.compile={str(compiled).lower()}",
-                 f"train.precision={precision}", *([lever] if lever else [])]
+                 f"train.precision={precision}", *(lever.split(",") if lever else [])]
     cfg = load_config(f"wmt14-en-de-{preset}", overrides)
     compiled = cfg.train.compile is not False  # a lever may compile (train.compile=layers)
     info = setup()
@@ -402,7 +403,7 @@ def main() -> None:
     p.add_argument("--decode-calls", type=int, default=4, help="timed beam-search calls per precision")
     p.add_argument("--levers", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="config overrides each measured as its own bf16 eager variant beside the plain one, e.g. "
-                        "train.fused_output_loss=true")
+                        "train.fused_output_loss=true; several joined by commas are one variant")
     p.add_argument("--out", type=Path, help="write the markdown table here (and the JSON next to it, .json)")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -47,6 +47,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
+def _switch_word(value: Any) -> Any:
+    """YAML 1.1 (PyYAML) reads a bare ``on``/``off`` as a boolean: give a field whose words include them the word."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 # --------------------------------------------------------------------------------------------------- data
 
 SourceFormat = Literal["text", "tsv", "sgm", "parquet", "arrow", "hf_disk", "hub", "ptb"]
@@ -170,6 +175,8 @@ class CleaningConfig(_Strict):
     decontaminate: Literal["off", "pair", "source", "either"] = Field(default="pair", description=(
         "Training split: drop pairs that also occur in the dev or test sets. pair: the same source and target; "
         "source: the same source; either: the same source or the same target; off: keep them."))
+
+    _decontaminate_word = field_validator("decontaminate", mode="before")(_switch_word)
 
     @model_validator(mode="after")
     def _bounds(self) -> "CleaningConfig":
@@ -418,8 +425,10 @@ class TrainConfig(_Strict):
     bf16_copy: Literal["auto", "on", "off"] = Field(default="auto", description=(
         "How bf16 training runs (with precision bf16). on: forward and backward run a bf16 copy of the model, Adam "
         "updates the fp32 weights, copied into it after each update; off: autocast, which casts weights and "
-        "activations around each operation; auto: the copy on a CPU (measured faster there), autocast on CUDA. "
-        "Not in the paper: an implementation choice."))
+        "activations around each operation; auto: the copy (measured faster than autocast on a CPU and on a GPU, "
+        "see the results ledger). Not in the paper: an implementation choice."))
+    # why auto stays a word of its own, equal to on: it is the value existing runs hold (run identity), and it
+    # names "the measured choice", should a device ever measure autocast faster
     init_from: Literal["champion"] | None = Field(default=None, description=(
         "champion: start from the weights of the registered model's current champion (reusing its tokenizer so "
         "the vocabularies match); the schedule, warm-up included, still runs from step 0. None = a random "
@@ -452,6 +461,8 @@ class TrainConfig(_Strict):
     NOT_RUN_IDENTITY: ClassVar[frozenset[str]] = frozenset({
         "max_steps", "max_minutes", "log_every_steps", "dev_every_steps", "dev_max_sentences", "max_nonfinite_updates",
         "compile", "fused_output_loss", "fused_adam"})
+
+    _bf16_copy_word = field_validator("bf16_copy", mode="before")(_switch_word)
 
     @model_validator(mode="after")
     def _fusion_fits(self) -> "TrainConfig":

@@ -117,6 +117,13 @@ def test_cli_style_and_dict_overrides() -> None:
     assert cfg.data.root == "123"
 
 
+def test_on_and_off_words_survive_yaml_booleans() -> None:
+    """YAML reads a bare on/off as true/false; the fields whose words they are take them as words."""
+    cfg = load_config("multi30k-cpu", ["train.bf16_copy=on", "data.cleaning.decontaminate=off"])
+    assert (cfg.train.bf16_copy, cfg.data.cleaning.decontaminate) == ("on", "off")
+    assert load_config("multi30k-cpu", ["train.bf16_copy=off"]).train.bf16_copy == "off"
+
+
 def test_exponent_floats_parse_as_floats(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("extends: " + str(CONFIG_DIR / "multi30k-cpu.yaml") + "\ntrain:\n  adam_eps: 1e-8\n")

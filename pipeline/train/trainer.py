@@ -130,12 +130,13 @@ class Update(NamedTuple):
 class TrainStep:
     """One optimizer update over a rank's micro-batches: model (DDP-wrapped when world > 1), Adam, schedule.
 
-    Precision. fp32: the model as it is. bf16 (``train.bf16_copy``; by default the copy on a CPU, autocast on
-    CUDA): forward and backward run a bf16 copy of the model (``work``), and Adam updates the fp32 weights
+    Precision. fp32: the model as it is. bf16 (``train.bf16_copy``; the copy unless it is ``off``): forward and
+    backward run a bf16 copy of the model (``work``), and Adam updates the fp32 weights
     (``model``, what checkpoints hold), which are copied into the bf16 copy after every update; each micro-batch's
     bf16 gradients are added to fp32 gradients of ``model`` (under DDP, once per update, after the all-reduce).
-    Autocast instead casts every weight at every use and every activation around each product: on a CPU the bf16
-    copy was faster for both the base and the tiny model at the same training loss (results ledger, L04).
+    Autocast instead casts every weight at every use and every activation around each product: the bf16 copy was
+    faster at the same training loss on a CPU (base and tiny, results ledger L04) and on an H100 (base and big, the
+    casts were the largest share of the step's kernel time: L28).
     """
 
     def __init__(self, model: Transformer, cfg: RunConfig, info: DistInfo, pad_id: int):
@@ -143,8 +144,7 @@ class TrainStep:
         self.model, self.info = model, info
         self.precision, self.precision_reason = training_precision(t.precision, info.device)
         self.bf16 = self.precision == "bf16"
-        bf16_copy = t.bf16_copy == "on" or (t.bf16_copy == "auto" and info.device.type == "cpu")
-        self.master_weights = self.bf16 and bf16_copy
+        self.master_weights = self.bf16 and t.bf16_copy != "off"
         # The module forward and backward run: a bf16 copy (shared embeddings stay shared) or the model itself.
         self.work = copy.deepcopy(model).to(torch.bfloat16) if self.master_weights else model
         self.ddp = (DistributedDataParallel(self.work,
