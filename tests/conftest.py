@@ -27,6 +27,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ops.localstack import prefect_api as api
 from pipeline.config import parse_value
@@ -34,6 +35,18 @@ from pipeline.config import parse_value
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real data lives beside the repo (never copied into it); AIAYN_SHARED_DATA points elsewhere.
 SHARED_DATA = Path(os.environ.get("AIAYN_SHARED_DATA", REPO_ROOT.parent / "shared" / "data")).resolve()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operators dispatched (each one a kernel launch on a GPU), allocations aside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.__name__.startswith("empty")  # an allocation launches no kernel
+        return func(*args, **(kwargs or {}))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import (LabelSmoothedCrossEntropy, Transformer, cooldown_factor, symmetric_kl, transformer_lr,
                    transformer_lr_scheduler)
+from tests.conftest import OpCounter
 
 PAD = 0
 
@@ -136,18 +136,6 @@ def test_the_projection_fused_into_the_loss_gives_the_loss_and_gradients_of_the_
         assert not h.grad[[2, 9, 16]].any()  # padding positions get no gradient
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the aten operators dispatched (each one a kernel launch on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_loss_and_kl_off_the_cpu_run_in_a_few_large_chunks_not_cache_sized_ones():
     # A WMT update on a GPU: 25,000 target tokens x 37,000 pieces (meta tensors: shapes only, no memory). Chunks
     # sized for a CPU's cache would be 14 rows, ~1,800 chunks and ~20,000 kernel launches for the loss alone; the
@@ -156,7 +144,7 @@ def test_loss_and_kl_off_the_cpu_run_in_a_few_large_chunks_not_cache_sized_ones(
     target = torch.randint(1, 37_000, (shape[0],)).to("meta")
     for name, terms in [("loss", 1), ("kl", 2)]:
         logits = [torch.empty(shape, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(terms)]
-        with _OpCounter() as counter:
+        with OpCounter() as counter:
             if name == "loss":
                 out = LabelSmoothedCrossEntropy(0.1, PAD)(logits[0], target)[0]
             else:
@@ -167,7 +155,7 @@ def test_loss_and_kl_off_the_cpu_run_in_a_few_large_chunks_not_cache_sized_ones(
     # the projection fused into the loss: the same chunks, the logits never whole (the big model's 1,024 dims)
     hidden = torch.empty(shape[0], 1024, dtype=torch.bfloat16, device="meta", requires_grad=True)
     weight = torch.empty(shape[1], 1024, device="meta", requires_grad=True)
-    with _OpCounter() as counter:
+    with OpCounter() as counter:
         LabelSmoothedCrossEntropy(0.1, PAD).projected(hidden, weight, target)[0].backward()
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
     assert counter.ops < 1_000, f"fused projection and loss: {counter.ops} operators for one batch"

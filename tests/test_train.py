@@ -26,7 +26,7 @@ from pipeline.config import ConfigError
 from pipeline.shards import ShardDataset, build_shards
 from pipeline.train import TrainStep, accumulation_steps, make_batch, setup, train, usable_batches
 from pipeline.train.resume import load_optimizer
-from tests.conftest import copy_lines, resolved_tiny_config, tiny_config
+from tests.conftest import OpCounter, copy_lines, resolved_tiny_config, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -782,6 +782,18 @@ def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared
     for p, w, old in zip(step.model.parameters(), work.parameters(), before):
         assert p.dtype == torch.float32 and not torch.equal(p, old)  # Adam stepped the fp32 weights...
         assert torch.equal(w, p.detach().to(torch.bfloat16))  # ...and the bf16 copy follows them
+
+    # The bf16 gradients reach the fp32 ones in grouped kernels, not one or two per parameter (on a GPU each is a
+    # launch): a cast for the first micro-batch, an add for the next, both exact.
+    grads = [torch.randn_like(w) for w in work.parameters()]
+    for passes in (1, 2):
+        for w, g in zip(work.parameters(), grads):
+            w.grad = g.clone()
+        with OpCounter() as counter:
+            step._gradients_to_master()
+        assert counter.ops <= 2 < len(grads), counter.ops
+        for p, g in zip(step.model.parameters(), grads):
+            assert p.grad.dtype == torch.float32 and torch.equal(p.grad, passes * g.float())
 
 
 @pytest.mark.integration
