@@ -47,11 +47,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
-def _switch_word(value: Any) -> Any:
-    """YAML 1.1 (PyYAML) reads a bare ``on``/``off`` as a boolean: give a field whose words include them the word."""
-    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
-
-
 # --------------------------------------------------------------------------------------------------- data
 
 SourceFormat = Literal["text", "tsv", "sgm", "parquet", "arrow", "hf_disk", "hub", "ptb"]
@@ -175,8 +170,6 @@ class CleaningConfig(_Strict):
     decontaminate: Literal["off", "pair", "source", "either"] = Field(default="pair", description=(
         "Training split: drop pairs that also occur in the dev or test sets. pair: the same source and target; "
         "source: the same source; either: the same source or the same target; off: keep them."))
-
-    _decontaminate_word = field_validator("decontaminate", mode="before")(_switch_word)
 
     @model_validator(mode="after")
     def _bounds(self) -> "CleaningConfig":
@@ -461,8 +454,6 @@ class TrainConfig(_Strict):
     NOT_RUN_IDENTITY: ClassVar[frozenset[str]] = frozenset({
         "max_steps", "max_minutes", "log_every_steps", "dev_every_steps", "dev_max_sentences", "max_nonfinite_updates",
         "compile", "fused_output_loss", "fused_adam"})
-
-    _bf16_copy_word = field_validator("bf16_copy", mode="before")(_switch_word)
 
     @model_validator(mode="after")
     def _fusion_fits(self) -> "TrainConfig":
@@ -816,8 +807,10 @@ def _refuse_duplicate_keys(node: yaml.Node, path: str = "", seen: set[int] | Non
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-9`` as a float (YAML 1.1 wants ``1.0e-9``, a trap for learning rates) and
-    refuses a key repeated in one mapping (:class:`_DuplicateKey`) instead of keeping the last value."""
+    """SafeLoader that reads scalars as YAML 1.2 does where PyYAML's YAML 1.1 sets traps: ``1e-9`` is a float
+    (YAML 1.1 wants ``1.0e-9``: a trap for learning rates), and only true/false are booleans (YAML 1.1 also reads
+    yes/no/on/off: the language code ``no`` became false, the word ``on`` of a switch true). It also refuses a key
+    repeated in one mapping (:class:`_DuplicateKey`) instead of keeping the last value."""
 
     def construct_document(self, node: yaml.Node) -> Any:
         _refuse_duplicate_keys(node)
@@ -836,6 +829,10 @@ _YamlLoader.add_implicit_resolver(
     ),
     list("-+0123456789."),
 )
+_BOOL = "tag:yaml.org,2002:bool"
+for _resolvers in _YamlLoader.yaml_implicit_resolvers.values():  # the subclass's own copy (made by the call above)
+    _resolvers[:] = [(tag, regexp) for tag, regexp in _resolvers if tag != _BOOL]
+_YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
 def parse_value(text: str) -> Any:

@@ -117,11 +117,17 @@ def test_cli_style_and_dict_overrides() -> None:
     assert cfg.data.root == "123"
 
 
-def test_on_and_off_words_survive_yaml_booleans() -> None:
-    """YAML reads a bare on/off as true/false; the fields whose words they are take them as words."""
+def test_only_true_and_false_are_booleans(tmp_path: Path) -> None:
+    """YAML 1.1 (PyYAML) reads bare on/off/yes/no as booleans; configs read them as YAML 1.2 does: words."""
     cfg = load_config("multi30k-cpu", ["train.bf16_copy=on", "data.cleaning.decontaminate=off"])
     assert (cfg.train.bf16_copy, cfg.data.cleaning.decontaminate) == ("on", "off")
-    assert load_config("multi30k-cpu", ["train.bf16_copy=off"]).train.bf16_copy == "off"
+    path = tmp_path / "c.yaml"  # the Norway problem: a language code that YAML 1.1 reads as false
+    path.write_text("extends: " + str(CONFIG_DIR / "multi30k-cpu.yaml") + "\ndata:\n  tgt_lang: no\n"
+                    "model:\n  share_embeddings: False\n")
+    cfg = load_config(path)
+    assert (cfg.data.tgt_lang, cfg.model.share_embeddings) == ("no", False)
+    with pytest.raises(ConfigError, match="model.share_embeddings.*valid boolean"):
+        load_config("multi30k-cpu", ["model.share_embeddings=yes"])
 
 
 def test_exponent_floats_parse_as_floats(tmp_path: Path) -> None:
