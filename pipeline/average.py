@@ -140,13 +140,12 @@ def choose_last_n(cfg: RunConfig, checkpoints: Path, corpus: Path, tokenizer: Pa
     for i, n in enumerate(candidates):
         path = average_checkpoints(checkpoints, n, out_dir / f"last{n}.pt")
         sha = sha256_file(path)
-        scores = out_dir / f"dev-last{n}" / "scores.json"
-        if not (scores.is_file() and json.loads(scores.read_text(encoding="utf-8"))["checkpoint"]["sha256"] == sha):
-            # the i-th candidate's dev sentences come after those of the i before it
-            overall = None if progress is None else (
-                lambda done, total, i=i: progress(i * total + done, len(candidates) * total))
-            scores = evaluate_checkpoint(cfg, path, corpus, tokenizer, out_dir=scores.parent, splits=["dev"],
-                                         progress=overall)
+        # the i-th candidate's dev sentences come after those of the i before it
+        overall = None if progress is None else (
+            lambda done, total, i=i: progress(i * total + done, len(candidates) * total))
+        # an unchanged candidate's dev scores are reused (pipeline.evalsets.finished_scores)
+        scores = evaluate_checkpoint(cfg, path, corpus, tokenizer, out_dir=out_dir / f"dev-last{n}", splits=["dev"],
+                                     progress=overall)
         metric, value = dev_score(cfg, scores)
         log.info("average of the last %d checkpoints: dev %s %.2f", n, metric, value)
         rows.append({"n": n, "steps": steps[-n:], "dev": value, "sha256": sha, "scores": str(scores)})

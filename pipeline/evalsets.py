@@ -8,6 +8,9 @@ decodes a sentence into an output line, how it scores a split, and the dev numbe
 from __future__ import annotations
 
 import abc
+import functools
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -15,11 +18,14 @@ from typing import Callable, Iterable, Sequence
 import pyarrow.parquet as pq
 
 from model import Ensemble, Transformer
-from pipeline.config import RunConfig
+from pipeline.codegraph import code_closure
+from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import sha256_file
+from pipeline.fsutil import code_hash, sha256_file
 from pipeline.inference import load_models
 from pipeline.tokenize import Tokenizer
+
+log = logging.getLogger("aiayn.evaluate")
 
 SAMPLE_ROWS = 20
 Progress = Callable[[int, int], None]  # (sentences decoded so far, sentences in every split being evaluated)
@@ -37,6 +43,38 @@ def checkpoint_record(checkpoint: Checkpoints) -> dict:
     registration and the attention maps look up), ``{"ensemble": [{path, sha256}, ...]}`` for several."""
     entries = [{"path": str(c), "sha256": sha256_file(c)} for c in checkpoint_list(checkpoint)]
     return {"checkpoint": entries[0]} if len(entries) == 1 else {"ensemble": entries}
+
+
+@functools.cache
+def _code(module: str) -> str:
+    return code_hash(*code_closure(module, ("pipeline.config",)))
+
+
+def scores_header(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, module: str,
+                  **task: object) -> dict:
+    """What ``scores.json`` records beside the scores, everything that made them: the task's own settings
+    (``task``), the checkpoint(s) and their bytes, the tokenizer, the corpus, the decoding settings and the code
+    (``module``, the evaluator, with all of ours it runs: decoding and the model included)."""
+    return {**task, **checkpoint_record(checkpoint), "tokenizer_sha256": Tokenizer(tokenizer_dir).sha256,
+            "corpus_fingerprint": read_manifest(corpus_dir)["fingerprint"], "decoding": decode.model_dump(),
+            "code": _code(module)}
+
+
+def finished_scores(out_dir: Path, header: dict, corpus_dir: Path, splits: Sequence[str] | None) -> Path | None:
+    """``out_dir/scores.json`` when an earlier evaluation wrote it from the same ``header`` (:func:`scores_header`)
+    for the same splits, each split's outputs still there; else None. Re-running a finished run or stage then
+    scores nothing twice, while a changed checkpoint, tokenizer, corpus, setting or code decodes again."""
+    path = Path(out_dir) / "scores.json"
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or a file this code did not write whole
+        return None
+    keys = eval_split_keys(read_manifest(corpus_dir), corpus_dir, splits)
+    if not isinstance(old, dict) or {k: v for k, v in old.items() if k != "splits"} != header \
+            or list(old.get("splits", {})) != keys or not all((path.parent / f"{k}.hyp").is_file() for k in keys):
+        return None
+    log.info("%s: the same checkpoint, tokenizer, corpus, settings and code; reusing it", path)
+    return path
 
 
 def samples_markdown(title: str, columns: Sequence[str], rows: Iterable[Sequence[str]]) -> str:

@@ -93,6 +93,24 @@ def test_evaluate_writes_hypotheses_samples_and_scores(averaged, tiny_stack, tmp
 
 
 @pytest.mark.integration
+def test_a_finished_evaluation_is_reused_until_what_made_it_changes(averaged, tiny_stack, tmp_path) -> None:
+    """Re-running a finished run decodes nothing again; other settings, or a lost output file, decode anew."""
+    def evaluate(decode: DecodeConfig) -> dict:
+        out = evaluate_translation(averaged, tiny_stack.tokenizer, tiny_stack.corpus, decode, tmp_path,
+                                   splits=["dev"])
+        return {"decoding": json.loads(out.read_text())["decoding"],
+                **{f.name: f.stat().st_mtime_ns for f in (out, tmp_path / "dev.hyp")}}
+
+    first = evaluate(FAST_DECODE)
+    assert evaluate(FAST_DECODE) == first  # not written again
+    greedy = evaluate(FAST_DECODE.model_copy(update={"beam_size": 1}))
+    assert greedy["decoding"]["beam_size"] == 1 and greedy["dev.hyp"] != first["dev.hyp"]
+    (tmp_path / "dev.hyp").unlink()
+    again = evaluate(FAST_DECODE.model_copy(update={"beam_size": 1}))
+    assert (tmp_path / "dev.hyp").is_file() and again["scores.json"] != greedy["scores.json"]
+
+
+@pytest.mark.integration
 def test_translate_command_reads_stdin(averaged, tiny_stack, shared_data) -> None:
     lines = ["A man  is riding a bike.", "Two dogs play in the snow.", "A girl\tsmiles."]
     cmd = [sys.executable, "-m", "pipeline", "translate", "--checkpoint", str(averaged), "--tokenizer",
@@ -194,3 +212,6 @@ def test_run_command_end_to_end_on_multi30k(shared_data, tmp_path) -> None:
     assert again.returncode == 0, again.stderr[-3000:]
     assert "corpus unchanged" in again.stderr and "tokenizer unchanged" in again.stderr
     assert "shards unchanged" in again.stderr
+    # the finished evaluation is reused: not one sentence decoded again
+    assert "scores.json: the same checkpoint, tokenizer" in again.stderr
+    assert not re.search(r"evaluate: \d+%", again.stderr)

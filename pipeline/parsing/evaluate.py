@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 from model import Ensemble, Transformer
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import DataError
-from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, checkpoint_record, eval_setup,
-                               samples_markdown)
+from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, eval_setup, finished_scores,
+                               samples_markdown, scores_header)
 from pipeline.fsutil import write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.parsing.constraint import tree_constraint
@@ -95,6 +95,9 @@ def evaluate_parsing(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: P
     """Parse each dev/test split of the corpus with the checkpoint and score it with EVALB; returns
     ``scores.json``. ``splits`` defaults to every split but ``train``; ``leaves`` is ``data.tree_leaves``;
     ``progress`` hears (sentences parsed, sentences in all those splits) after every batch."""
+    header = scores_header(checkpoint, tokenizer_dir, corpus_dir, decode, __name__, task="parsing", tree_leaves=leaves)
+    if (done := finished_scores(out_dir, header, corpus_dir, splits)) is not None:
+        return done
     setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress)
     corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
     results = {}
@@ -125,10 +128,7 @@ def evaluate_parsing(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: P
                  "right-branching F1 %.2f", key, r["f1"], r["precision"], r["recall"], r["exact_match"],
                  100 * r["well_formed_before_repair_rate"], r["right_branching_f1"])
     path = out_dir / "scores.json"
-    write_json(path, {"task": "parsing", "tree_leaves": leaves,
-                      **checkpoint_record(checkpoint),
-                      "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
-                      "decoding": decode.model_dump(), "splits": results})
+    write_json(path, {**header, "splits": results})
     return path
 
 

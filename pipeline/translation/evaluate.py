@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 
 from model import Ensemble, Transformer
 from pipeline.config import DecodeConfig, RunConfig
-from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, checkpoint_record, eval_setup,
-                               samples_markdown)
+from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, eval_setup, finished_scores,
+                               samples_markdown, scores_header)
 from pipeline.fsutil import write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.tokenize import Tokenizer
@@ -44,6 +44,9 @@ def evaluate_translation(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_di
     ``splits`` defaults to every split but ``train`` (``dev`` and each ``test.<name>``); ``progress`` hears
     (sentences translated, sentences in all those splits) after every batch.
     """
+    header = scores_header(checkpoint, tokenizer_dir, corpus_dir, decode, __name__)
+    if (done := finished_scores(out_dir, header, corpus_dir, splits)) is not None:
+        return done
     setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress)
     corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
     results = {}
@@ -65,9 +68,7 @@ def evaluate_translation(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_di
         log.info("%s: sacreBLEU %.2f, chrF %.2f, %s %.2f", key, results[key]["sacrebleu"]["score"],
                  results[key]["chrf"]["score"], *_tokenized(results[key]))
     path = out_dir / "scores.json"
-    write_json(path, {**checkpoint_record(checkpoint),
-                      "tokenizer_sha256": tokenizer.sha256, "corpus_fingerprint": corpus["fingerprint"],
-                      "decoding": decode.model_dump(), "splits": results})
+    write_json(path, {**header, "splits": results})
     return path
 
 
