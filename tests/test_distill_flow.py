@@ -176,7 +176,7 @@ def test_the_student_presets_are_the_tiny_recipe_and_the_deep_shallow_shape() ->
     assert student.preset == "student-tiny" and student.distill.decode.length_penalty == tiny.decode.length_penalty
     deep = load_config("multi30k-student-deep-shallow")
     assert (deep.model.encoder_layers, deep.model.decoder_layers) == (6, 2)
-    assert deep.model == tiny.model.model_copy(update={"encoder_layers": 6, "decoder_layers": 2})
+    assert deep.model == tiny.model.model_copy(update={"encoder_layers": 6, "decoder_layers": 2, "norm": "pre"})
     fr = load_config("multi30k-en-fr-student-tiny")
     assert fr.decode == load_config("multi30k-en-fr-cpu").decode and fr.distill.decode.length_penalty == 1.0
 
