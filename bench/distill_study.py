@@ -15,7 +15,7 @@ content-addressed in ``--work-dir``, so the study resumes where it stopped: run 
   original) by the pooled paired bootstrap over the seeds on dev (the choosing set) and on test2016 (reported);
   the teacher ensemble's and one teacher's scores; for one model per arm (seed 1), decoding speed on test2016
   (sentences/s, PyTorch fp32 and the int8 CTranslate2 export, 1 and 2 threads, the config's beam and alpha) and
-  size on disk (float32 weights, the int8 export folder). Written to ``--out`` (JSON) and printed as a table.
+  size on disk (float32 weights, the int8 export folder). Written to ``--out`` and printed (JSON).
 
 Every run trains a fixed number of updates (``--max-steps``, default 4,400: what the default reaches in its 30
 minutes on the EPYC, ledger L23) instead of the configs' 30-minute clock, so that what a run learns does not depend
@@ -250,10 +250,11 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
                  _run_cost(r["checkpoint"])["train_hours"]] for arm, search, m in arms for r in m["runs"]]
     speed_cols = ["speed.pytorch_fp32.threads1", "speed.pytorch_fp32.threads2", "speed.ct2_int8.threads1",
                   "speed.ct2_int8.threads2"]
-    serving = [[name, "beam", None, t["size_mb.float32"], None, None, *(t.get(c) for c in speed_cols)]
-               for name, t in teachers.items()]
-    serving += [[arm, search, m["parameters"], m["size_mb.float32"], m["size_mb.int8_export"],
-                 m["test2016.sacrebleu.ct2_int8"], *(m.get(c) for c in speed_cols)] for arm, search, m in arms]
+    serving = [[name, "beam", None, t["test2016.sacrebleu"], t["size_mb.float32"], None, None,
+                *(t.get(c) for c in speed_cols)] for name, t in teachers.items()]
+    serving += [[arm, search, m["parameters"], m["runs"][0]["test2016.sacrebleu"], m["size_mb.float32"],
+                 m["size_mb.int8_export"], m["test2016.sacrebleu.ct2_int8"], *(m.get(c) for c in speed_cols)]
+                for arm, search, m in arms]
     mean = lambda xs: round(sum(xs) / len(xs), 2)  # noqa: E731
     figures = {f"{arm}.{search}.{k}.mean": mean([r[k] for r in m["runs"]]) for arm, search, m in arms
                for k in ("dev.sacrebleu", "test2016.sacrebleu")}
@@ -274,15 +275,18 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
                     "threads": result["cpus"]},
         "commit": commit, "command": command, "figures": figures,
         "tables": [
-            {"name": "per_seed", "caption": "Every run and search (beam: its config's; greedy: beam 1): dev and "
-                                            "test2016 sacreBLEU, test2016 chrF, training hours",
+            {"name": "distill_per_seed",
+             "caption": "Every run and search (beam: its config's; greedy: beam 1): dev and test2016 sacreBLEU, "
+                        "test2016 chrF, training hours",
              "columns": ["arm", "search", "seed", "dev_sacrebleu", "test2016_sacrebleu", "test2016_chrf",
                          "train_hours"],
              "rows": per_seed},
-            {"name": "serving", "caption": "Size, the int8 export's test2016 sacreBLEU and test2016 decoding speed "
-                                           "(sentences/s) of the teachers and of seed 1 of each arm and search",
-             "columns": ["model", "search", "parameters", "float32_mb", "int8_export_mb", "int8_test2016_sacrebleu",
-                         "pytorch_fp32_1t", "pytorch_fp32_2t", "ct2_int8_1t", "ct2_int8_2t"],
+            {"name": "distill_serving", "caption": "The teachers and seed 1 of each arm and search: parameters, "
+                                                   "test2016 sacreBLEU (PyTorch), size, the int8 export's test2016 "
+                                                   "sacreBLEU, and test2016 decoding speed (sentences/s)",
+             "columns": ["model", "search", "parameters", "test2016_sacrebleu", "float32_mb", "int8_export_mb",
+                         "int8_test2016_sacrebleu", "pytorch_fp32_1t", "pytorch_fp32_2t", "ct2_int8_1t",
+                         "ct2_int8_2t"],
              "rows": serving}],
         "significance": [{"claim": c["claim"], "set": c["set"], "delta": c["delta"], "ci95": c["ci95"], "p": c["p"],
                           "test": c["test"]} for c in result["significance"]],

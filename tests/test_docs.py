@@ -159,3 +159,53 @@ def test_the_site_builds_strictly_and_shows_its_plots_in_a_browser(tmp_path, chr
     for src in plots:
         assert (html / "results" / src).is_file(), f"plot {src} is missing from the built site"
     assert _plot_pixels(tmp_path / "results.png") > 500, "no plot is visible in the results page's screenshot"
+
+
+def _measure_result(tmp_path: Path) -> dict:
+    """A result shaped as ``bench/distill_study.py measure`` writes it: two seeds, two arms (beam and greedy)."""
+    def run(arm: str, seed: int, test: float) -> dict:
+        ckpt = tmp_path / f"{arm}-{seed}" / "averaged" / "choose" / "last5.pt"
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        (ckpt.parents[2] / "train_summary.json").write_text('{"steps": 4400, "train_seconds": 3600}')
+        return {"seed": seed, "dev.sacrebleu": test + 1, "test2016.sacrebleu": test, "test2016.chrf": 60.0,
+                "checkpoint": str(ckpt)}
+
+    speeds = {"speed.pytorch_fp32.threads1": 10.0, "speed.pytorch_fp32.threads2": 18.0}
+    arm = lambda name, base: {"config": f"multi30k-{name}", **{  # noqa: E731
+        search: {"decode": {"beam_size": 4 if search == "beam" else 1, "length_penalty": 1.0},
+                 "runs": [run(name, s, base + s / 10) for s in (1, 2)], "parameters": 9_000_000,
+                 "size_mb.float32": 36.0, "size_mb.int8_export": 9.5, "test2016.sacrebleu.ct2_int8": base - 0.2,
+                 **speeds, "speed.ct2_int8.threads1": 40.0, "speed.ct2_int8.threads2": 70.0}
+        for search in ("beam", "greedy")}}
+    return {"machine": "AMD EPYC (family 25, model 17), AVX512-BF16", "cpus": 2, "seeds": [1, 2],
+            "teachers": {"teacher-1": {"dev.sacrebleu": 41.0, "test2016.sacrebleu": 40.3, "test2016.chrf": 63.0,
+                                       "size_mb.float32": 36.0, **speeds},
+                         "teacher-ensemble-3": {"dev.sacrebleu": 42.3, "test2016.sacrebleu": 41.1,
+                                                "test2016.chrf": 64.0, "size_mb.float32": 108.0, **speeds}},
+            "arms": {"original": arm("original", 40.0), "distilled": arm("distilled", 40.6)},
+            "significance": [{"claim": "distilled against original", "set": "dev", "base": 41.1, "system": 41.7,
+                              "delta": 0.6, "ci95": [0.1, 1.1], "p": 0.02, "test": "paired bootstrap"}]}
+
+
+def test_a_distillation_study_becomes_a_ledger_entry_and_its_plot(tmp_path):
+    """The study's ledger entry validates as the ledger reads it, and the results plot draws every arm and search
+    and both teachers from it; an entry without its tables draws nothing."""
+    import importlib.util
+
+    import yaml
+    from aiayn_docs import plots
+
+    spec = importlib.util.spec_from_file_location("distill_study", REPO / "bench" / "distill_study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    entry = study.ledger_entry(_measure_result(tmp_path), "en-de", "L99", "abc1234", "python bench/...", "2026-11-27")
+    path = tmp_path / "ledger.yaml"
+    path.write_text(yaml.safe_dump({"current_default": {}, "entries": [entry]}, sort_keys=False))
+    led = ledger.load(path)
+    assert led["L99"].figures["distilled.beam.test2016.sacrebleu.mean"] == 40.75
+    assert plots.distillation(led, REPO, tmp_path / "plots") is not None
+    svg = (tmp_path / "plots" / "distillation.svg").read_text(encoding="utf-8")
+    for label in ("original", "distilled", "greedy", "teacher-1", "teacher-ensemble-3", "L99"):
+        assert label in svg, f"the distillation plot does not show {label}"
+    bare = led.model_copy(update={"entries": [led["L99"].model_copy(update={"tables": []})]})
+    assert plots.distillation(bare, REPO, tmp_path / "none") is None

@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 from .ledger import Entry, Ledger  # noqa: E402
 
@@ -167,8 +168,52 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
     return _save(fig, out / "quality-vs-speed.svg")
 
 
+def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """Distillation studies (bench/distill_study.py's entries), one row of panels each: test2016 sacreBLEU of every
+    run per arm and search against the teachers', and quality against decoding speed (2 threads) of the teachers
+    and of seed 1 of each arm, PyTorch fp32 and its int8 CTranslate2 export joined, marker area by size on disk.
+    Tables named ``distill_per_seed`` and ``distill_serving``."""
+    found = [(e, {t.name: [dict(zip(t.columns, r)) for r in t.rows] for t in e.tables}) for e in led.entries]
+    found = [(e, t) for e, t in found if "distill_per_seed" in t and "distill_serving" in t]
+    if not found:
+        return None
+    fig, axes = plt.subplots(len(found), 2, figsize=(10, 4 * len(found)), squeeze=False)
+    for (a, b), (e, tables) in zip(axes, found):
+        runs, serving = tables["distill_per_seed"], tables["distill_serving"]
+        arms = list(dict.fromkeys(f"{r['arm']}\n{r['search']}" for r in runs))
+        for i, arm in enumerate(arms):
+            ys = [r["test2016_sacrebleu"] for r in runs if f"{r['arm']}\n{r['search']}" == arm]
+            a.scatter([i] * len(ys), ys, color="#4c72b0", alpha=0.7, zorder=3)
+            a.plot([i - 0.25, i + 0.25], [sum(ys) / len(ys)] * 2, color="#4c72b0", lw=2)
+        for r, style in zip((r for r in serving if r["model"].startswith("teacher")), ("--", ":", "-.")):
+            a.axhline(r["test2016_sacrebleu"], color="#dd8452", ls=style, lw=1, label=r["model"])
+        a.set_xticks(range(len(arms)), arms, fontsize=7)
+        a.set(ylabel="test2016 sacreBLEU", title=f"{e.id}: every seed (dots) and their mean (bar)")
+        a.legend(fontsize=7, loc="lower right")
+        top = max(max(r["float32_mb"] or 0, r["int8_export_mb"] or 0) for r in serving) or 1
+        for r in serving:
+            name = r["model"] if r["search"] == "beam" else f"{r['model']} ({r['search']})"
+            points = [(r["pytorch_fp32_2t"], r["test2016_sacrebleu"], r["float32_mb"], "o")]
+            if r["ct2_int8_2t"] is not None:
+                points.append((r["ct2_int8_2t"], r["int8_test2016_sacrebleu"], r["int8_export_mb"], "^"))
+            line = b.plot([p[0] for p in points], [p[1] for p in points], lw=0.8, alpha=0.6)[0]
+            for x, y, size, marker in points:
+                b.scatter([x], [y], s=30 + 400 * (size or 0) / top, marker=marker, color=line.get_color(), alpha=0.6)
+            b.annotate(name, points[-1][:2], fontsize=7, xytext=(6, 4), textcoords="offset points")
+        b.set_xscale("log")
+        for setter in (b.xaxis.set_major_formatter, b.xaxis.set_minor_formatter):  # 20, not 2x10^1
+            setter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        b.set(xlabel="test2016 sentences/s, 2 threads (log)", ylabel="test2016 sacreBLEU",
+              title=f"{e.id}: {_cpu(e)}; o PyTorch fp32, ^ CTranslate2 int8")
+        b.margins(x=0.2, y=0.2)
+    fig.suptitle("Distilled students against their teachers and the original data (marker area: size on disk)",
+                 fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out / "distillation.svg")
+
+
 PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
-    learning_curve, speed_vs_baselines, gpu_throughput, recipe_deltas, quality_vs_speed]
+    learning_curve, speed_vs_baselines, gpu_throughput, recipe_deltas, quality_vs_speed, distillation]
 
 
 def _save(fig, path: Path) -> Path:
