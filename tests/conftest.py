@@ -53,6 +53,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, each worker and every process it starts computes on its share of the cores: two workers
+    of 2 threads each on 2 cores ran a training test several times slower than one thread each (OpenMP threads
+    wait on each other at every operator while the other worker holds the cores). An explicit AIAYN_CPU_THREADS
+    wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and not os.environ.get("AIAYN_CPU_THREADS"):
+        import torch
+
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["AIAYN_CPU_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(threads)  # ours, and any torch
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _temporary_files_in_pytests_folder(tmp_path_factory: pytest.TempPathFactory):
     """Temporary files of the tests and of every process they start (torchrun's log folders, MLflow's model

@@ -55,9 +55,9 @@ def _one_node_of_two_processes(run: Path, out: Path) -> dict[str, torch.Tensor]:
     shards = next(p for p in (Path(cfg.work_dir) / "shards").iterdir()
                   if run.name.endswith(json.loads((p / "manifest.json").read_text())["fingerprint"][:12]))
     cmd = torchrun_command(LaunchConfig(nproc_per_node=2), run / "config.yaml", shards, out)
-    # A node of one process computes on every core; so must these two, for the same arithmetic (one thread more
-    # or less changes how a matmul splits its sums).
-    threads = str(len(psutil.Process().cpu_affinity()))
+    # A node of one process computes on every core (or on AIAYN_CPU_THREADS, as under pytest-xdist); so must
+    # these two, for the same arithmetic (one thread more or less changes how a matmul splits its sums).
+    threads = os.environ.get("AIAYN_CPU_THREADS") or str(len(psutil.Process().cpu_affinity()))
     res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "AIAYN_CPU_THREADS": threads})
     assert res.returncode == 0, res.stderr[-4000:]
