@@ -180,14 +180,15 @@ def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
     fig, axes = plt.subplots(len(found), 2, figsize=(10, 4 * len(found)), squeeze=False)
     for (a, b), (e, tables) in zip(axes, found):
         runs, serving = tables["distill_per_seed"], tables["distill_serving"]
-        arms = list(dict.fromkeys(f"{r['arm']}\n{r['search']}" for r in runs))
-        for i, arm in enumerate(arms):
-            ys = [r["test2016_sacrebleu"] for r in runs if f"{r['arm']}\n{r['search']}" == arm]
+        by_arm: dict[str, list[float]] = {}  # "<arm>\n<search>": test2016 of each seed, in the table's order
+        for r in runs:
+            by_arm.setdefault(f"{r['arm']}\n{r['search']}", []).append(r["test2016_sacrebleu"])
+        for i, ys in enumerate(by_arm.values()):
             a.scatter([i] * len(ys), ys, color="#4c72b0", alpha=0.7, zorder=3)
             a.plot([i - 0.25, i + 0.25], [sum(ys) / len(ys)] * 2, color="#4c72b0", lw=2)
         for r, style in zip((r for r in serving if r["model"].startswith("teacher")), ("--", ":", "-.")):
             a.axhline(r["test2016_sacrebleu"], color="#dd8452", ls=style, lw=1, label=r["model"])
-        a.set_xticks(range(len(arms)), arms, fontsize=7)
+        a.set_xticks(range(len(by_arm)), list(by_arm), fontsize=7)
         a.set(ylabel="test2016 sacreBLEU", title=f"{e.id}: every seed (dots) and their mean (bar)")
         a.legend(fontsize=7, loc="lower right")
         top = max(max(r["float32_mb"] or 0, r["int8_export_mb"] or 0) for r in serving) or 1
