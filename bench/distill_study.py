@@ -82,7 +82,11 @@ class Study:
     def __init__(self, args: argparse.Namespace):
         self.work, self.data_root = args.work_dir.resolve(), args.data_root
         self.k, self.seeds = args.teachers, args.seeds
-        self.teacher_config, self.students = PAIRS[args.pair]
+        self.teacher_config, students = PAIRS[args.pair]
+        unknown = set(args.arms or []) - set(students)
+        if unknown:
+            raise SystemExit(f"--arms: {sorted(unknown)} are not arms of {args.pair}; its arms: {sorted(students)}")
+        self.students = {a: c for a, c in students.items() if not args.arms or a in args.arms}
         self.budget = [f"train.max_steps={args.max_steps}", "train.max_minutes=null"]
 
     def flags(self, config: str, overrides: list[str]) -> list[str]:
@@ -170,7 +174,9 @@ def phase_measure(study: Study, out: Path | None) -> dict:
     pipeline("evaluate", *study.flags(study.teacher_config, study.teacher_overrides(1)),
              *[a for t in teachers for a in ("--checkpoint", str(t))])
     result: dict = {"machine": cpu_name(), "cpus": os.cpu_count(), "seeds": study.seeds, "teachers": {}, "arms": {}}
-    for name, members in (("teacher-1", teachers[:1]), (f"teacher-ensemble-{len(teachers)}", teachers)):
+    # one teacher is its own ensemble: measured once
+    named = {"teacher-1": teachers[:1]} | ({f"teacher-ensemble-{len(teachers)}": teachers} if len(teachers) > 1 else {})
+    for name, members in named.items():
         scores = json.loads((eval_dir(tcfg, members) / "scores.json").read_text())
         result["teachers"][name] = {
             "dev.sacrebleu": scores["splits"]["dev"]["sacrebleu"]["score"],
@@ -215,8 +221,9 @@ def phase_measure(study: Study, out: Path | None) -> dict:
                 **{f"speed.{k}.threads{t}": v for t, m in measured.items() for k, v in m.items()
                    if not k.endswith("hypotheses")}}
     result["significance"] = []
-    base = outputs["original"]
-    claims = [(k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in outputs if k != "original"]
+    base = outputs.get("original", {})  # the claims are against the original arm: none without it
+    claims = [(k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in outputs
+              if base and k != "original"]
     for key, claim in claims:
         for split in ("dev", TEST):
             refs = base[split][0][1]
@@ -301,6 +308,9 @@ def main() -> None:
     p.add_argument("--pair", default="en-de", choices=sorted(PAIRS), help="language pair")
     p.add_argument("--teachers", type=int, default=3, help="teacher runs (seeds 1..k) in the ensemble")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="paired student seeds")
+    p.add_argument("--arms", nargs="+", default=None,
+                   help="students and measure: only these arms (default: every arm of the pair); a study split "
+                        "over sessions trains and measures a part at a time")
     p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
     p.add_argument("--out", type=Path, default=None, help="measure: the result JSON; ledger: read from here")
     p.add_argument("--ledger-id", help="ledger: the entry's id (the next free one in docs/results/ledger.yaml)")
