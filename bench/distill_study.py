@@ -44,7 +44,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from sacrebleu.metrics import BLEU  # noqa: E402
 import torch  # noqa: E402
 
-from pipeline.speed import cpu_name  # noqa: E402
+from pipeline.speed import cpu_features, cpu_name  # noqa: E402
 from pipeline.average import averaged_path  # noqa: E402
 from pipeline.config import RunConfig, resolve_config  # noqa: E402
 from pipeline.data import read_manifest  # noqa: E402
@@ -278,8 +278,7 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
                  "original by the paired bootstrap pooled over the seeds; decoding speed on test2016 (PyTorch fp32, "
                  "CTranslate2 int8; 1 and 2 threads) and size on disk for seed 1 of each arm; each arm with its "
                  "config's beam search and greedy."),
-        "machine": {"cpu": features, "amx": "AMX" in features, "avx512_bf16": "AVX512-BF16" in features,
-                    "threads": result["cpus"]},
+        "machine": {"cpu": features, **cpu_features(features), "threads": result["cpus"]},
         "commit": commit, "command": command, "figures": figures,
         "tables": [
             {"name": "distill_per_seed",

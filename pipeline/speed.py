@@ -36,6 +36,12 @@ def cpu_name() -> str:
             f"({', '.join(features) or 'no AMX, no AVX512-BF16'})")
 
 
+def cpu_features(name: str) -> dict[str, bool]:
+    """Whether a :func:`cpu_name` names AMX tiles and AVX512-BF16 (the results ledger's machine fields)."""
+    listed = name.rsplit("(", 1)[-1].rstrip(")").split(", ")
+    return {"amx": "AMX" in listed, "avx512_bf16": "AVX512-BF16" in listed}
+
+
 @dataclass(frozen=True)
 class Served:
     """A model as it serves: its checkpoint and tokenizer folder, and its CTranslate2 export when it serves with

@@ -189,15 +189,12 @@ def _measure_result(tmp_path: Path) -> dict:
 
 def test_a_distillation_study_becomes_a_ledger_entry_and_its_plot(tmp_path):
     """The study's ledger entry validates as the ledger reads it, and the results plot draws every arm and search
-    and both teachers from it; an entry without its tables draws nothing."""
-    import importlib.util
-
+    and both teachers from it; a study that measured no speed draws its seeds alone; an entry without its tables
+    draws nothing."""
     import yaml
     from aiayn_docs import plots
 
-    spec = importlib.util.spec_from_file_location("distill_study", REPO / "bench" / "distill_study.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
+    study = _bench_module("distill_study")
     entry = study.ledger_entry(_measure_result(tmp_path), "en-de", "L99", "abc1234", "python bench/...", "2026-11-27")
     path = tmp_path / "ledger.yaml"
     path.write_text(yaml.safe_dump({"current_default": {}, "entries": [entry]}, sort_keys=False))
@@ -207,5 +204,48 @@ def test_a_distillation_study_becomes_a_ledger_entry_and_its_plot(tmp_path):
     svg = (tmp_path / "plots" / "distillation.svg").read_text(encoding="utf-8")
     for label in ("original", "distilled", "greedy", "teacher-1", "teacher-ensemble-3", "L99"):
         assert label in svg, f"the distillation plot does not show {label}"
+    quality_only = [t for t in led["L99"].tables if t.name == "distill_per_seed"]  # a study whose measure never ran
+    part = led.model_copy(update={"entries": [led["L99"].model_copy(update={"tables": quality_only})]})
+    assert plots.distillation(part, REPO, tmp_path / "part") is not None
+    svg = (tmp_path / "part" / "distillation.svg").read_text(encoding="utf-8")
+    assert "distilled" in svg and "measured no speed or size" in svg
     bare = led.model_copy(update={"entries": [led["L99"].model_copy(update={"tables": []})]})
     assert plots.distillation(bare, REPO, tmp_path / "none") is None
+
+
+def _bench_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cost_of_student_architectures_becomes_a_ledger_entry_and_its_plot(tmp_path):
+    """bench/bench_students.py's result becomes an entry the ledger reads, with each architecture's speed against
+    the default's int8 beam search, and the plot draws every architecture against the goal's 2x."""
+    import yaml
+    from aiayn_docs import plots
+
+    bench = _bench_module("bench_students")
+    speeds = lambda scale: {k: 100.0 * scale * (3 if "greedy" in k else 1) for k in bench.SPEEDS}  # noqa: E731
+    model = lambda enc, dec, scale: {  # noqa: E731
+        "config": "multi30k-cpu", "overrides": [], "updates": 20, "parameters": 8_000_000, "size_mb.float32": 30.0,
+        "size_mb.int8_export": 9.0, "median": speeds(scale), "model": {
+            "encoder_layers": enc, "decoder_layers": dec, "d_model": 256, "d_ff": 1024, "heads": 4, "norm": "pre"}}
+    result = {"machine": "AMD EPYC, family 25 model 1 (no AMX, no AVX512-BF16)", "cpus": 2, "sentences": 1000, "forced_length": 14,
+              "repeats": 3, "baseline": "default 3+3",
+              "models": {"default 3+3": model(3, 3, 1.0), "deep-shallow 6+1": model(6, 1, 1.5)}}
+    entry = bench.ledger_entry(result, "L99", "abc1234", "python bench/bench_students.py", "2026-11-27")
+    path = tmp_path / "ledger.yaml"
+    path.write_text(yaml.safe_dump({"current_default": {}, "entries": [entry]}, sort_keys=False))
+    led = ledger.load(path)
+    figures = led["L99"].figures
+    assert (led["L99"].machine.amx, led["L99"].machine.avx512_bf16) == (False, False)  # "no AMX" names none
+    assert figures["deep_shallow_6_1.ct2_int8.beam.threads2.vs_default_int8_beam"] == 1.5
+    assert figures["default_3_3.ct2_int8.greedy.threads2.vs_default_int8_beam"] == 3.0
+    assert plots.student_cost(led, REPO, tmp_path / "plots") is not None
+    svg = (tmp_path / "plots" / "student-cost.svg").read_text(encoding="utf-8")
+    for label in ("default 3+3", "deep-shallow 6+1", "int8, greedy", "2x", "L99"):
+        assert label in svg, f"the student-cost plot does not show {label}"

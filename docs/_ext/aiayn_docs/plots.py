@@ -170,16 +170,16 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
 
 def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Distillation studies (bench/distill_study.py's entries), one row of panels each: test2016 sacreBLEU of every
-    run per arm and search against the teachers', and quality against decoding speed (2 threads) of the teachers
-    and of seed 1 of each arm, PyTorch fp32 and its int8 CTranslate2 export joined, marker area by size on disk.
-    Tables named ``distill_per_seed`` and ``distill_serving``."""
+    run per arm and search against the teachers', and, where the entry measured it, quality against decoding speed
+    (2 threads) of the teachers and of seed 1 of each arm, PyTorch fp32 and its int8 CTranslate2 export joined,
+    marker area by size on disk. Tables named ``distill_per_seed`` and (optional) ``distill_serving``."""
     found = [(e, {t.name: [dict(zip(t.columns, r)) for r in t.rows] for t in e.tables}) for e in led.entries]
-    found = [(e, t) for e, t in found if "distill_per_seed" in t and "distill_serving" in t]
+    found = [(e, t) for e, t in found if "distill_per_seed" in t]
     if not found:
         return None
     fig, axes = plt.subplots(len(found), 2, figsize=(10, 4 * len(found)), squeeze=False)
     for (a, b), (e, tables) in zip(axes, found):
-        runs, serving = tables["distill_per_seed"], tables["distill_serving"]
+        runs, serving = tables["distill_per_seed"], tables.get("distill_serving", [])
         by_arm: dict[str, list[float]] = {}  # "<arm>\n<search>": test2016 of each seed, in the table's order
         for r in runs:
             by_arm.setdefault(f"{r['arm']}\n{r['search']}", []).append(r["test2016_sacrebleu"])
@@ -190,31 +190,66 @@ def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
             a.axhline(r["test2016_sacrebleu"], color="#dd8452", ls=style, lw=1, label=r["model"])
         a.set_xticks(range(len(by_arm)), list(by_arm), fontsize=7)
         a.set(ylabel="test2016 sacreBLEU", title=f"{e.id}: every seed (dots) and their mean (bar)")
-        a.legend(fontsize=7, loc="lower right")
-        top = max(max(r["float32_mb"] or 0, r["int8_export_mb"] or 0) for r in serving) or 1
-        for r in serving:
-            name = r["model"] if r["search"] == "beam" else f"{r['model']} ({r['search']})"
-            points = [(r["pytorch_fp32_2t"], r["test2016_sacrebleu"], r["float32_mb"], "o")]
-            if r["ct2_int8_2t"] is not None:
-                points.append((r["ct2_int8_2t"], r["int8_test2016_sacrebleu"], r["int8_export_mb"], "^"))
-            line = b.plot([p[0] for p in points], [p[1] for p in points], lw=0.8, alpha=0.6)[0]
-            for x, y, size, marker in points:
-                b.scatter([x], [y], s=30 + 400 * (size or 0) / top, marker=marker, color=line.get_color(), alpha=0.6)
-            b.annotate(name, points[-1][:2], fontsize=7, xytext=(6, 4), textcoords="offset points")
-        b.set_xscale("log")
-        for setter in (b.xaxis.set_major_formatter, b.xaxis.set_minor_formatter):  # 20, not 2x10^1
-            setter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        b.set(xlabel="test2016 sentences/s, 2 threads (log)", ylabel="test2016 sacreBLEU",
-              title=f"{e.id}: {_cpu(e)}; o PyTorch fp32, ^ CTranslate2 int8")
-        b.margins(x=0.2, y=0.2)
+        if serving:
+            a.legend(fontsize=7, loc="lower right")
+            _serving_panel(b, e, serving)
+        else:
+            b.axis("off")
+            b.text(0.5, 0.5, f"{e.id} measured no speed or size", ha="center", va="center", fontsize=8)
     fig.suptitle("Distilled students against their teachers and the original data (marker area: size on disk)",
                  fontsize=9)
     fig.tight_layout()
     return _save(fig, out / "distillation.svg")
 
 
+def _serving_panel(b, e: Entry, serving: list[dict]) -> None:
+    top = max(max(r["float32_mb"] or 0, r["int8_export_mb"] or 0) for r in serving) or 1
+    for r in serving:
+        name = r["model"] if r["search"] == "beam" else f"{r['model']} ({r['search']})"
+        points = [(r["pytorch_fp32_2t"], r["test2016_sacrebleu"], r["float32_mb"], "o")]
+        if r["ct2_int8_2t"] is not None:
+            points.append((r["ct2_int8_2t"], r["int8_test2016_sacrebleu"], r["int8_export_mb"], "^"))
+        line = b.plot([p[0] for p in points], [p[1] for p in points], lw=0.8, alpha=0.6)[0]
+        for x, y, size, marker in points:
+            b.scatter([x], [y], s=30 + 400 * (size or 0) / top, marker=marker, color=line.get_color(), alpha=0.6)
+        b.annotate(name, points[-1][:2], fontsize=7, xytext=(6, 4), textcoords="offset points")
+    b.set_xscale("log")
+    for setter in (b.xaxis.set_major_formatter, b.xaxis.set_minor_formatter):  # 20, not 2x10^1
+        setter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    b.set(xlabel="test2016 sentences/s, 2 threads (log)", ylabel="test2016 sacreBLEU",
+          title=f"{e.id}: {_cpu(e)}; o PyTorch fp32, ^ CTranslate2 int8")
+    b.margins(x=0.2, y=0.2)
+
+
+def student_cost(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """Each student architecture's decoding speed against the default's int8 export with beam search, 2 threads
+    (bench/bench_students.py: every output forced to one length), the goal's 2x marked; tables named
+    ``student_cost`` (columns: architecture, ``<engine>_<search>_2t`` sentences/s), one panel per entry."""
+    found = [(e, [dict(zip(t.columns, r)) for r in t.rows]) for e in led.entries for t in e.tables
+             if t.name == "student_cost"]
+    if not found:
+        return None
+    series = [("ct2_int8_beam_2t", "int8, beam"), ("ct2_int8_greedy_2t", "int8, greedy"),
+              ("pytorch_fp32_beam_2t", "PyTorch fp32, beam"), ("pytorch_fp32_greedy_2t", "PyTorch fp32, greedy")]
+    fig, axes = plt.subplots(1, len(found), figsize=(max(7.5, 6 * len(found)), 3.8), squeeze=False)
+    for ax, (e, rows) in zip(axes[0], found):
+        base = rows[0]["ct2_int8_beam_2t"]  # the first row is the default
+        width = 0.8 / len(series)
+        for j, (column, label) in enumerate(series):
+            ax.bar([i + (j - (len(series) - 1) / 2) * width for i in range(len(rows))],
+                   [r[column] / base for r in rows], width, label=label)
+        ax.axhline(2, color="#c44e52", ls="--", lw=1, label="2x (issue 41's goal)")
+        ax.set_xticks(range(len(rows)), [r["architecture"] for r in rows], fontsize=7)
+        ax.set(ylabel="sentences/s / the default's int8 beam", title=f"{e.id}: {_cpu(e)}, 2 threads")
+        ax.legend(fontsize=7)
+    fig.suptitle("What a student architecture gains in decoding speed (outputs of one forced length)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out / "student-cost.svg")
+
+
 PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
-    learning_curve, speed_vs_baselines, gpu_throughput, recipe_deltas, quality_vs_speed, distillation]
+    learning_curve, speed_vs_baselines, gpu_throughput, recipe_deltas, quality_vs_speed, distillation,
+    student_cost]
 
 
 def _save(fig, path: Path) -> Path:
