@@ -234,8 +234,8 @@ def test_the_cost_of_student_architectures_becomes_a_ledger_entry_and_its_plot(t
         "config": "multi30k-cpu", "overrides": [], "updates": 20, "parameters": 8_000_000, "size_mb.float32": 30.0,
         "size_mb.int8_export": 9.0, "median": speeds(scale), "model": {
             "encoder_layers": enc, "decoder_layers": dec, "d_model": 256, "d_ff": 1024, "heads": 4, "norm": "pre"}}
-    result = {"machine": "AMD EPYC, family 25 model 1 (no AMX, no AVX512-BF16)", "cpus": 2, "sentences": 1000, "forced_length": 14,
-              "repeats": 3, "baseline": "default 3+3",
+    result = {"machine": "AMD EPYC, family 25 model 1 (no AMX, no AVX512-BF16)", "cpus": 2, "sentences": 1000,
+              "forced_length": 14, "repeats": 3, "baseline": "default 3+3",
               "models": {"default 3+3": model(3, 3, 1.0), "deep-shallow 6+1": model(6, 1, 1.5)}}
     entry = bench.ledger_entry(result, "L99", "abc1234", "python bench/bench_students.py", "2026-11-27")
     path = tmp_path / "ledger.yaml"

@@ -240,7 +240,7 @@ def student_cost(led: Ledger, repo: Path, out: Path) -> Path | None:
                    [r[column] / base for r in rows], width, label=label)
         ax.axhline(2, color="#c44e52", ls="--", lw=1, label="2x (issue 41's goal)")
         ax.set_xticks(range(len(rows)), [r["architecture"] for r in rows], fontsize=7)
-        ax.set(ylabel="sentences/s / the default's int8 beam", title=f"{e.id}: {_cpu(e)}, 2 threads")
+        ax.set(ylabel="sentences/s on 2 threads / the default's int8 beam", title=f"{e.id}: {_cpu(e)}")
         ax.legend(fontsize=7)
     fig.suptitle("What a student architecture gains in decoding speed (outputs of one forced length)", fontsize=9)
     fig.tight_layout()
