@@ -37,6 +37,7 @@ import torch  # noqa: E402
 from pipeline.config import RunConfig, resolve_config  # noqa: E402
 from pipeline.data import read_manifest  # noqa: E402
 from pipeline.engines import CTranslate2Engine  # noqa: E402
+from pipeline.evalsets import read_split  # noqa: E402
 from pipeline.export import export_checkpoint  # noqa: E402
 from pipeline.inference import load_model, translate  # noqa: E402
 from pipeline.speed import cpu_features, cpu_name  # noqa: E402
@@ -94,8 +95,7 @@ def mean_length(tokenizer: Path, corpus: Path) -> int:
 
 
 def sources(corpus: Path) -> list[str]:
-    return pq.read_table(corpus / read_manifest(corpus)["splits"][TEST]["file"], columns=["src"]) \
-        .column("src").to_pylist()
+    return read_split(corpus, read_manifest(corpus), TEST)[0]
 
 
 def timed(decode, sentences: list[str]) -> float:

@@ -10,7 +10,11 @@ content-addressed in ``--work-dir``, so the study resumes where it stopped: run 
 - ``students``: for each seed of ``--seeds``, the student preset (``multi30k-student-tiny``) on the original data
   and on the distilled data, and (En-De) the deep-encoder shallow-decoder student on the distilled data. The student
   preset is the default's model and recipe, so on the original data it is the teacher run of the same seed (one
-  run folder, trained once): the teachers cost nothing beyond the original arm;
+  run folder, trained once): the teachers cost nothing beyond the original arm. Each finished run leaves a record
+  in ``--records`` (its scores and its dev and test2016 outputs): commit them, since the run folders live only as
+  long as the machine;
+- ``quality``: the quality half of ``measure`` from the records alone (every arm's scores per seed and the pooled
+  paired bootstrap), for a study whose runs are gone or not all on one machine;
 - ``measure``: every arm's dev and test2016 scores per seed; distilled against original (and deep-shallow against
   original) by the pooled paired bootstrap over the seeds on dev (the choosing set) and on test2016 (reported);
   the teacher ensemble's and one teacher's scores; for one model per arm (seed 1), decoding speed on test2016
@@ -25,6 +29,7 @@ is in its train_summary.json. Speeds are measured by the ``measure`` phase: run 
 
     python bench/distill_study.py all --work-dir runs/distill-study --out bench/results/distill_study.json
     python bench/distill_study.py all --pair en-fr --work-dir runs/distill-study --out bench/results/distill_fr.json
+    python bench/distill_study.py quality --out bench/results/distill_quality_en-de.json
 """
 
 from __future__ import annotations
@@ -34,13 +39,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import pyarrow.parquet as pq  # noqa: E402
 from sacrebleu.metrics import BLEU  # noqa: E402
 import torch  # noqa: E402
 
@@ -50,6 +55,7 @@ from pipeline.config import RunConfig, resolve_config  # noqa: E402
 from pipeline.data import read_manifest  # noqa: E402
 from pipeline.engines import CTranslate2Engine  # noqa: E402
 from pipeline.evaluate import eval_dir  # noqa: E402
+from pipeline.evalsets import read_split  # noqa: E402
 from pipeline.export import export_checkpoint  # noqa: E402
 from pipeline.inference import load_model, load_models, translate  # noqa: E402
 from pipeline.promotion import pooled_bootstrap  # noqa: E402
@@ -86,7 +92,9 @@ class Study:
         unknown = set(args.arms or []) - set(students)
         if unknown:
             raise SystemExit(f"--arms: {sorted(unknown)} are not arms of {args.pair}; its arms: {sorted(students)}")
+        self.configs = students  # every arm's config (the distill phase needs the distilled arm's)
         self.students = {a: c for a, c in students.items() if not args.arms or a in args.arms}
+        self.pair, self.records = args.pair, args.records.resolve()
         self.budget = [f"train.max_steps={args.max_steps}", "train.max_minutes=null"]
 
     def flags(self, config: str, overrides: list[str]) -> list[str]:
@@ -121,7 +129,7 @@ def phase_teachers(study: Study) -> None:
 
 
 def phase_distill(study: Study) -> None:
-    pipeline("distill", *study.flags(study.students["distilled"], []),
+    pipeline("distill", *study.flags(study.configs["distilled"], []),
              *[a for t in study.teachers() for a in ("--teacher", str(t))])
 
 
@@ -129,12 +137,51 @@ def phase_students(study: Study) -> None:
     for seed in study.seeds:  # seed by seed: an interrupted study leaves paired arms
         for arm, config in study.students.items():
             pipeline("run", *study.flags(config, study.arm_overrides(arm, seed)))
+            write_record(study, arm, seed)
 
 
-def _outputs(scores: Path, split: str) -> tuple[list[str], list[str]]:
-    folder = scores.parent
-    return (folder / f"{split}.hyp").read_text(encoding="utf-8").splitlines(), \
-        (folder / f"{split}.ref").read_text(encoding="utf-8").splitlines()
+def record_path(study: Study, arm: str, seed: int) -> Path:
+    return study.records / study.pair / f"{arm}-seed{seed}.json"
+
+
+def run_row(cfg: RunConfig, averaged: Path, seed: int) -> tuple[dict, dict[str, list[str]]]:
+    """A finished run's row (seed, dev and test2016 scores, its checkpoint, updates and hours) and its outputs of
+    dev and test2016, as its evaluation (``eval_dir``) wrote them."""
+    scores = eval_dir(cfg, averaged) / "scores.json"
+    splits = json.loads(scores.read_text(encoding="utf-8"))["splits"]
+    row = {"seed": seed, "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
+           "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"], "test2016.chrf": splits[TEST]["chrf"]["score"],
+           "checkpoint": str(averaged), **_run_cost(averaged)}
+    return row, {split: _hypotheses(scores, split) for split in ("dev", TEST)}
+
+
+def _commit() -> str:
+    """HEAD's short hash, ``+`` when the working tree differs from it."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, text=True, capture_output=True).stdout.strip()  # noqa: E731
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def write_record(study: Study, arm: str, seed: int) -> Path:
+    """One finished run's evidence as a small file under ``--records`` (commit it): its row, its outputs of dev
+    and test2016 (what the pooled bootstrap reads), the machine and the commit it ran at. A record
+    outlives the run folder, so a study whose machine is lost keeps every run it finished (the ``quality`` phase
+    reads them)."""
+    config = study.students[arm]
+    cfg = study.config(config, study.arm_overrides(arm, seed))
+    row, outputs = run_row(cfg, study.averaged(cfg), seed)
+    record = {"pair": study.pair, "arm": arm, "config": config, "machine": cpu_name(), "cpus": os.cpu_count(),
+              "commit": _commit(), "run": row, "outputs": outputs}
+    path = record_path(study, arm, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    os.chmod(f.name, 0o644)  # a file to commit, not a private temporary one
+    os.replace(f.name, path)
+    return path
+
+
+def _hypotheses(scores: Path, split: str) -> list[str]:
+    return (scores.parent / f"{split}.hyp").read_text(encoding="utf-8").splitlines()
 
 
 def _size_mb(path: Path) -> float:
@@ -168,8 +215,7 @@ def phase_measure(study: Study, out: Path | None) -> dict:
     tcfg = study.config(study.teacher_config, study.teacher_overrides(1))
     inputs = build_inputs(tcfg)
     corpus, tokenizer = inputs.corpus, inputs.tokenizer
-    table = pq.read_table(corpus / read_manifest(corpus)["splits"][TEST]["file"], columns=["src"])
-    sources = table.column("src").to_pylist()
+    sources = read_split(corpus, read_manifest(corpus), TEST)[0]
     # the teacher ensemble, evaluated as one model (the CLI writes scores.json beside its first member)
     pipeline("evaluate", *study.flags(study.teacher_config, study.teacher_overrides(1)),
              *[a for t in teachers for a in ("--checkpoint", str(t))])
@@ -185,6 +231,7 @@ def phase_measure(study: Study, out: Path | None) -> dict:
             "size_mb.float32": round(sum(_size_mb(m) for m in members), 2),
             **{f"speed.{k}.threads{t}": v for t in (1, 2)
                for k, v in speed(tcfg, members, tokenizer, sources, t, None).items()}}
+    refs = references(study)
     outputs: dict[str, dict[str, list]] = {}  # "<arm>" (the config's search) and "<arm>.greedy": per split
     for arm, config in study.students.items():
         result["arms"][arm] = {"config": config}
@@ -198,13 +245,10 @@ def phase_measure(study: Study, out: Path | None) -> dict:
                 averaged = study.averaged(study.config(config, study.arm_overrides(arm, seed)))
                 if extra:  # the run evaluated with its config's search; this one is decoded here
                     pipeline("evaluate", *study.flags(config, overrides), "--checkpoint", str(averaged))
-                scores = eval_dir(cfg, averaged) / "scores.json"
-                splits = json.loads(scores.read_text())["splits"]
+                row, hypotheses = run_row(cfg, averaged, seed)
                 for split in ("dev", TEST):
-                    outputs[key][split].append(_outputs(scores, split))
-                rows.append({"seed": seed, "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
-                             "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"],
-                             "test2016.chrf": splits[TEST]["chrf"]["score"], "checkpoint": str(averaged)})
+                    outputs[key][split].append(hypotheses[split])
+                rows.append(row)
             cfg = study.config(config, [*study.arm_overrides(arm, study.seeds[0]), *extra])
             averaged = Path(rows[0]["checkpoint"])
             export = study.work / "exports" / f"{key}-seed{study.seeds[0]}-int8"  # kept beside the runs it measures
@@ -217,20 +261,29 @@ def phase_measure(study: Study, out: Path | None) -> dict:
                 "size_mb.int8_export": _size_mb(export),
                 # the int8 export's own translations of test2016 (seed 1), scored as the evaluation scores
                 "test2016.sacrebleu.ct2_int8": round(BLEU().corpus_score(
-                    measured[2].pop("ct2_int8_hypotheses"), [outputs[key][TEST][0][1]]).score, 2),
+                    measured[2].pop("ct2_int8_hypotheses"), [refs[TEST]]).score, 2),
                 **{f"speed.{k}.threads{t}": v for t, m in measured.items() for k, v in m.items()
                    if not k.endswith("hypotheses")}}
-    result["significance"] = []
-    base = outputs.get("original", {})  # the claims are against the original arm: none without it
+    result["significance"] = significance(outputs, refs)
+    return _write(result, out)
+
+
+def significance(outputs: dict[str, dict[str, list[list[str]]]], refs: dict[str, list[str]]) -> list[dict]:
+    """Every arm (and search) against the original arm, by the paired bootstrap pooled over the seeds, on dev and
+    test2016; ``outputs[key][split]``: each seed's outputs, in the seeds' order. None without the original arm."""
+    base = outputs.get("original")
     claims = [(k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in outputs
               if base and k != "original"]
+    out = []
     for key, claim in claims:
         for split in ("dev", TEST):
-            refs = base[split][0][1]
-            c = pooled_bootstrap("sacrebleu", [h for h, _ in base[split]], [h for h, _ in outputs[key][split]], refs)
-            result["significance"].append({"claim": claim, "set": split, "base": c.champion, "system": c.challenger,
-                                           "delta": c.delta, "ci95": [c.ci_low, c.ci_high], "p": c.p_value,
-                                           "test": c.signature})
+            c = pooled_bootstrap("sacrebleu", base[split], outputs[key][split], refs[split])
+            out.append({"claim": claim, "set": split, "base": c.champion, "system": c.challenger, "delta": c.delta,
+                        "ci95": [c.ci_low, c.ci_high], "p": c.p_value, "test": c.signature})
+    return out
+
+
+def _write(result: dict, out: Path | None) -> dict:
     print(json.dumps(result, indent=2))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -238,62 +291,105 @@ def phase_measure(study: Study, out: Path | None) -> dict:
     return result
 
 
-def _run_cost(checkpoint: str) -> dict:
+def references(study: Study) -> dict[str, list[str]]:
+    """The human references of dev and test2016 as the evaluation scores them (raw), from the corpus the teachers'
+    config prepares."""
+    corpus = build_inputs(study.config(study.teacher_config, study.teacher_overrides(1))).corpus
+    return {split: read_split(corpus, read_manifest(corpus), split)[1] for split in ("dev", TEST)}
+
+
+def quality_result(records: list[dict], refs: dict[str, list[str]]) -> dict:
+    """The quality half of a study from its runs' records (``write_record``): every arm's runs in the seeds'
+    order, and the pooled paired bootstrap against the original arm; no teachers, speed or size (those need the
+    runs themselves: the ``measure`` phase). Every arm needs a record for every seed the original arm has."""
+    by_arm: dict[str, dict[int, dict]] = {}
+    for r in records:
+        by_arm.setdefault(r["arm"], {})[r["run"]["seed"]] = r
+    seeds = sorted(by_arm.get("original", {}))
+    unpaired = {arm: sorted(set(seeds) ^ set(runs)) for arm, runs in by_arm.items() if set(runs) != set(seeds)}
+    if not seeds or unpaired:
+        raise SystemExit(f"records: the original arm's seeds {seeds}; arms not paired with them (seeds "
+                         f"missing or extra): {unpaired}. Train them (phase students) or pass --seeds")
+    result: dict = {"machine": "; ".join(sorted({r["machine"] for r in records})),
+                    "cpus": max(r["cpus"] for r in records), "seeds": seeds, "teachers": {}, "arms": {}}
+    outputs = {}
+    for arm, runs in by_arm.items():
+        result["arms"][arm] = {"config": runs[seeds[0]]["config"], "beam": {"runs": [runs[s]["run"] for s in seeds]}}
+        outputs[arm] = {split: [runs[s]["outputs"][split] for s in seeds] for split in ("dev", TEST)}
+    result["significance"] = significance(outputs, refs)
+    return result
+
+
+def phase_quality(study: Study, out: Path | None) -> dict:
+    paths = [record_path(study, arm, seed) for arm in study.students for seed in study.seeds]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise SystemExit(f"no record of {len(missing)} runs: {missing}; the students phase writes one per run")
+    records = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    return _write(quality_result(records, references(study)), out)
+
+
+def _run_cost(checkpoint: Path) -> dict:
     """The training run behind an averaged checkpoint (``<run>/averaged/<choice>/<file>.pt``): its updates and
-    seconds, from its train_summary.json."""
-    summary = json.loads((Path(checkpoint).parents[2] / "train_summary.json").read_text(encoding="utf-8"))
+    hours, from its train_summary.json."""
+    summary = json.loads((checkpoint.parents[2] / "train_summary.json").read_text(encoding="utf-8"))
     return {"updates": summary["steps"], "train_hours": round(summary["train_seconds"] / 3600, 2)}
 
 
 def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: str, date: str) -> dict:
     """The results-ledger entry (docs/results/ledger.yaml) of a ``measure`` result: per-seed scores of every arm,
     the teachers (with their cost), speed and size per arm, and the pooled paired-bootstrap claims, each figure as
-    measured (nothing retyped)."""
+    measured (nothing retyped). A ``quality`` result (from the runs' records) gives the per-seed scores, the
+    original arm's cost and the claims only."""
     teachers, features = result["teachers"], result["machine"]
     # (arm, search, its measurements) for every arm and search: the arm's config's search and greedy
     arms = [(arm, search, m) for arm, a in result["arms"].items() for search, m in a.items() if search != "config"]
-    costs = [_run_cost(r["checkpoint"]) for r in result["arms"]["original"]["beam"]["runs"]]
+    measured = all("parameters" in m for _, _, m in arms)  # the measure phase's; a quality result has none
+    costs = result["arms"]["original"]["beam"]["runs"]  # the teachers' runs (each of the original arm's seeds)
     per_seed = [[arm, search, r["seed"], r["dev.sacrebleu"], r["test2016.sacrebleu"], r["test2016.chrf"],
-                 _run_cost(r["checkpoint"])["train_hours"]] for arm, search, m in arms for r in m["runs"]]
+                 r["train_hours"]] for arm, search, m in arms for r in m["runs"]]
     speed_cols = ["speed.pytorch_fp32.threads1", "speed.pytorch_fp32.threads2", "speed.ct2_int8.threads1",
                   "speed.ct2_int8.threads2"]
     serving = [[name, "beam", None, t["test2016.sacrebleu"], t["size_mb.float32"], None, None,
                 *(t.get(c) for c in speed_cols)] for name, t in teachers.items()]
     serving += [[arm, search, m["parameters"], m["runs"][0]["test2016.sacrebleu"], m["size_mb.float32"],
                  m["size_mb.int8_export"], m["test2016.sacrebleu.ct2_int8"], *(m.get(c) for c in speed_cols)]
-                for arm, search, m in arms]
+                for arm, search, m in arms if measured]
     mean = lambda xs: round(sum(xs) / len(xs), 2)  # noqa: E731
     figures = {f"{arm}.{search}.{k}.mean": mean([r[k] for r in m["runs"]]) for arm, search, m in arms
                for k in ("dev.sacrebleu", "test2016.sacrebleu")}
     figures |= {f"{name}.{k}": t[k] for name, t in teachers.items() for k in ("dev.sacrebleu", "test2016.sacrebleu")}
-    figures |= {"teacher.runs": len(costs), "teacher.updates_each": costs[0]["updates"],
-                "teacher.train_hours_total": round(sum(c["train_hours"] for c in costs), 2)}
+    figures |= {"original.runs": len(costs), "original.updates_each": costs[0]["updates"],
+                "original.train_hours_total": round(sum(c["train_hours"] for c in costs), 2)}
+    what = ("bench/distill_study.py: a teacher ensemble of the current default's runs (seeds 1..k, a fixed number of "
+            "updates each; the original arm's runs are those teachers), its translations of the training sources as "
+            "the distilled corpus, and each student arm trained on paired seeds; dev and test2016 scored by "
+            "sacreBLEU; every arm against original by the paired bootstrap pooled over the seeds")
+    what += ("; decoding speed on test2016 (PyTorch fp32, CTranslate2 int8; 1 and 2 threads) and size on disk for "
+             "seed 1 of each arm; each arm with its config's beam search and greedy." if measured else
+             "; each run with its config's beam search, from the runs' records (the quality phase): no teacher "
+             "ensemble scores, speed or size.")
+    tables = [{"name": "distill_per_seed",
+               "caption": "Every run and search (beam: its config's; greedy: beam 1): dev and test2016 sacreBLEU, "
+                          "test2016 chrF, training hours",
+               "columns": ["arm", "search", "seed", "dev_sacrebleu", "test2016_sacrebleu", "test2016_chrf",
+                           "train_hours"],
+               "rows": per_seed}]
+    if serving:
+        tables.append({"name": "distill_serving",
+                       "caption": "The teachers and seed 1 of each arm and search: parameters, test2016 sacreBLEU "
+                                  "(PyTorch), size, the int8 export's test2016 sacreBLEU, and test2016 decoding speed "
+                                  "(sentences/s)",
+                       "columns": ["model", "search", "parameters", "test2016_sacrebleu", "float32_mb",
+                                   "int8_export_mb", "int8_test2016_sacrebleu", "pytorch_fp32_1t", "pytorch_fp32_2t",
+                                   "ct2_int8_1t", "ct2_int8_2t"],
+                       "rows": serving})
     return {
         "id": entry_id, "date": date,
         "title": f"Distillation on Multi30k {pair}: students on the teachers' translations "
                  "against the original data",
-        "what": ("bench/distill_study.py: a teacher ensemble of the current default's runs (seeds 1..k, a fixed "
-                 "number of updates each), its translations of the training sources as the distilled corpus, and "
-                 "each student arm trained on paired seeds; dev and test2016 scored by sacreBLEU; distilled against "
-                 "original by the paired bootstrap pooled over the seeds; decoding speed on test2016 (PyTorch fp32, "
-                 "CTranslate2 int8; 1 and 2 threads) and size on disk for seed 1 of each arm; each arm with its "
-                 "config's beam search and greedy."),
-        "machine": {"cpu": features, **cpu_features(features), "threads": result["cpus"]},
-        "commit": commit, "command": command, "figures": figures,
-        "tables": [
-            {"name": "distill_per_seed",
-             "caption": "Every run and search (beam: its config's; greedy: beam 1): dev and test2016 sacreBLEU, "
-                        "test2016 chrF, training hours",
-             "columns": ["arm", "search", "seed", "dev_sacrebleu", "test2016_sacrebleu", "test2016_chrf",
-                         "train_hours"],
-             "rows": per_seed},
-            {"name": "distill_serving", "caption": "The teachers and seed 1 of each arm and search: parameters, "
-                                                   "test2016 sacreBLEU (PyTorch), size, the int8 export's test2016 "
-                                                   "sacreBLEU, and test2016 decoding speed (sentences/s)",
-             "columns": ["model", "search", "parameters", "test2016_sacrebleu", "float32_mb", "int8_export_mb",
-                         "int8_test2016_sacrebleu", "pytorch_fp32_1t", "pytorch_fp32_2t", "ct2_int8_1t",
-                         "ct2_int8_2t"],
-             "rows": serving}],
+        "what": what, "machine": {"cpu": features, **cpu_features(features), "threads": result["cpus"]},
+        "commit": commit, "command": command, "figures": figures, "tables": tables,
         "significance": [{"claim": c["claim"], "set": c["set"], "delta": c["delta"], "ci95": c["ci95"], "p": c["p"],
                           "test": c["test"]} for c in result["significance"]],
     }
@@ -301,7 +397,7 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("phase", choices=["teachers", "distill", "students", "measure", "all", "ledger"])
+    p.add_argument("phase", choices=["teachers", "distill", "students", "measure", "quality", "all", "ledger"])
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "distill-study")
     p.add_argument("--data-root", default=None, help="default: the configs' data.root (or AIAYN_DATA_ROOT)")
     p.add_argument("--pair", default="en-de", choices=sorted(PAIRS), help="language pair")
@@ -311,7 +407,11 @@ def main() -> None:
                    help="students and measure: only these arms (default: every arm of the pair); a study split "
                         "over sessions trains and measures a part at a time")
     p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
-    p.add_argument("--out", type=Path, default=None, help="measure: the result JSON; ledger: read from here")
+    p.add_argument("--out", type=Path, default=None,
+                   help="measure, quality: the result JSON; ledger: read from here")
+    p.add_argument("--records", type=Path, default=REPO / "bench" / "results" / "distill_study",
+                   help="one file per finished run (students writes, quality reads): <records>/<pair>/<arm>-seed<S>"
+                        ".json; commit them")
     p.add_argument("--ledger-id", help="ledger: the entry's id (the next free one in docs/results/ledger.yaml)")
     p.add_argument("--commit", default=None, help="ledger: the commit the study ran at (default: HEAD)")
     p.add_argument("--command", default=None, help="ledger: the command it ran (default: this script's measure)")
@@ -323,18 +423,18 @@ def main() -> None:
 
         import yaml
 
-        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                               capture_output=True, check=True).stdout.strip()
-        command = args.command or f"python bench/distill_study.py all --pair {args.pair} --out {args.out}"
+        commit = args.commit or _commit()
         result = json.loads(args.out.read_text(encoding="utf-8"))
+        phase = "all" if result["teachers"] else "quality"  # a quality result has no teachers
+        command = args.command or f"python bench/distill_study.py {phase} --pair {args.pair} --out {args.out}"
         entry = ledger_entry(result, args.pair, args.ledger_id, commit, command, datetime.date.today().isoformat())
         print(yaml.safe_dump([entry], sort_keys=False, allow_unicode=True, width=120))
         return
     study = Study(args)
     phases = {"teachers": phase_teachers, "distill": phase_distill, "students": phase_students}
     for name in (list(phases) + ["measure"]) if args.phase == "all" else [args.phase]:
-        if name == "measure":
-            phase_measure(study, args.out)
+        if name in ("measure", "quality"):
+            (phase_measure if name == "measure" else phase_quality)(study, args.out)
         else:
             phases[name](study)
 

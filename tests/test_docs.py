@@ -164,11 +164,9 @@ def test_the_site_builds_strictly_and_shows_its_plots_in_a_browser(tmp_path, chr
 def _measure_result(tmp_path: Path) -> dict:
     """A result shaped as ``bench/distill_study.py measure`` writes it: two seeds, two arms (beam and greedy)."""
     def run(arm: str, seed: int, test: float) -> dict:
-        ckpt = tmp_path / f"{arm}-{seed}" / "averaged" / "choose" / "last5.pt"
-        ckpt.parent.mkdir(parents=True, exist_ok=True)
-        (ckpt.parents[2] / "train_summary.json").write_text('{"steps": 4400, "train_seconds": 3600}')
         return {"seed": seed, "dev.sacrebleu": test + 1, "test2016.sacrebleu": test, "test2016.chrf": 60.0,
-                "checkpoint": str(ckpt)}
+                "checkpoint": str(tmp_path / f"{arm}-{seed}" / "averaged" / "choose" / "last5.pt"), "updates": 4400,
+                "train_hours": 1.0}
 
     speeds = {"speed.pytorch_fp32.threads1": 10.0, "speed.pytorch_fp32.threads2": 18.0}
     arm = lambda name, base: {"config": f"multi30k-{name}", **{  # noqa: E731
@@ -211,6 +209,40 @@ def test_a_distillation_study_becomes_a_ledger_entry_and_its_plot(tmp_path):
     assert "distilled" in svg and "measured no speed or size" in svg
     bare = led.model_copy(update={"entries": [led["L99"].model_copy(update={"tables": []})]})
     assert plots.distillation(bare, REPO, tmp_path / "none") is None
+
+
+def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
+    """The quality phase pairs the runs' records by seed, tests every arm against the original arm by the pooled
+    paired bootstrap on dev and test2016, and its ledger entry holds the per-seed table and the claims but no
+    serving table; an arm missing a seed is refused, naming it."""
+    import yaml
+
+    study = _bench_module("distill_study")
+    refs = {"dev": [f"ein Hund läuft über die Wiese {i}" for i in range(30)],
+            "test.test2016": [f"zwei Männer spielen Fußball {i}" for i in range(30)]}
+    # the distilled arm's outputs are the references themselves; the original arm's lose a word in each
+    outputs = {"original": {k: [" ".join(r.split()[1:]) for r in v] for k, v in refs.items()}, "distilled": refs}
+    record = lambda arm, seed: {  # noqa: E731
+        "pair": "en-de", "arm": arm, "config": "multi30k-student-tiny", "machine": "AMD EPYC, family 25 model 17 "
+        "(AVX512-BF16)", "cpus": 2, "commit": "abc1234", "outputs": outputs[arm],
+        "run": {"seed": seed, "dev.sacrebleu": 40.0 + seed, "test2016.sacrebleu": 39.0 + seed, "test2016.chrf": 60.0,
+                "checkpoint": "gone", "updates": 4400, "train_hours": 0.5}}
+    records = [record(arm, seed) for seed in (2, 1) for arm in ("distilled", "original")]
+    result = study.quality_result(records, refs)
+    assert result["seeds"] == [1, 2]
+    assert [r["seed"] for r in result["arms"]["distilled"]["beam"]["runs"]] == [1, 2]
+    claims = {(c["claim"], c["set"]): c for c in result["significance"]}
+    assert set(claims) == {("distilled against original", "dev"), ("distilled against original", "test.test2016")}
+    assert all(c["delta"] > 0 and c["p"] < 0.05 for c in claims.values())
+    entry = study.ledger_entry(result, "en-de", "L99", "abc1234", "python bench/...", "2026-11-27")
+    path = tmp_path / "ledger.yaml"
+    path.write_text(yaml.safe_dump({"current_default": {}, "entries": [entry]}, sort_keys=False))
+    led = ledger.load(path)
+    assert [t.name for t in led["L99"].tables] == ["distill_per_seed"]
+    assert led["L99"].figures["distilled.beam.dev.sacrebleu.mean"] == 41.5
+    assert led["L99"].figures["original.train_hours_total"] == 1.0
+    with pytest.raises(SystemExit, match="distilled"):
+        study.quality_result(records[1:], refs)  # the distilled arm's seed 2 is missing
 
 
 def _bench_module(name: str):
