@@ -164,7 +164,8 @@ def ledger_entry(result: dict, entry_id: str, commit: str, command: str, date: s
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "students-cost")
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=sorted(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=sorted(CONFIGS),
+                   help="architectures to time (quoted: 'deep-shallow 6+1'); the default is always timed too")
     p.add_argument("--updates", type=int, default=20,
                    help="updates of each model before it is timed (a run found in --work-dir is taken as it is)")
     p.add_argument("--repeats", type=int, default=3)
@@ -190,8 +191,10 @@ def main() -> None:
         print(yaml.safe_dump([entry], sort_keys=False, allow_unicode=True, width=120))
         return
     work = args.work_dir.resolve()
+    base = next(iter(CONFIGS))  # every ratio is against the default, so it is always measured, first
+    args.configs = [base, *(c for c in args.configs if c != base)]
     models = {n: prepare(n, *CONFIGS[n], work, args.updates) for n in args.configs}
-    first = models[args.configs[0]]
+    first = models[base]
     lengths = {mean_length(m["tokenizer"], m["corpus"]) for m in models.values()}
     if len(lengths) > 1:  # the configs share their tokenizer; a different one would make the lengths unequal
         raise SystemExit(f"the configs' tokenizers give the references different mean lengths {sorted(lengths)}")
@@ -205,16 +208,17 @@ def main() -> None:
                     runs[name].setdefault(f"{key}.threads{threads}", []).append(value)
                     print(f"repeat {rep} {name:<17} {key:<20} {threads} thread(s): {value:8.2f} sentences/s",
                           flush=True)
-    base = runs[args.configs[0]]
     result = {"machine": cpu_name(), "cpus": os.cpu_count(), "sentences": len(sentences), "forced_length": length,
-              "repeats": args.repeats, "baseline": args.configs[0], "models": {}}
+              "repeats": args.repeats, "baseline": base, "models": {}}
+    base_runs = runs[base]
     for name, m in models.items():
         median = {k: statistics.median(v) for k, v in runs[name].items()}
         result["models"][name] = {
             "config": m["config"], "overrides": m["overrides"], "model": m["model"], "updates": m["updates"],
             "parameters": m["parameters"], "size_mb.float32": m["size_mb.float32"],
             "size_mb.int8_export": m["size_mb.int8_export"], "sentences_per_s": runs[name],
-            "median": median, "vs_baseline": {k: round(v / statistics.median(base[k]), 2) for k, v in median.items()}}
+            "median": median,
+            "vs_baseline": {k: round(v / statistics.median(base_runs[k]), 2) for k, v in median.items()}}
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -414,9 +414,10 @@ def main() -> None:
                         ".json; commit them")
     p.add_argument("--ledger-id", help="ledger: the entry's id (the next free one in docs/results/ledger.yaml)")
     p.add_argument("--commit", default=None, help="ledger: the commit the study ran at (default: HEAD)")
-    p.add_argument("--command", default=None, help="ledger: the command it ran (default: this script's measure)")
+    p.add_argument("--command", default=None,
+                   help="ledger: the command it ran (default: this script's all or quality)")
     args = p.parse_args()
-    if args.phase == "ledger":  # reads a measure result; trains nothing
+    if args.phase == "ledger":  # reads a measure or quality result; trains nothing
         if not (args.ledger_id and args.out):
             p.error("ledger needs --ledger-id and --out (the measure phase's result)")
         import datetime
