@@ -40,6 +40,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.data import read_manifest  # noqa: E402
 from pipeline.engines import CTranslate2Engine  # noqa: E402
 from pipeline.export import export_checkpoint  # noqa: E402
+from pipeline.fsutil import disk_mb  # noqa: E402
 from pipeline.inference import load_model, translate  # noqa: E402
 from pipeline.promotion import paired_bootstrap  # noqa: E402
 from pipeline.tokenize import Tokenizer  # noqa: E402
@@ -52,8 +53,7 @@ def _measure(args: argparse.Namespace, src: list[str], refs: list[str], searches
     engines = {q: CTranslate2Engine(export_checkpoint(args.checkpoint, args.tokenizer, q, work / q), tokenizer,
                                     args.threads) for q in args.quantizations}
     sizes_mb = {"pytorch fp32": round(sum(p.numel() * 4 for p in model.parameters()) / 2**20, 2),
-                **{q: round(sum(f.stat().st_size for f in (work / q).rglob("*") if f.is_file()) / 2**20, 2)
-                   for q in args.quantizations}}
+                **{q: disk_mb(work / q) for q in args.quantizations}}
     rows = []
     for search, dec in searches.items():
         start = time.perf_counter()

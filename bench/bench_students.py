@@ -24,7 +24,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,9 +38,11 @@ from pipeline.data import read_manifest  # noqa: E402
 from pipeline.engines import CTranslate2Engine  # noqa: E402
 from pipeline.evalsets import read_split  # noqa: E402
 from pipeline.export import export_checkpoint  # noqa: E402
+from pipeline.fsutil import disk_mb, write_text  # noqa: E402
 from pipeline.inference import load_model, translate  # noqa: E402
 from pipeline.speed import cpu_features, cpu_name  # noqa: E402
 from pipeline.tokenize import Tokenizer  # noqa: E402
+from pipeline.tracking.runs import short_commit  # noqa: E402
 from pipeline.workdir import build_inputs, run_dir  # noqa: E402
 
 TEST = "test.test2016"
@@ -51,11 +52,6 @@ CONFIGS = {"default 3+3": ("multi30k-cpu", []),
            "deep-shallow 6+2": ("multi30k-student-deep-shallow", ["distill.teachers=[]"]),
            "deep-shallow 6+1": ("multi30k-student-deep-shallow", ["distill.teachers=[]", "model.decoder_layers=1"]),
            "shallow 3+1": ("multi30k-cpu", ["model.decoder_layers=1"])}
-
-
-def _size_mb(path: Path) -> float:
-    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-    return round(sum(f.stat().st_size for f in files) / 2**20, 2)
 
 
 def prepare(name: str, config: str, overrides: list[str], work: Path, updates: int) -> dict:
@@ -83,8 +79,7 @@ def prepare(name: str, config: str, overrides: list[str], work: Path, updates: i
                       "d_model": cfg.model.d_model, "d_ff": cfg.model.d_ff, "heads": cfg.model.n_heads,
                       "norm": cfg.model.norm},
             "updates": int(checkpoint.stem.split("-")[1]), "parameters": model.num_parameters(),
-            "size_mb.float32": _size_mb(weights),
-            "size_mb.int8_export": _size_mb(export)}
+            "size_mb.float32": disk_mb(weights), "size_mb.int8_export": disk_mb(export)}
 
 
 def mean_length(tokenizer: Path, corpus: Path) -> int:
@@ -182,8 +177,7 @@ def main() -> None:
 
         import yaml
 
-        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                                               capture_output=True, check=True).stdout.strip()
+        commit = args.commit or short_commit()
         command = args.command or f"python bench/bench_students.py --out {args.out}"
         entry = ledger_entry(json.loads(args.out.read_text(encoding="utf-8")), args.ledger, commit, command,
                              datetime.date.today().isoformat())
@@ -222,9 +216,7 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=args.out.parent, delete=False, encoding="utf-8") as f:
-            f.write(json.dumps(result, indent=2) + "\n")
-        os.replace(f.name, args.out)
+        write_text(args.out, json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

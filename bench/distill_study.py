@@ -39,7 +39,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,9 +56,11 @@ from pipeline.engines import CTranslate2Engine  # noqa: E402
 from pipeline.evaluate import eval_dir  # noqa: E402
 from pipeline.evalsets import read_split  # noqa: E402
 from pipeline.export import export_checkpoint  # noqa: E402
+from pipeline.fsutil import disk_mb, write_text  # noqa: E402
 from pipeline.inference import load_model, load_models, translate  # noqa: E402
 from pipeline.promotion import pooled_bootstrap  # noqa: E402
 from pipeline.tokenize import Tokenizer  # noqa: E402
+from pipeline.tracking.runs import short_commit  # noqa: E402
 from pipeline.workdir import build_inputs, run_dir  # noqa: E402
 
 # Per language pair: the teachers' config (the current default) and each student arm's config.
@@ -155,12 +156,6 @@ def run_row(cfg: RunConfig, averaged: Path, seed: int) -> tuple[dict, dict[str, 
     return row, {split: _hypotheses(scores, split) for split in ("dev", TEST)}
 
 
-def _commit() -> str:
-    """HEAD's short hash, ``+`` when the working tree differs from it."""
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, text=True, capture_output=True).stdout.strip()  # noqa: E731
-    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def write_record(study: Study, arm: str, seed: int) -> Path:
     """One finished run's evidence as a small file under ``--records`` (commit it): its row, its outputs of dev
     and test2016 (what the pooled bootstrap reads), the machine and the commit it ran at. A record
@@ -170,23 +165,15 @@ def write_record(study: Study, arm: str, seed: int) -> Path:
     cfg = study.config(config, study.arm_overrides(arm, seed))
     row, outputs = run_row(cfg, study.averaged(cfg), seed)
     record = {"pair": study.pair, "arm": arm, "config": config, "machine": cpu_name(), "cpus": os.cpu_count(),
-              "commit": _commit(), "run": row, "outputs": outputs}
+              "commit": short_commit(), "run": row, "outputs": outputs}
     path = record_path(study, arm, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.chmod(f.name, 0o644)  # a file to commit, not a private temporary one
-    os.replace(f.name, path)
+    write_text(path, json.dumps(record, ensure_ascii=False) + "\n")
     return path
 
 
 def _hypotheses(scores: Path, split: str) -> list[str]:
     return (scores.parent / f"{split}.hyp").read_text(encoding="utf-8").splitlines()
-
-
-def _size_mb(path: Path) -> float:
-    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-    return round(sum(f.stat().st_size for f in files) / 2**20, 2)
 
 
 def speed(cfg: RunConfig, checkpoints: list[Path], tokenizer: Path, sources: list[str], threads: int,
@@ -228,7 +215,7 @@ def phase_measure(study: Study, out: Path | None) -> dict:
             "dev.sacrebleu": scores["splits"]["dev"]["sacrebleu"]["score"],
             "test2016.sacrebleu": scores["splits"][TEST]["sacrebleu"]["score"],
             "test2016.chrf": scores["splits"][TEST]["chrf"]["score"],
-            "size_mb.float32": round(sum(_size_mb(m) for m in members), 2),
+            "size_mb.float32": round(sum(disk_mb(m) for m in members), 2),
             **{f"speed.{k}.threads{t}": v for t in (1, 2)
                for k, v in speed(tcfg, members, tokenizer, sources, t, None).items()}}
     refs = references(study)
@@ -257,8 +244,8 @@ def phase_measure(study: Study, out: Path | None) -> dict:
             measured = {t: speed(cfg, [averaged], student_tokenizer, sources, t, export) for t in (1, 2)}
             result["arms"][arm][search] = {
                 "decode": cfg.decode.model_dump(include={"beam_size", "length_penalty"}), "runs": rows,
-                "parameters": load_model(averaged).num_parameters(), "size_mb.float32": _size_mb(averaged),
-                "size_mb.int8_export": _size_mb(export),
+                "parameters": load_model(averaged).num_parameters(), "size_mb.float32": disk_mb(averaged),
+                "size_mb.int8_export": disk_mb(export),
                 # the int8 export's own translations of test2016 (seed 1), scored as the evaluation scores
                 "test2016.sacrebleu.ct2_int8": round(BLEU().corpus_score(
                     measured[2].pop("ct2_int8_hypotheses"), [refs[TEST]]).score, 2),
@@ -287,7 +274,7 @@ def _write(result: dict, out: Path | None) -> dict:
     print(json.dumps(result, indent=2))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_text(out, json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -424,7 +411,7 @@ def main() -> None:
 
         import yaml
 
-        commit = args.commit or _commit()
+        commit = args.commit or short_commit()
         result = json.loads(args.out.read_text(encoding="utf-8"))
         phase = "all" if result["teachers"] else "quality"  # a quality result has no teachers
         command = args.command or f"python bench/distill_study.py {phase} --pair {args.pair} --out {args.out}"

@@ -95,6 +95,13 @@ def write_text(path: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def disk_mb(path: Path) -> float:
+    """MiB on disk of a file, or of every file under a folder (a model export), rounded to 0.01."""
+    path = Path(path)
+    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+    return round(sum(f.stat().st_size for f in files) / 2**20, 2)
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Write JSON deterministically (sorted keys, no timestamps), atomically."""
     write_text(path, json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n")

@@ -245,6 +245,17 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
         study.quality_result(records[1:], refs)  # the distilled arm's seed 2 is missing
 
 
+def test_a_measurement_names_its_commit_short_and_marked_when_the_tree_differs():
+    """short_commit, which the bench scripts write into ledger entries and study records: HEAD's first 7 hex
+    digits, with + exactly when tracked files differ from HEAD."""
+    from pipeline.tracking.runs import short_commit
+
+    git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,  # noqa: E731
+                                    check=True).stdout.strip()
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    assert short_commit() == git("rev-parse", "HEAD")[:7] + ("+" if dirty else "")
+
+
 def _bench_module(name: str):
     import importlib.util
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.fsutil import atomic_file, write_json
+from pipeline.fsutil import atomic_file, disk_mb, write_json
 
 
 def test_atomic_file_replaces_on_success_and_keeps_the_old_file_on_error(tmp_path: Path) -> None:
@@ -44,3 +44,12 @@ def test_exclusive_lets_one_holder_in_at_a_time(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert events == ["a in", "a out", "b in", "b out"]
+
+
+def test_disk_mb_counts_a_file_or_every_file_under_a_folder(tmp_path):
+    """A file's MiB, and a folder's as the sum of the files under it (nested ones included), rounded to 0.01."""
+    (tmp_path / "export" / "sub").mkdir(parents=True)
+    (tmp_path / "export" / "model.bin").write_bytes(b"\0" * 3 * 2**20)
+    (tmp_path / "export" / "sub" / "vocab.txt").write_bytes(b"\0" * 2**19)
+    assert disk_mb(tmp_path / "export" / "model.bin") == 3.0
+    assert disk_mb(tmp_path / "export") == 3.5

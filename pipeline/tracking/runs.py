@@ -118,6 +118,13 @@ def git_commit() -> tuple[str, bool] | None:
     return head.stdout.strip(), bool(status.stdout.strip())
 
 
+def short_commit() -> str:
+    """HEAD's short hash, ``+`` when tracked files differ from it (``unknown`` outside a git checkout): how the
+    results ledger names the commit a measurement ran at."""
+    found = git_commit()
+    return "unknown" if found is None else found[0][:7] + ("+" if found[1] else "")
+
+
 def log_params(run_id: str, params: dict[str, Any]) -> None:
     """Log params in MLflow-sized batches."""
     c = client()
