@@ -8,8 +8,9 @@ content-addressed in ``--work-dir``, so the study resumes where it stopped: run 
 - ``teachers``: ``--teachers`` runs of the current default (``multi30k-cpu``, 30 minutes each), seeds 1..k;
 - ``distill``: their ensemble translates the training sources (``python -m pipeline distill``);
 - ``students``: for each seed of ``--seeds``, the student preset (``multi30k-student-tiny``) on the original data
-  and on the distilled data, and (En-De) the deep-encoder shallow-decoder student on the distilled data. The student
-  preset is the default's model and recipe, so on the original data it is the teacher run of the same seed (one
+  and on the distilled data, and (En-De) the deep-encoder shallow-decoder student on the distilled data, and with
+  ``--translations`` (``gpu-distilled``) the student on what a GPU teacher translated (bench/gpu_teacher.py). The
+  student preset is the default's model and recipe, so on the original data it is the teacher run of the same seed (one
   run folder, trained once): the teachers cost nothing beyond the original arm. Each finished run leaves a record
   in ``--records`` (its scores and its dev and test2016 outputs): commit them, since the run folders live only as
   long as the machine;
@@ -66,11 +67,13 @@ from pipeline.workdir import build_inputs, run_dir  # noqa: E402
 # Per language pair: the teachers' config (the current default) and each student arm's config.
 PAIRS = {
     "en-de": ("multi30k-cpu", {"original": "multi30k-student-tiny", "distilled": "multi30k-student-tiny",
-                               "deep-shallow": "multi30k-student-deep-shallow"}),
+                               "deep-shallow": "multi30k-student-deep-shallow",
+                               "gpu-distilled": "multi30k-student-tiny"}),
     "en-fr": ("multi30k-en-fr-cpu", {"original": "multi30k-en-fr-student-tiny",
                                      "distilled": "multi30k-en-fr-student-tiny"}),
 }
 TEST = "test.test2016"
+GPU_ARM = "gpu-distilled"  # the student on a GPU teacher's translations (--translations), issue 55
 # Each student arm is measured with its config's search and greedy (a distilled student is often decoded greedily:
 # Kim & Rush 2016); the teachers with their config's.
 SEARCHES = {"beam": [], "greedy": ["decode.beam_size=1"]}
@@ -93,8 +96,13 @@ class Study:
         unknown = set(args.arms or []) - set(students)
         if unknown:
             raise SystemExit(f"--arms: {sorted(unknown)} are not arms of {args.pair}; its arms: {sorted(students)}")
+        self.translations = args.translations and args.translations.resolve()
+        if GPU_ARM in (args.arms or []) and not self.translations:
+            raise SystemExit(f"--arms {GPU_ARM}: needs --translations, the folder bench/gpu_teacher.py brought back")
         self.configs = students  # every arm's config (the distill phase needs the distilled arm's)
-        self.students = {a: c for a, c in students.items() if not args.arms or a in args.arms}
+        # every arm by default; the GPU teacher's only with its translations
+        self.students = {a: c for a, c in students.items()
+                         if (a in args.arms if args.arms else a != GPU_ARM or self.translations)}
         self.pair, self.records = args.pair, args.records.resolve()
         self.budget = [f"train.max_steps={args.max_steps}", "train.max_minutes=null"]
 
@@ -120,6 +128,9 @@ class Study:
                 for s in range(1, self.k + 1)]
 
     def arm_overrides(self, arm: str, seed: int) -> list[str]:
+        if arm == GPU_ARM:  # translations made on a GPU (bench/gpu_teacher.py), filtered here
+            return ["distill.teachers=[]", f"distill.translations={self.translations}", f"train.seed={seed}",
+                    *self.budget]
         teachers = "[]" if arm == "original" else "[" + ", ".join(map(str, self.teachers())) + "]"
         return [f"distill.teachers={teachers}", f"train.seed={seed}", *self.budget]
 
@@ -393,6 +404,9 @@ def main() -> None:
     p.add_argument("--arms", nargs="+", default=None,
                    help="students and measure: only these arms (default: every arm of the pair); a study split "
                         "over sessions trains and measures a part at a time")
+    p.add_argument("--translations", type=Path, default=None,
+                   help=f"the {GPU_ARM} arm's training targets: a translations folder made on a GPU "
+                        "(bench/gpu_teacher.py)")
     p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
     p.add_argument("--out", type=Path, default=None,
                    help="measure, quality: the result JSON; ledger: read from here")

@@ -6,26 +6,22 @@
 # side by side (bench_gpu.py), at the paper presets' shape (train.max_tokens: update).
 # Results are written under $OUT (default bench/results), named after the GPU.
 #
-# A GPU machine whose Python lacks this project's pure dependencies (pydantic and its three helpers, ctranslate2)
-# can be given them as wheels in .whl/ (`bash bench/gpu_slot.sh wheels`, here, before the device call: the device
-# machine reaches no package index; the pins are requirements/constraints.txt's); they are installed into a
-# temporary folder there. The device call: run(command="OUT=$OUT bash bench/gpu_slot.sh", carry=[".whl"]).
+# A GPU machine whose Python lacks this project's pure dependencies (pydantic and its three helpers, ctranslate2,
+# sacremoses) can be given them as wheels in .whl/ (`bash bench/gpu_slot.sh wheels`, here, before the device call:
+# the device machine reaches no package index; the pins are requirements/constraints.txt's); they are installed into
+# a temporary folder there (bench/device_env.sh). The device call: run(command="OUT=$OUT bash bench/gpu_slot.sh", carry=[".whl"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = wheels ]; then
-  pins=$(grep -E '^(pydantic|pydantic_core|annotated-types|typing-inspection|ctranslate2)==' \
+  pins=$(grep -E '^(pydantic|pydantic_core|annotated-types|typing-inspection|ctranslate2|sacremoses)==' \
     requirements/constraints.txt) || exit 1
   # shellcheck disable=SC2086  # one argument per pin
   exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl $pins
 fi
 out=${OUT:-bench/results}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1
+# shellcheck source=bench/device_env.sh
+. bench/device_env.sh
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))") || exit 1
 timeout 200 python3 bench/profile_gpu.py --updates 3 --out "$out/profile_gpu_$gpu.md"
 timeout 300 python3 bench/bench_gpu.py --presets base big --steps 10 --train-precisions bf16 \

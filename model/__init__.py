@@ -11,7 +11,7 @@ from .ensemble import Ensemble
 from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, ResidualConnection
 from .loss import LabelSmoothedCrossEntropy, symmetric_kl
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoid_table
-from .schedule import TransformerLRLambda, cooldown_factor, transformer_lr, transformer_lr_scheduler
+from .schedule import TransformerLRLambda, cooldown_factor, ramped_lr, transformer_lr, transformer_lr_scheduler
 from .static_decoding import StaticBeamSearch, static_beam_search
 from .transformer import Decoder, Encoder, Transformer
 
@@ -37,6 +37,7 @@ __all__ = [
     "TransformerLRLambda",
     "attention_with_weights",
     "cooldown_factor",
+    "ramped_lr",
     "reorder_cache",
     "sinusoid_table",
     "static_beam_search",

@@ -1,5 +1,5 @@
-"""The paper's learning-rate schedule (section 5.3): linear warm-up, then inverse square root decay; and a
-budget cooldown on top of it (not in the paper)."""
+"""The paper's learning-rate schedule (section 5.3): linear warm-up, then inverse square root decay; a shorter
+warm-up to the same peak for runs that get few updates, and a budget cooldown on top of it (not in the paper)."""
 
 from __future__ import annotations
 
@@ -29,20 +29,36 @@ def cooldown_factor(progress: float, fraction: float) -> float:
     return min(1.0, max(0.0, (1.0 - progress) / fraction))
 
 
+def ramped_lr(step: int, d_model: int, warmup_steps: int, ramp_steps: int, lr_scale: float = 1.0) -> float:
+    """The paper's schedule with a shorter warm-up (not in the paper): linear from 0 to the paper's peak (that of
+    ``warmup_steps``) over ``ramp_steps`` updates, held there until ``warmup_steps``, then the paper's inverse
+    square root decay. A run that will get few updates reaches its peak instead of ending still warming up; the
+    peak and the decay stay those the preset was tuned with. ``ramp_steps >= warmup_steps`` is the paper's
+    schedule (:func:`transformer_lr`) exactly."""
+    if ramp_steps >= warmup_steps or step <= 0:
+        return transformer_lr(step, d_model, warmup_steps, lr_scale)
+    peak = transformer_lr(warmup_steps, d_model, warmup_steps, lr_scale)
+    return peak * min(1.0, step / ramp_steps) * min(1.0, (warmup_steps / step) ** 0.5)
+
+
 @dataclass
 class TransformerLRLambda:
-    """``lr_lambda`` for ``LambdaLR``: the learning rate of LambdaLR's step ``s`` is ``transformer_lr(s + 1)``.
+    """``lr_lambda`` for ``LambdaLR``: the learning rate of LambdaLR's step ``s`` is ``ramped_lr(s + 1)``.
 
     LambdaLR applies ``lr_lambda(0)`` to the first update, the paper calls it step 1: hence the shift. A
-    callable object (not a lambda) so that ``LambdaLR.state_dict()`` saves its fields.
+    callable object (not a lambda) so that ``LambdaLR.state_dict()`` saves its fields: ``ramp_steps``, the warm-up
+    a budgeted run fitted to the updates it will get (None: ``warmup_steps``, the paper's), is resumed with it.
     """
 
     d_model: int
     warmup_steps: int
     lr_scale: float = 1.0
+    ramp_steps: int | None = None
 
     def __call__(self, scheduler_step: int) -> float:
-        return transformer_lr(scheduler_step + 1, self.d_model, self.warmup_steps, self.lr_scale)
+        if self.ramp_steps is None:
+            return transformer_lr(scheduler_step + 1, self.d_model, self.warmup_steps, self.lr_scale)
+        return ramped_lr(scheduler_step + 1, self.d_model, self.warmup_steps, self.ramp_steps, self.lr_scale)
 
 
 def transformer_lr_scheduler(

@@ -587,6 +587,10 @@ class DistillConfig(_Strict):
     teachers: list[str] = Field(default_factory=list, description=(
         "The teacher models: registered versions (models:/<name>@<alias>, models:/<name>/<version>) or checkpoint "
         "files (.pt); several decode as one ensemble. Empty = no distillation (train on the corpus as it is)."))
+    translations: str | None = Field(default=None, description=(
+        "Instead of teachers: a translations folder made elsewhere (translations.txt, one line per training source "
+        "in corpus order, and its manifest.json recording the teachers' lineage), as bench/gpu_teacher.py brings "
+        "back from a GPU; the filters below run on it here. Set teachers or this, not both."))
     decode: DecodeConfig = Field(default=DecodeConfig(), description=(
         "How the teachers translate the training sources (beam search; the paper's beam 4 and length penalty 0.6 "
         "by default)."))
@@ -618,6 +622,14 @@ class DistillConfig(_Strict):
         if len(set(v)) < len(v):
             raise ValueError(f"teachers {v} name one model twice: an ensemble member counts once")
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "DistillConfig":
+        if self.teachers and self.translations:
+            raise ValueError(f"distill.teachers {self.teachers} and distill.translations {self.translations!r} both "
+                             "set: the student learns from teachers decoded here or from translations made "
+                             "elsewhere; empty one of them")
+        return self
 
     @model_validator(mode="after")
     def _nbest_fits(self) -> "DistillConfig":
@@ -1121,8 +1133,8 @@ def dump_config(cfg: RunConfig) -> str:
 # also takes a path to any other config file.
 ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", "multi30k-en-fr-cpu",
                      "multi30k-en-fr-student-tiny", "multi30k-student-deep-shallow", "multi30k-student-tiny",
-                     "ptb-sample-cpu", "wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big",
-                     "wsj-parsing"]
+                     "multi30k-teacher-gpu", "ptb-sample-cpu", "wmt14-en-de-base", "wmt14-en-de-big",
+                     "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"]
 
 
 def _leaf_field_infos(model: type[BaseModel], prefix: str = "") -> list[tuple[str, FieldInfo]]:

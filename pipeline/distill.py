@@ -20,6 +20,8 @@ only complete, and the partial folder is removed then.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import logging
 import shutil
@@ -41,17 +43,20 @@ from pipeline.data.clean import Normalizer
 from pipeline.data.corpus import CorpusSplitWriter, rule_report
 from pipeline.errors import UserError
 from pipeline.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, identity_fingerprint,
-                             remove_stale_temps, sha256_file, stage_folder, write_json)
+                             read_stage_manifest, remove_stale_temps, sha256_file, stage_folder, write_json)
 from pipeline.inference import load_models, translate_nbest, truncation_summary
 from pipeline.tokenize import Tokenizer, verify_file
 
 log = logging.getLogger("aiayn.distill")
 
 DISTILL_FORMAT = "aiayn-distill/1"  # the chunk files and the identity's layout; the output is a corpus folder
+TRANSLATIONS_FORMAT = "aiayn-translations/1"  # a translations folder (write_translations): text made elsewhere
+TRANSLATIONS = "translations.txt"  # one line per training source, in corpus order
 RULES = ("empty", "copy", "ratio")  # the filters of failure(), in the order they run
-# DistillConfig fields left out of the identity: the teachers are in it by content (sha256), and chunking
+# DistillConfig fields left out of the identity: the teachers are in it by content (sha256) (translations made
+# elsewhere have a road and identity of their own: distill_from_translations), and chunking
 # decides only where a killed run resumes, not what is decoded; the speed measurement comes after, at registration.
-_NOT_CONTENT = frozenset({"teachers", "chunk_sentences", "speed_sentences"})
+_NOT_CONTENT = frozenset({"teachers", "translations", "chunk_sentences", "speed_sentences"})
 # The filters run on decoded chunks: a partial folder is keyed without them, so a run refused for an empty result
 # resumes, after the filters are relaxed, with every chunk already decoded.
 _FILTERS = frozenset({"max_ratio", "drop_copies"})
@@ -204,13 +209,12 @@ def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pa
     with exclusive(out.parent, "distillation"):
         if (out / MANIFEST).is_file():  # another run finished it while this one waited
             return out
-        for split in corpus["splits"].values():
-            verify_file(corpus_dir / split["file"], split["sha256"], corpus_dir / MANIFEST,
-                        "re-run the data stage (prepare_corpus)", DataError)
+        _verified_corpus(corpus_dir, corpus)
         started = time.perf_counter()
         _decode_chunks(model, tokenizer, corpus_dir, corpus, distill, partial, progress)
         with atomic_dir(out) as tmp:
-            train, report = _write_corpus(tmp, corpus_dir, corpus, partial, distill)
+            train, report = _write_corpus(tmp, corpus_dir, corpus,
+                                          *_chunk_targets(partial, _chunks(corpus, distill)), distill)
             write_json(tmp / MANIFEST, {
                 **corpus,
                 "fingerprint": fingerprint,
@@ -233,6 +237,166 @@ def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pa
     return out
 
 
+def _verified_corpus(corpus_dir: Path, corpus: dict) -> None:
+    """Every split file of the corpus checked against its manifest before anything is built from it."""
+    for split in corpus["splits"].values():
+        verify_file(corpus_dir / split["file"], split["sha256"], corpus_dir / MANIFEST,
+                    "re-run the data stage (prepare_corpus)", DataError)
+
+
+def sources_sha256(corpus_dir: Path, corpus: dict) -> str:
+    """sha256 of the corpus's training sources in order (each line and a newline, UTF-8), streamed: what a
+    translations folder's lines pair with. It depends on the text alone, not on the code or file format that
+    stored it, so translations made at another commit still fit a corpus of the same sources."""
+    digest = hashlib.sha256()
+    for table in _row_chunks(corpus_dir / corpus["splits"]["train"]["file"], ["src"], _WRITE_ROWS):
+        for src in table.column("src").to_pylist():
+            digest.update(src.encode("utf-8") + b"\n")
+    return digest.hexdigest()
+
+
+def _teacher_record(path: Path, sha256: str) -> dict:
+    """What a translations folder says of one teacher: its file, content, update and the config it was trained
+    with (less ``tracking``: server addresses stay on the machine that trained it)."""
+    state = load_checkpoint(path)
+    config = {k: v for k, v in (state.get("config") or {}).items() if k != "tracking"}
+    return {"path": str(path.resolve()), "sha256": sha256, "step": state.get("step"),
+            "tokenizer_sha256": state.get("tokenizer_sha256"), "model_config": state["model_config"],
+            "config": config}
+
+
+def write_translations(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Path, distill: DistillConfig,
+                       out_dir: Path, work_dir: Path, device: str = "cpu", progress: Progress | None = None,
+                       lineage: dict | None = None) -> Path:
+    """The teachers' translations of every training source of ``corpus_dir``, before the filters, as a
+    translations folder at ``out_dir`` (``translations.txt`` and ``manifest.json``, format
+    ``aiayn-translations/1``: docs/explanation/formats.md): text that a machine holding the teachers (a GPU) hands
+    to the machine that trains the student, where :func:`distill_from_translations` makes the distilled corpus.
+
+    Decodes as :func:`distill_corpus` does (``distill.decode``, ``nbest``, ``select``; resumable chunk by chunk in
+    a partial folder under ``work_dir/translations/``, so ``out_dir`` holds the two files alone). The manifest
+    records the source corpus (its fingerprint, languages and :func:`sources_sha256`, which the receiving side
+    checks), the file's sha256, the teachers (file, sha256, update, model and training config) and the decoding
+    settings; ``lineage`` adds what the caller knows (the commit, the teachers' scores, the machine).
+    """
+    corpus_dir, out_dir = Path(corpus_dir), Path(out_dir).resolve()
+    corpus = _train_corpus(corpus_dir)
+    files = _teacher_files(teachers)
+    shas = [sha256_file(f) for f in files]
+    decoded, _ = _identities(corpus, shas, distill)
+    tokenizer = Tokenizer(tokenizer_dir)
+    model = load_models(files, device, tokenizer)  # refuses a teacher of another tokenizer, before decoding
+    state = Path(work_dir).resolve() / "translations"
+    partial = state / f".{identity_fingerprint({**decoded, 'chunks': distill.chunk_sentences})[:16]}.partial"
+    with exclusive(state, "translations"):
+        _verified_corpus(corpus_dir, corpus)
+        _decode_chunks(model, tokenizer, corpus_dir, corpus, distill, partial, progress)
+        targets, truncated = _chunk_targets(partial, _chunks(corpus, distill))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)  # an earlier result at this path: replaced by this one as a whole
+        with atomic_dir(out_dir) as tmp:
+            with open(tmp / TRANSLATIONS, "w", encoding="utf-8", newline="\n") as f:
+                for target in targets:
+                    f.write(target + "\n")
+            write_json(tmp / MANIFEST, {
+                "format": TRANSLATIONS_FORMAT,
+                "source_corpus": {"fingerprint": corpus["fingerprint"], "src_lang": corpus["src_lang"],
+                                  "tgt_lang": corpus["tgt_lang"],
+                                  "sources_sha256": sources_sha256(corpus_dir, corpus)},
+                "rows": corpus["splits"]["train"]["rows"],
+                "sha256": sha256_file(tmp / TRANSLATIONS),
+                "truncated": truncated,
+                "code": decoded["code"],
+                "teachers": [_teacher_record(f, sha) for f, sha in zip(files, shas)],
+                **distill.model_dump(mode="json", include={"decode", "nbest", "select"}),
+                "lineage": lineage or {},
+            })
+        shutil.rmtree(partial)
+    log.info("translations of %d training sources written to %s", corpus["splits"]["train"]["rows"], out_dir)
+    return out_dir
+
+
+def read_translations(folder: Path, corpus_dir: Path, corpus: dict) -> dict:
+    """The manifest of a translations folder (:func:`write_translations`), checked against the corpus (folder and
+    manifest) whose training sources it translates: its format, languages, the training sources it was made from
+    (:func:`sources_sha256`), one line per training source and the file's sha256. Raises :class:`DistillError`
+    naming the file and what to do."""
+    folder = Path(folder)
+    fix = ("point distill.translations at a folder written by write_translations (bench/gpu_teacher.py on the "
+           "machine with the teachers), with its translations.txt and manifest.json as they came")
+    if not folder.is_dir():
+        raise DistillError(f"distill.translations {folder}: not a folder; {fix}")
+    manifest = read_stage_manifest(folder, TRANSLATIONS_FORMAT, "translations", fix, DistillError)
+    path = folder / TRANSLATIONS
+    source, rows = manifest["source_corpus"], corpus["splits"]["train"]["rows"]
+    if (source["src_lang"], source["tgt_lang"]) != (corpus["src_lang"], corpus["tgt_lang"]):
+        raise DistillError(f"{folder / MANIFEST}: translations {source['src_lang']}->{source['tgt_lang']}, but this "
+                           f"corpus is {corpus['src_lang']}->{corpus['tgt_lang']}: use translations of this "
+                           "language pair")
+    # the sources, not the corpus fingerprint: that one also hashes the data stage's code, which may have moved on
+    if source["sources_sha256"] != sources_sha256(corpus_dir, corpus):
+        raise DistillError(f"{folder / MANIFEST}: the translations were made from other training sources than "
+                           f"this corpus's ({corpus_dir}; they came from corpus {source['fingerprint'][:16]}...): "
+                           "its lines would pair with other sources. Prepare the data with the same data section "
+                           "and files as the machine that made them, or translate this corpus")
+    if not path.is_file() or sha256_file(path) != manifest["sha256"]:
+        raise DistillError(f"{path}: {'missing' if not path.is_file() else 'changed since it was written'} (the "
+                           f"manifest records sha256 {manifest['sha256'][:16]}...); copy the folder again from the "
+                           "machine that made it")
+    with open(path, encoding="utf-8", newline="\n") as f:
+        lines = sum(1 for _ in f)
+    if lines != rows or manifest["rows"] != rows:
+        raise DistillError(f"{path}: {lines:,} lines, but the corpus has {rows:,} training sources: one line per "
+                           "source, in corpus order")
+    return manifest
+
+
+def distill_from_translations(corpus_dir: Path, translations: Path, distill: DistillConfig, work_dir: Path) -> Path:
+    """The distilled corpus of ``corpus_dir`` from a translations folder made elsewhere (:func:`write_translations`
+    on a machine with the teachers): build (or reuse) it under ``work_dir/distilled/`` and return its folder.
+
+    The folder is checked first (:func:`read_translations`); the filters (``distill.max_ratio``,
+    ``distill.drop_copies``) run here, as for :func:`distill_corpus`. The manifest's ``distillation`` entry keeps
+    the teachers' lineage as the translations recorded it (file, sha256, config) and the translations' own
+    (``translations``: path, sha256, lineage). The fingerprint hashes the source corpus, the translations' sha256,
+    the filters and this stage's code.
+    """
+    corpus_dir, translations = Path(corpus_dir), Path(translations).expanduser().resolve()
+    corpus = _train_corpus(corpus_dir)
+    made = read_translations(translations, corpus_dir, corpus)
+    identity = {"format": DISTILL_FORMAT, "code": _code_hash(), "corpus": corpus["fingerprint"],
+                "translations": made["sha256"], "filters": distill.model_dump(mode="json", include=set(_FILTERS))}
+    out, fingerprint, done = stage_folder(work_dir, "distilled", identity)
+    if done:
+        return out
+    with exclusive(out.parent, "distillation"):
+        if (out / MANIFEST).is_file():  # another run finished it while this one waited
+            return out
+        _verified_corpus(corpus_dir, corpus)
+        with open(translations / TRANSLATIONS, encoding="utf-8", newline="\n") as f, atomic_dir(out) as tmp:
+            targets = (line[:-1] if line.endswith("\n") else line for line in f)
+            train, report = _write_corpus(tmp, corpus_dir, corpus, targets, made["truncated"], distill)
+            write_json(tmp / MANIFEST, {
+                **corpus,
+                "fingerprint": fingerprint,
+                "splits": {**corpus["splits"], "train": train},
+                "distillation": {
+                    "format": DISTILL_FORMAT,
+                    "code": identity["code"],
+                    "source_corpus": {"fingerprint": corpus["fingerprint"], "path": str(corpus_dir.resolve())},
+                    "teachers": made["teachers"],
+                    "translations": {"path": str(translations), "sha256": made["sha256"],
+                                     "lineage": made["lineage"]},
+                    **{k: made[k] for k in ("decode", "nbest", "select")},
+                    **distill.model_dump(mode="json", include=set(_FILTERS)),
+                    **report,
+                },
+            })
+    log.info("distilled corpus written to %s from %s: %d training sources, %d kept", out, translations,
+             report["read"], report["kept"])
+    return out
+
+
 def _row_chunks(path: Path, columns: list[str], rows: int) -> Iterator[pa.Table]:
     """``columns`` of the Parquet file at ``path`` in consecutive tables of ``rows`` rows (the last may be
     shorter), streamed: memory holds about one chunk, whatever the file's size."""
@@ -250,6 +414,11 @@ def _row_chunks(path: Path, columns: list[str], rows: int) -> Iterator[pa.Table]
         yield pa.concat_tables(pending)
 
 
+def _chunks(corpus: dict, distill: DistillConfig) -> int:
+    """How many chunks of ``distill.chunk_sentences`` the corpus's training sources make."""
+    return -(-corpus["splits"]["train"]["rows"] // distill.chunk_sentences)
+
+
 def _chunk_file(partial: Path, index: int) -> Path:
     return partial / f"chunk-{index:06d}.parquet"
 
@@ -259,7 +428,7 @@ def _decode_chunks(model: Transformer | Ensemble, tokenizer: Tokenizer, corpus_d
     """Decode every chunk of the training sources not yet in ``partial`` into its chunk file (atomically)."""
     train = corpus_dir / corpus["splits"]["train"]["file"]
     total, size = corpus["splits"]["train"]["rows"], distill.chunk_sentences
-    chunks = -(-total // size)
+    chunks = _chunks(corpus, distill)
     partial.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(partial)  # a chunk whose write was killed
     finished = {i for i in range(chunks) if _chunk_file(partial, i).is_file()}
@@ -297,11 +466,22 @@ def _decode_chunks(model: Transformer | Ensemble, tokenizer: Tokenizer, corpus_d
                  elapsed, len(sources) / max(elapsed, 1e-9))
 
 
-def _write_corpus(tmp: Path, corpus_dir: Path, corpus: dict, partial: Path,
+def _chunk_targets(partial: Path, chunks: int) -> tuple[Iterator[str], int]:
+    """The decoded chunks in ``partial``: every training source's target in corpus order (streamed), and how many
+    sources were cut to the teachers' positions."""
+    truncated = sum(pq.read_table(_chunk_file(partial, i), columns=["truncated"]).column("truncated")
+                    .to_pylist().count(True) for i in range(chunks))
+    targets = (t for i in range(chunks)
+               for t in pq.read_table(_chunk_file(partial, i), columns=["tgt"]).column("tgt").to_pylist())
+    return targets, truncated
+
+
+def _write_corpus(tmp: Path, corpus_dir: Path, corpus: dict, targets: Iterator[str], truncated: int,
                   distill: DistillConfig) -> tuple[dict, dict]:
-    """Write the distilled corpus's splits into ``tmp``: dev and test copied, the training split from the decoded
-    chunks less the failed pairs. Returns the training split's manifest entry and the filter report (each rule's
-    count, sources read and kept, sources cut to the teachers' positions)."""
+    """Write the distilled corpus's splits into ``tmp``: dev and test copied, the training split from ``targets``
+    (one per training source, in corpus order) less the failed pairs. Returns the training split's manifest entry
+    and the filter report (each rule's count, sources read and kept, ``truncated``: sources cut to the teachers'
+    positions)."""
     for key, split in corpus["splits"].items():
         if key != "train":
             shutil.copyfile(corpus_dir / split["file"], tmp / split["file"])
@@ -309,13 +489,10 @@ def _write_corpus(tmp: Path, corpus_dir: Path, corpus: dict, partial: Path,
     writer = CorpusSplitWriter(tmp / source["file"], "train", _WRITE_ROWS)
     counts: Counter = Counter({rule: 0 for rule in RULES})
     read: Counter = Counter()
-    truncated = 0
-    tables = _row_chunks(corpus_dir / source["file"], ["origin", "line", "src"], distill.chunk_sentences)
-    for i, table in enumerate(tables):
-        chunk = pq.read_table(_chunk_file(partial, i))
-        truncated += chunk.column("truncated").to_pylist().count(True)
+    for table in _row_chunks(corpus_dir / source["file"], ["origin", "line", "src"], distill.chunk_sentences):
+        hyps = list(itertools.islice(targets, table.num_rows))
         for origin, line, src, hyp in zip(*(table.column(c).to_pylist() for c in ("origin", "line", "src")),
-                                          chunk.column("tgt").to_pylist(), strict=True):
+                                          hyps, strict=True):
             read[origin] += 1
             if rule := failure(src, hyp, distill):
                 counts[rule] += 1

@@ -22,7 +22,7 @@ from pipeline.codegraph import code_closure
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import read_manifest
 from pipeline.fsutil import code_hash, sha256_file
-from pipeline.inference import load_models
+from pipeline.inference import decode_device, load_models
 from pipeline.tokenize import Tokenizer
 
 log = logging.getLogger("aiayn.evaluate")
@@ -133,15 +133,16 @@ def sentence_counter(total: int, progress: Progress | None) -> Callable[[int], N
 
 
 def eval_setup(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
-               splits: Sequence[str] | None, device: str, progress: Progress | None = None) -> EvalSetup:
+               splits: Sequence[str] | None, device: str | None, progress: Progress | None = None) -> EvalSetup:
     """Read the corpus manifest, check the splits, load the tokenizer and the model (an ensemble for several
-    checkpoints; a checkpoint of another tokenizer is refused), then create ``out_dir``; ``progress`` will hear of
-    every decoded batch, counted over all the splits."""
+    checkpoints; a checkpoint of another tokenizer is refused) on ``device`` (None: a GPU when there is one,
+    :func:`~pipeline.inference.decode_device`), then create ``out_dir``; ``progress`` will hear of every decoded
+    batch, counted over all the splits."""
     corpus = read_manifest(corpus_dir)
     keys = eval_split_keys(corpus, corpus_dir, splits)
     total = sum(corpus["splits"][k]["rows"] for k in keys)
     tokenizer = Tokenizer(tokenizer_dir)
-    model = load_models(checkpoint_list(checkpoint), device, tokenizer)
+    model = load_models(checkpoint_list(checkpoint), device or decode_device(), tokenizer)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # only once the checkpoint is known to be usable
     return EvalSetup(corpus, keys, model, tokenizer, out_dir, sentence_counter(total, progress))
@@ -154,7 +155,8 @@ class Evaluator(abc.ABC):
 
     @abc.abstractmethod
     def evaluate(self, cfg: RunConfig, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
-                 splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
+                 splits: Sequence[str] | None = None, device: str | None = None,
+                 progress: Progress | None = None) -> Path:
         """Decode and score each split of ``splits`` (default: every dev/test split) with ``checkpoint`` (several:
         their ensemble); returns ``scores.json``.
         ``progress`` hears (sentences decoded, sentences in all those splits) after every batch."""

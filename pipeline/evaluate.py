@@ -25,14 +25,14 @@ def eval_dir(cfg: RunConfig, checkpoint: Checkpoints) -> Path:
     their sorted paths, ``eval-ensemble<k>-<hash of those paths>-<hash>``."""
     paths = sorted(p.resolve() for p in checkpoint_list(checkpoint))
     settings = cfg.section_hash("task", "decode")[:8]
-    if len(paths) == 1:
-        return Path(checkpoint).parent / f"eval-{paths[0].stem}-{settings}"
+    if len(paths) == 1:  # one checkpoint, given alone or as a list of one
+        return Path(checkpoint_list(checkpoint)[0]).parent / f"eval-{paths[0].stem}-{settings}"
     members = hashlib.sha256("\n".join(map(str, paths)).encode()).hexdigest()[:8]
     return paths[0].parent / f"eval-ensemble{len(paths)}-{members}-{settings}"
 
 
 def evaluate_checkpoint(cfg: RunConfig, checkpoint: Checkpoints, corpus: Path, tokenizer: Path,
-                        out_dir: Path | None = None, splits: Sequence[str] | None = None, device: str = "cpu",
+                        out_dir: Path | None = None, splits: Sequence[str] | None = None, device: str | None = None,
                         progress: Progress | None = None) -> Path:
     """Evaluate ``checkpoint`` (several: their ensemble) on ``splits`` (default: every dev/test split) of
     ``corpus`` as ``cfg.task`` demands; returns ``scores.json``. ``out_dir`` defaults to :func:`eval_dir`, so that

@@ -22,6 +22,12 @@ from pipeline.encoding import encode_sources, to_decode
 from pipeline.tokenize import Tokenizer
 
 
+def decode_device() -> str:
+    """Where decoding runs unless told: the GPU when there is one (evaluation, averaging's choice on dev and the
+    teachers' translations take minutes there against hours on a CPU), else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_model(checkpoint: Path, device: torch.device | str = "cpu", tokenizer: Tokenizer | None = None) -> Transformer:
     """A model in eval mode from a training or averaged checkpoint (weights-only load); given the ``tokenizer`` it
     will decode with, one the checkpoint was not trained with is refused first (a ``CheckpointError`` naming both)."""

@@ -43,24 +43,28 @@ def checkpoint_teachers(cfg: RunConfig) -> list[Path]:
 
 def build_corpus(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, int], None]] | None = None) -> Path:
     """The corpus training reads: the data stage's, or with ``distill.teachers`` its distilled corpus (the
-    teachers' tokenizer found in the work dir by :func:`~pipeline.distill.teacher_tokenizer`). A no-op returning
+    teachers' tokenizer found in the work dir by :func:`~pipeline.distill.teacher_tokenizer`), or with
+    ``distill.translations`` the distilled corpus of translations made elsewhere. A no-op returning
     the folder when unchanged; ``progress`` as for :func:`build_inputs`."""
     work = Path(cfg.work_dir)
+    if cfg.distill.translations:  # translations made elsewhere (a GPU): only the filters run here
+        from pipeline.distill import distill_from_translations
+
+        corpus = prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
+        return distill_from_translations(corpus, Path(cfg.distill.translations), cfg.distill, work)
     if not cfg.distill.teachers:
         return prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
     # Only here: the decoding code (beam search, sacreBLEU) stays out of every process that does not distill,
     # the torchrun ranks included.
-    import torch
-
     from pipeline.distill import distill_corpus, teacher_tokenizer
+    from pipeline.inference import decode_device
 
     # the teachers before the data stage: a registered, missing or unmatched teacher is refused at once
     teachers = checkpoint_teachers(cfg)
     tokenizer = teacher_tokenizer(teachers, work)
     corpus = prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
     # the teachers decode on a GPU when there is one (hours on a CPU for a WMT corpus)
-    return distill_corpus(corpus, teachers, tokenizer, cfg.distill, work,
-                          device="cuda" if torch.cuda.is_available() else "cpu",
+    return distill_corpus(corpus, teachers, tokenizer, cfg.distill, work, device=decode_device(),
                           progress=progress and progress("distilling the training sources", "sentences"))
 
 

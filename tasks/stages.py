@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from prefect import task
 from prefect.tasks import exponential_backoff
 
@@ -18,6 +17,7 @@ from pipeline.distill import distill_corpus
 from pipeline.evaluate import evaluate_checkpoint
 from pipeline.export import export_model
 from pipeline.fsutil import sha256_file
+from pipeline.inference import decode_device
 from pipeline.shards import build_shards
 from pipeline.tokenize import train_tokenizer
 from tasks.caching import stage_cache_key
@@ -71,7 +71,7 @@ def distill_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, disti
     corpus, the teachers' content and the distill settings."""
     artifact = ProgressArtifact("distill-progress", f"{len(teachers)} teacher(s) translating the training sources")
     out = distill_corpus(corpus, teachers, tokenizer_dir, distill, work_dir,
-                         device="cuda" if torch.cuda.is_available() else "cpu", progress=artifact.fraction)
+                         device=decode_device(), progress=artifact.fraction)
     artifact.finish()  # also when the distilled corpus was there already
     return out
 

@@ -25,10 +25,10 @@ import pipeline.distill as distill_module
 from model import Transformer
 from pipeline.checkpoint import CHECKPOINT_FORMAT, CheckpointError
 from pipeline.cli import main
-from pipeline.config import DistillConfig, RunConfig, load_config
+from pipeline.config import ConfigError, DistillConfig, RunConfig, load_config
 from pipeline.data import prepare_corpus, read_manifest
-from pipeline.distill import (RULES, DistillError, distill_corpus, distilled_fingerprint, failure, select_hypothesis,
-                              teacher_tokenizer)
+from pipeline.distill import (RULES, DistillError, distill_corpus, distill_from_translations, distilled_fingerprint,
+                              failure, select_hypothesis, teacher_tokenizer, write_translations)
 from pipeline.fsutil import MANIFEST, sha256_file
 from pipeline.inference import load_models, translate, translate_nbest
 from pipeline.tokenize import Tokenizer, train_tokenizer
@@ -449,3 +449,88 @@ def test_the_cli_distills_and_a_run_trains_on_the_distilled_corpus(toy: Toy, dis
     assert tokenizer["train"]["sha256"] == sha256_file(distilled / "train.parquet")
     assert shards["corpus"]["fingerprint"] == read_manifest(distilled)["fingerprint"]
     assert shards["splits"]["train"]["rows"] == entry["kept"]
+
+
+# ------------------------------------------------------------------------- translations made elsewhere
+
+
+@pytest.fixture(scope="module")
+def translations(toy: Toy, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first teacher's translations of the toy's training sources, as a machine with the teacher (a GPU) writes
+    them for one without it."""
+    gpu = tmp_path_factory.mktemp("gpu")
+    return write_translations(toy.corpus, toy.teachers[:1], toy.tokenizer_dir, toy.distill,
+                              gpu / "out" / "translations", gpu / "work", lineage={"commit": "abc1234"})
+
+
+def test_translations_made_elsewhere_give_the_corpus_the_teachers_would(toy: Toy, distilled: Path,
+                                                                        translations: Path, tmp_path: Path) -> None:
+    """Decoding on one machine and filtering on another gives the distilled corpus of decoding here, row for row,
+    with the teachers' lineage (sha256, config) carried from the machine that had them."""
+    made = json.loads((translations / MANIFEST).read_text())
+    lines = (translations / "translations.txt").read_text(encoding="utf-8").split("\n")
+    assert lines[-1] == "" and len(lines) - 1 == TRAIN_ROWS == made["rows"]  # one line per source, before filters
+    assert made["sha256"] == sha256_file(translations / "translations.txt")
+    assert made["source_corpus"]["fingerprint"] == read_manifest(toy.corpus)["fingerprint"]
+    assert [t["sha256"] for t in made["teachers"]] == [sha256_file(toy.teachers[0])]
+    assert made["teachers"][0]["model_config"]["d_model"] == 32 and made["lineage"] == {"commit": "abc1234"}
+    assert made["truncated"] == 1 and sorted(p.name for p in translations.parent.iterdir()) == ["translations"]
+    assert sorted(p.name for p in translations.iterdir()) == [MANIFEST, "translations.txt"]  # what travels
+
+    out = distill_from_translations(toy.corpus, translations, toy.distill, tmp_path)
+    assert rows(out) == rows(distilled)
+    here, there = read_manifest(distilled)["distillation"], read_manifest(out)["distillation"]
+    for key in ("read", "rules", "kept", "removed", "truncated", "decode", "nbest", "select", "max_ratio"):
+        assert there[key] == here[key], key
+    assert [t["sha256"] for t in there["teachers"]] == [t["sha256"] for t in here["teachers"]]
+    assert there["translations"] == {"path": str(translations.resolve()), "sha256": made["sha256"],
+                                     "lineage": {"commit": "abc1234"}}
+    assert distill_from_translations(toy.corpus, translations, toy.distill, tmp_path) == out  # reused
+    # the filters run here: relaxing one gives another corpus from the same translations
+    relaxed = distill_from_translations(toy.corpus, translations, toy.distill.model_copy(update={"max_ratio": 100.0}),
+                                        tmp_path)
+    assert relaxed != out and read_manifest(relaxed)["distillation"]["removed"]["ratio"] == 0
+
+    # the CLI's road: distill.translations in the config, the teachers emptied
+    cfg = toy_config(toy.root, tmp_path, f"distill.translations={translations}")
+    assert build_inputs(cfg).corpus == out
+
+
+def test_translations_that_do_not_fit_the_corpus_are_refused_naming_the_file(toy: Toy, translations: Path,
+                                                                             tmp_path: Path) -> None:
+    def copy(edit) -> Path:
+        folder = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        folder.mkdir()
+        manifest = json.loads((translations / MANIFEST).read_text())
+        text = (translations / "translations.txt").read_text(encoding="utf-8")
+        manifest, text = edit(manifest, text)
+        (folder / "translations.txt").write_text(text, encoding="utf-8")
+        (folder / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+        return folder
+
+    def refused(folder: Path, *words: str) -> None:
+        with pytest.raises(DistillError) as e:
+            distill_from_translations(toy.corpus, folder, toy.distill, tmp_path / "work")
+        assert all(w in str(e.value) for w in words), str(e.value)
+        assert not (tmp_path / "work" / "distilled").is_dir() or not any(
+            (p / MANIFEST).is_file() for p in (tmp_path / "work" / "distilled").iterdir())
+
+    def resealed(manifest: dict, text: str) -> tuple[dict, str]:  # the manifest's sha256 made to match the text
+        import hashlib
+        return {**manifest, "sha256": hashlib.sha256(text.encode()).hexdigest()}, text
+
+    refused(copy(lambda m, t: (m, t.replace("\n", "\nx ", 1))), "translations.txt", "changed since it was written")
+    refused(copy(lambda m, t: resealed(m, t.split("\n", 1)[1])), "translations.txt", f"{TRAIN_ROWS:,} training")
+    other = {"fingerprint": "f" * 64, "sources_sha256": "0" * 64}
+    refused(copy(lambda m, t: ({**m, "source_corpus": {**m["source_corpus"], **other}}, t)), MANIFEST,
+            "other training sources", "corpus ffffffffffffffff")
+    refused(copy(lambda m, t: ({**m, "source_corpus": {**m["source_corpus"], "tgt_lang": "fr"}}, t)),
+            "translations en->fr", "en->de")
+    refused(copy(lambda m, t: ({**m, "format": "something/1"}, t)), "format 'something/1'")
+    refused(tmp_path / "nowhere", "nowhere", "not a folder")
+
+
+def test_teachers_and_translations_are_one_or_the_other(toy: Toy, translations: Path) -> None:
+    with pytest.raises(ConfigError, match="distill.teachers .* and distill.translations .* both set"):
+        toy_config(toy.root, toy.root, f"distill.teachers=[{toy.teachers[0]}]",
+                   f"distill.translations={translations}")

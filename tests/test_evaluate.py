@@ -134,6 +134,7 @@ def test_several_checkpoints_evaluate_and_translate_as_their_ensemble(averaged, 
     out = evaluate_checkpoint(cfg, [averaged, first], tiny_stack.corpus, tiny_stack.tokenizer, splits=["dev"])
     # named by the members, in any order, and by the decoding settings
     assert out.parent == eval_dir(cfg, [first, averaged]) != eval_dir(cfg, averaged)
+    assert eval_dir(cfg, [averaged]) == eval_dir(cfg, averaged)  # a list of one is that one checkpoint
     assert out.parent.name.startswith("eval-ensemble2-")
     report = json.loads(out.read_text())
     assert "checkpoint" not in report and [e["path"] for e in report["ensemble"]] == [str(averaged), str(first)]

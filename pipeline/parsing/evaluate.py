@@ -90,7 +90,8 @@ def score_parses(golds: list[Tree], tests: list[Tree], repairs: list[Repair]) ->
 
 
 def evaluate_parsing(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig,
-                     out_dir: Path, splits: Sequence[str] | None = None, device: str = "cpu", leaves: str = PLACEHOLDER,
+                     out_dir: Path, splits: Sequence[str] | None = None, device: str | None = None,
+                     leaves: str = PLACEHOLDER,
                      progress: Progress | None = None) -> Path:
     """Parse each dev/test split of the corpus with the checkpoint and score it with EVALB; returns
     ``scores.json``. ``splits`` defaults to every split but ``train``; ``leaves`` is ``data.tree_leaves``;
@@ -138,7 +139,8 @@ class ParsingEvaluator(Evaluator):
     dev_metric = "EVALB F1"
 
     def evaluate(self, cfg: RunConfig, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
-                 splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
+                 splits: Sequence[str] | None = None, device: str | None = None,
+                 progress: Progress | None = None) -> Path:
         return evaluate_parsing(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device,
                                 cfg.data.tree_leaves, progress)
 

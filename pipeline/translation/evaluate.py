@@ -37,7 +37,7 @@ def _tokenized(split: dict) -> tuple[str, float]:
 
 
 def evaluate_translation(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig,
-                         out_dir: Path, splits: Sequence[str] | None = None, device: str = "cpu",
+                         out_dir: Path, splits: Sequence[str] | None = None, device: str | None = None,
                          progress: Progress | None = None) -> Path:
     """Translate each dev/test split of the corpus with the checkpoint and score it; returns ``scores.json``.
 
@@ -79,7 +79,8 @@ class TranslationEvaluator(Evaluator):
     dev_metric = "sacreBLEU"
 
     def evaluate(self, cfg: RunConfig, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
-                 splits: Sequence[str] | None = None, device: str = "cpu", progress: Progress | None = None) -> Path:
+                 splits: Sequence[str] | None = None, device: str | None = None,
+                 progress: Progress | None = None) -> Path:
         return evaluate_translation(checkpoint, tokenizer_dir, corpus_dir, cfg.decode, out_dir, splits, device,
                                     progress)
 
