@@ -29,16 +29,21 @@ def cooldown_factor(progress: float, fraction: float) -> float:
     return min(1.0, max(0.0, (1.0 - progress) / fraction))
 
 
-def ramped_lr(step: int, d_model: int, warmup_steps: int, ramp_steps: int, lr_scale: float = 1.0) -> float:
-    """The paper's schedule with a shorter warm-up (not in the paper): linear from 0 to the paper's peak (that of
-    ``warmup_steps``) over ``ramp_steps`` updates, held there until ``warmup_steps``, then the paper's inverse
-    square root decay. A run that will get few updates reaches its peak instead of ending still warming up; the
-    peak and the decay stay those the preset was tuned with. ``ramp_steps >= warmup_steps`` is the paper's
-    schedule (:func:`transformer_lr`) exactly."""
-    if ramp_steps >= warmup_steps or step <= 0:
+def ramped_lr(step: int, d_model: int, warmup_steps: int, ramp_steps: int, lr_scale: float = 1.0,
+              ramp_from_step: int = 0, ramp_from: float = 0.0) -> float:
+    """The paper's schedule with a shorter warm-up (not in the paper): linear to the paper's peak (that of
+    ``warmup_steps``) at update ``ramp_steps``, held there until ``warmup_steps``, then the paper's inverse square
+    root decay. A run that will get few updates reaches its peak instead of ending still warming up; the peak and
+    the decay stay those the preset was tuned with. The line starts at ``ramp_from`` (a fraction of the peak) at
+    update ``ramp_from_step`` (0 and 0: from nothing), so that a warm-up fitted again mid-way goes on from where
+    the rate is instead of jumping. ``ramp_steps >= warmup_steps`` from nothing is the paper's schedule
+    (:func:`transformer_lr`) exactly."""
+    if step <= 0 or (ramp_steps >= warmup_steps and ramp_from_step == 0):
         return transformer_lr(step, d_model, warmup_steps, lr_scale)
     peak = transformer_lr(warmup_steps, d_model, warmup_steps, lr_scale)
-    return peak * min(1.0, step / ramp_steps) * min(1.0, (warmup_steps / step) ** 0.5)
+    if step < ramp_steps:
+        return peak * (ramp_from + (1.0 - ramp_from) * (step - ramp_from_step) / (ramp_steps - ramp_from_step))
+    return peak * min(1.0, (warmup_steps / step) ** 0.5)
 
 
 @dataclass
@@ -46,19 +51,36 @@ class TransformerLRLambda:
     """``lr_lambda`` for ``LambdaLR``: the learning rate of LambdaLR's step ``s`` is ``ramped_lr(s + 1)``.
 
     LambdaLR applies ``lr_lambda(0)`` to the first update, the paper calls it step 1: hence the shift. A
-    callable object (not a lambda) so that ``LambdaLR.state_dict()`` saves its fields: ``ramp_steps``, the warm-up
-    a budgeted run fitted to the updates it will get (None: ``warmup_steps``, the paper's), is resumed with it.
+    callable object (not a lambda) so that ``LambdaLR.state_dict()`` saves its fields: the warm-up a budgeted run
+    fitted to the updates it will get (``ramp_steps``, from ``ramp_from`` of the peak at ``ramp_from_step``; None:
+    ``warmup_steps``, the paper's) is resumed with it.
     """
 
     d_model: int
     warmup_steps: int
     lr_scale: float = 1.0
     ramp_steps: int | None = None
+    ramp_from_step: int = 0
+    ramp_from: float = 0.0
+    predicted_updates: int | None = None  # what ramp_steps was fitted to (the run's record; not used here)
 
     def __call__(self, scheduler_step: int) -> float:
+        return self.rate(scheduler_step + 1)
+
+    def rate(self, step: int) -> float:
+        """The learning rate of update ``step`` (from 1)."""
         if self.ramp_steps is None:
-            return transformer_lr(scheduler_step + 1, self.d_model, self.warmup_steps, self.lr_scale)
-        return ramped_lr(scheduler_step + 1, self.d_model, self.warmup_steps, self.ramp_steps, self.lr_scale)
+            return transformer_lr(step, self.d_model, self.warmup_steps, self.lr_scale)
+        return ramped_lr(step, self.d_model, self.warmup_steps, self.ramp_steps, self.lr_scale, self.ramp_from_step,
+                         self.ramp_from)
+
+    def refit(self, step: int, ramp_steps: int, predicted_updates: int | None = None) -> None:
+        """Warm up to the peak at update ``ramp_steps`` from here on (fitted to ``predicted_updates``): the line
+        goes on from the rate of update ``step`` (the last one trained), so the rate never jumps; the peak is
+        reached no sooner than the next update."""
+        peak = transformer_lr(self.warmup_steps, self.d_model, self.warmup_steps, self.lr_scale)
+        self.ramp_from, self.ramp_from_step = min(1.0, self.rate(step) / peak), step
+        self.ramp_steps, self.predicted_updates = max(step + 1, ramp_steps), predicted_updates
 
 
 def transformer_lr_scheduler(

@@ -272,6 +272,18 @@ def check_tokenizer(state: dict, checkpoint: Path, tokenizer_sha256: str, tokeni
             f"run's shards were encoded with: runs/tokenizer/<fingerprint>/)")
 
 
+def check_pair(state: dict, checkpoint: Path, pair: tuple[str, str], what: str) -> None:
+    """Refuse ``checkpoint`` where ``what`` (a corpus, a config) is another language pair than the one it was
+    trained for: an En-Fr model given an En-De job writes French where German is expected, every stage after it
+    none the wiser. A checkpoint that records no config (older, or written by hand) passes."""
+    data = (state.get("config") or {}).get("data") or {}
+    saved = (data.get("src_lang"), data.get("tgt_lang"))
+    if None not in saved and saved != tuple(pair):
+        raise CheckpointError(f"{checkpoint} was trained for {saved[0]}->{saved[1]}, but {what} is "
+                              f"{pair[0]}->{pair[1]}: use a checkpoint of this language pair (its config's data."
+                              "src_lang and data.tgt_lang), or a config of its pair")
+
+
 def load_init_checkpoint(path: Path, model_config: dict, tokenizer_sha256: str) -> dict:
     """Load ``path`` (weights only) to initialise a new run from its model weights (``train.init_from``).
 

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.average import average_run, averaged_path
-from pipeline.checkpoint import check_tokenizer, load_checkpoint
+from pipeline.checkpoint import check_pair, check_tokenizer, load_checkpoint
 from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir, resolve_config, write_resolved
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.data.clean import Normalizer
@@ -243,6 +243,7 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
     states = [load_checkpoint(c) for c in checkpoints]  # a bad checkpoint first, then a bad tokenizer, a mismatch
     tokenizer = Tokenizer(Path(args.tokenizer))
     for checkpoint, state in zip(checkpoints, states):
+        check_pair(state, checkpoint, (cfg.data.src_lang, cfg.data.tgt_lang), f"config {cfg.name}")
         check_tokenizer(state, checkpoint, tokenizer.sha256, tokenizer.dir)
     model = models_from_states(states)
     progress = None

@@ -368,6 +368,16 @@ class TrainConfig(_Strict):
     warmup_steps: int = Field(default=4000, ge=1, description=(
         "Updates over which the learning rate rises linearly before it decays with the inverse square root of "
         "the step. Paper: 4000."))
+    schedule: Literal["auto", "paper", "budget"] = Field(default="auto", description=(
+        "The warm-up of the learning-rate schedule. paper: train.warmup_steps updates (section 5.3). budget: fitted "
+        "to the updates the budget buys: with max_minutes, predicted from the throughput the run measures, again at "
+        "every log interval while it warms up; where max_steps ends the run first (or there is no clock), "
+        "max_steps. The warm-up takes budget_warmup of them (at most warmup_steps) to the same peak, held until "
+        "warmup_steps, then the paper's decay; the prediction and the warm-up are logged. auto: budget where the "
+        "clock (max_minutes) ends the run, else the paper's. Not in the paper."))
+    budget_warmup: float = Field(default=0.25, gt=0, le=1, description=(
+        "With the budget schedule: the share of the predicted updates the warm-up takes, at most warmup_steps. "
+        "0.25 keeps a 1,000-update warm-up where the budget buys 4,000 or more."))
     lr_scale: float = Field(default=1.0, gt=0, description=(
         "Multiplies the paper's learning rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); 1 = the paper."))
     cooldown: float = Field(default=0.0, ge=0, le=1, description=(
@@ -455,6 +465,12 @@ class TrainConfig(_Strict):
         "max_steps", "max_minutes", "log_every_steps", "dev_every_steps", "dev_max_sentences", "max_nonfinite_updates",
         "compile", "fused_output_loss", "fused_adam"})
 
+    @property
+    def budget_schedule(self) -> bool:
+        """Whether the warm-up may be fitted to the budget (``schedule``: budget, or auto with max_minutes; auto
+        fits it only where the clock ends the run)."""
+        return self.schedule == "budget" or (self.schedule == "auto" and self.max_minutes is not None)
+
     @model_validator(mode="after")
     def _fusion_fits(self) -> "TrainConfig":
         if self.fused_output_loss and self.rdrop_alpha > 0:
@@ -488,7 +504,9 @@ class AverageConfig(_Strict):
 class DecodeConfig(_Strict):
     """Beam search (paper section 6.1): beam 4, GNMT length penalty alpha 0.6, max length = source + 50."""
 
-    beam_size: int = Field(default=4, ge=1, description="Beam width of beam search. Paper: 4 (21 for parsing).")
+    beam_size: int = Field(default=4, ge=1, le=64, description=(
+        "Beam width of beam search. Paper: 4 (21 for parsing). At most 64: wider beams cost memory and time in "
+        "proportion and find nothing better (Koehn and Knowles, 2017: quality falls past a few dozen)."))
     length_penalty: float = Field(default=0.6, ge=0, description=(
         "GNMT length penalty alpha, lp(Y) = ((5 + |Y|) / 6)^alpha; 0 = none. Paper: 0.6 (0.3 for parsing)."))
     max_len_a: float = Field(default=1.0, ge=0, description=(
@@ -599,9 +617,10 @@ class DistillConfig(_Strict):
     select: Literal["best", "chrf"] = Field(default="best", description=(
         "Which of the nbest hypotheses becomes the target: best = the teachers' best-scoring one; chrf = the one "
         "closest to the human reference by chrF, as mozilla/translations does. Not in the paper."))
-    max_ratio: float = Field(default=3.0, gt=0, description=(
+    max_ratio: float = Field(default=3.0, ge=1, description=(
         "Drop a pair whose teacher output is more than this many times longer or shorter, in words, than its "
-        "source (a hallucination or a truncated translation)."))
+        "source (a hallucination or a truncated translation). At least 1: below it every pair fails one way or "
+        "the other."))
     drop_copies: bool = Field(default=True, description=(
         "Drop a pair whose teacher output equals its source (the teacher copied instead of translating)."))
     chunk_sentences: int = Field(default=4096, ge=1, description=(

@@ -107,8 +107,9 @@ def _code_hash() -> str:
     return code_hash(*code_closure(__name__, ("pipeline.config",)))
 
 
-def _teacher_files(teachers: Sequence[Path | str]) -> list[Path]:
-    """The teachers as checkpoint files, each checked to exist."""
+def _teacher_files(teachers: Sequence[Path | str]) -> tuple[list[Path], list[str]]:
+    """The teachers as checkpoint files and their sha256, each checked to exist and to be another model than the
+    others (a copy of a file at a second path would weigh one model twice in the ensemble)."""
     if not teachers:
         raise DistillError("no teachers to distill from: set distill.teachers (or pass --teacher) to checkpoint "
                            "files (.pt)")
@@ -119,7 +120,14 @@ def _teacher_files(teachers: Sequence[Path | str]) -> list[Path]:
             raise DistillError(f"teacher {given}: {what}; distill.teachers (or --teacher) must name checkpoint files "
                                "(.pt) written by training or averaging (a registered models:/ version is resolved "
                                "to its checkpoint by the distill-translation flow)")
-    return files
+    seen: dict[str, Path] = {}
+    for path in files:
+        sha = sha256_file(path)
+        if sha in seen:
+            raise DistillError(f"teachers {seen[sha]} and {path} are the same file (sha256 {sha[:16]}...): an "
+                               "ensemble member counts once; name each model once")
+        seen[sha] = path
+    return files, list(seen)
 
 
 def _train_corpus(corpus_dir: Path) -> dict:
@@ -145,7 +153,7 @@ def distilled_fingerprint(corpus_dir: Path, teachers: Sequence[Path], distill: D
     content and in any order; ``distill.teachers``, ``distill.chunk_sentences`` and ``distill.speed_sentences`` are not
     part of it."""
     corpus = _train_corpus(Path(corpus_dir))
-    shas = [sha256_file(f) for f in _teacher_files(teachers)]
+    shas = _teacher_files(teachers)[1]
     return identity_fingerprint(_identities(corpus, shas, distill)[1])
 
 
@@ -156,7 +164,7 @@ def teacher_tokenizer(teachers: Sequence[Path], work_dir: Path) -> Path:
     Raises :class:`DistillError` naming the checkpoints when they record different tokenizers (an ensemble decodes
     with one), none (a checkpoint older than the record), or one this work dir does not hold.
     """
-    files = _teacher_files(teachers)
+    files = _teacher_files(teachers)[0]
     recorded = {f: load_checkpoint(f).get("tokenizer_sha256") for f in files}
     if unrecorded := [str(f) for f, sha in recorded.items() if sha is None]:
         raise DistillError(f"teacher {', '.join(unrecorded)} records no tokenizer (a checkpoint older than the "
@@ -195,14 +203,15 @@ def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pa
     """
     corpus_dir = Path(corpus_dir)
     corpus = _train_corpus(corpus_dir)
-    files = _teacher_files(teachers)
-    shas = [sha256_file(f) for f in files]
+    files, shas = _teacher_files(teachers)
     decoded, identity = _identities(corpus, shas, distill)
     out, fingerprint, done = stage_folder(work_dir, "distilled", identity)
     if done:
         return out
     tokenizer = Tokenizer(tokenizer_dir)
-    model = load_models(files, device, tokenizer)  # refuses a teacher of another tokenizer, before decoding
+    # refuses a teacher of another tokenizer or language pair, before decoding
+    model = load_models(files, device, tokenizer, pair=((corpus["src_lang"], corpus["tgt_lang"]),
+                                                        f"the corpus {corpus_dir}"))
     partial = out.parent / f".{identity_fingerprint({**decoded, 'chunks': distill.chunk_sentences})[:16]}.partial"
     # The lock is the stage's, not the partial folder's: that folder goes once the output is written, and a run
     # waiting on a lock inside it would then hold a lock on a deleted file beside a new holder.
@@ -281,11 +290,12 @@ def write_translations(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir
     """
     corpus_dir, out_dir = Path(corpus_dir), Path(out_dir).resolve()
     corpus = _train_corpus(corpus_dir)
-    files = _teacher_files(teachers)
-    shas = [sha256_file(f) for f in files]
+    files, shas = _teacher_files(teachers)
     decoded, _ = _identities(corpus, shas, distill)
     tokenizer = Tokenizer(tokenizer_dir)
-    model = load_models(files, device, tokenizer)  # refuses a teacher of another tokenizer, before decoding
+    # refuses a teacher of another tokenizer or language pair, before decoding
+    model = load_models(files, device, tokenizer, pair=((corpus["src_lang"], corpus["tgt_lang"]),
+                                                        f"the corpus {corpus_dir}"))
     state = Path(work_dir).resolve() / "translations"
     partial = state / f".{identity_fingerprint({**decoded, 'chunks': distill.chunk_sentences})[:16]}.partial"
     with exclusive(state, "translations"):

@@ -142,7 +142,8 @@ def eval_setup(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, o
     keys = eval_split_keys(corpus, corpus_dir, splits)
     total = sum(corpus["splits"][k]["rows"] for k in keys)
     tokenizer = Tokenizer(tokenizer_dir)
-    model = load_models(checkpoint_list(checkpoint), device or decode_device(), tokenizer)
+    model = load_models(checkpoint_list(checkpoint), device or decode_device(), tokenizer,
+                        pair=((corpus["src_lang"], corpus["tgt_lang"]), f"the corpus {corpus_dir}"))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # only once the checkpoint is known to be usable
     return EvalSetup(corpus, keys, model, tokenizer, out_dir, sentence_counter(total, progress))

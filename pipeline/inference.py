@@ -16,7 +16,7 @@ from model import Ensemble, Transformer
 from model.decoding import beam_search
 from model.static_decoding import static_beam_search
 from pipeline.allocator import keep_freed_memory
-from pipeline.checkpoint import check_tokenizer, load_checkpoint
+from pipeline.checkpoint import check_pair, check_tokenizer, load_checkpoint
 from pipeline.config import DecodeConfig
 from pipeline.encoding import encode_sources, to_decode
 from pipeline.tokenize import Tokenizer
@@ -28,21 +28,29 @@ def decode_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_model(checkpoint: Path, device: torch.device | str = "cpu", tokenizer: Tokenizer | None = None) -> Transformer:
+Pair = tuple[str, str]  # (source language, target language), with what names it for a message
+
+
+def load_model(checkpoint: Path, device: torch.device | str = "cpu", tokenizer: Tokenizer | None = None,
+               pair: tuple[Pair, str] | None = None) -> Transformer:
     """A model in eval mode from a training or averaged checkpoint (weights-only load); given the ``tokenizer`` it
-    will decode with, one the checkpoint was not trained with is refused first (a ``CheckpointError`` naming both)."""
-    return model_from_state(_checked_state(Path(checkpoint), tokenizer), device)
+    will decode with, one the checkpoint was not trained with is refused first (a ``CheckpointError`` naming both),
+    and given ``pair`` ((source, target), what has it: a corpus, a config), one trained for another language pair
+    (:func:`~pipeline.checkpoint.check_pair`)."""
+    return model_from_state(_checked_state(Path(checkpoint), tokenizer, pair), device)
 
 
-def load_models(checkpoints: Sequence[Path], device: torch.device | str = "cpu",
-                tokenizer: Tokenizer | None = None) -> Transformer | Ensemble:
+def load_models(checkpoints: Sequence[Path], device: torch.device | str = "cpu", tokenizer: Tokenizer | None = None,
+                pair: tuple[Pair, str] | None = None) -> Transformer | Ensemble:
     """One checkpoint's model, or the :class:`model.Ensemble` of several, each loaded (and checked against
-    ``tokenizer``) as :func:`load_model` loads one."""
-    return models_from_states([_checked_state(Path(c), tokenizer) for c in checkpoints], device)
+    ``tokenizer`` and ``pair``) as :func:`load_model` loads one."""
+    return models_from_states([_checked_state(Path(c), tokenizer, pair) for c in checkpoints], device)
 
 
-def _checked_state(checkpoint: Path, tokenizer: Tokenizer | None) -> dict:
+def _checked_state(checkpoint: Path, tokenizer: Tokenizer | None, pair: tuple[Pair, str] | None = None) -> dict:
     state = load_checkpoint(checkpoint)
+    if pair is not None:
+        check_pair(state, checkpoint, *pair)
     if tokenizer is not None:
         check_tokenizer(state, checkpoint, tokenizer.sha256, tokenizer.dir)
     return state

@@ -62,6 +62,12 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
             f"`{summary['stopped_by']}` after {summary['wall_seconds'] / 60:.1f} min on {summary['world_size']} "
             f"process(es); {summary['tokens']['tgt']:,} target tokens this invocation"
             + (f"; final dev loss {dev['dev_loss']:.3f}, ppl {dev['dev_ppl']:.2f}." if dev else "."), ""]
+    if sched := summary.get("schedule"):  # runs before the record have none
+        fitted = (f", fitted to the {sched['predicted_updates']:,} updates predicted for the clock budget"
+                  if sched["kind"] == "budget" and sched["predicted_updates"] else "")
+        out += [f"Learning-rate schedule `{sched['kind']}`: warm-up to the peak {sched['peak_lr']:.3g} at update "
+                f"{sched['warmup_steps']:,}{fitted}; inverse square root decay from update "
+                f"{sched['decay_from']:,}.", ""]
     choice = stages["average"][0].parent / CHOICE
     if choice.is_file():
         c = _read(choice)

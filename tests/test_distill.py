@@ -320,6 +320,29 @@ def test_a_teacher_of_another_tokenizer_is_refused_before_decoding(toy: Toy, tmp
     assert teacher_tokenizer(toy.teachers, toy.work) == toy.tokenizer_dir
 
 
+def test_a_teacher_of_another_language_pair_or_named_twice_is_refused_before_decoding(toy: Toy, tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """An En-Fr checkpoint given to an En-De corpus would write French targets under an En-De name; a copy of a
+    teacher at a second path would weigh one model twice in the ensemble."""
+    french = write_teacher(tmp_path / "fr.pt", toy.tokenizer, 0)
+    state = torch.load(french, weights_only=True)
+    torch.save({**state, "config": {"data": {"src_lang": "en", "tgt_lang": "fr"}}}, french)
+    monkeypatch.setattr(distill_module, "translate_nbest", None)  # nothing may be decoded
+    with pytest.raises(CheckpointError, match=f"^{french} was trained for en->fr, but the corpus .* is en->de"):
+        distill_corpus(toy.corpus, [french], toy.tokenizer_dir, toy.distill, tmp_path)
+    with pytest.raises(CheckpointError, match="trained for en->fr"):
+        load_models([french], "cpu", toy.tokenizer, pair=(("en", "de"), "config x"))
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes(toy.teachers[0].read_bytes())
+    with pytest.raises(DistillError, match=f"^teachers {toy.teachers[0]} and {copy} are the same file"):
+        distill_corpus(toy.corpus, [toy.teachers[0], copy], toy.tokenizer_dir, toy.distill, tmp_path)
+    assert not (tmp_path / "distilled").exists()
+    # settings that cannot work are refused with the config, before anything runs
+    for bad in ("distill.max_ratio=0.5", "distill.decode.beam_size=1000"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
+            toy_config(toy.root, tmp_path, bad)
+
+
 def test_missing_teachers_and_a_corpus_without_training_split_are_refused(toy: Toy, tmp_path: Path) -> None:
     missing = tmp_path / "missing.pt"
     with pytest.raises(DistillError, match=f"^teacher {missing}: not found; distill.teachers \\(or --teacher\\) "):

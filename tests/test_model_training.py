@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (LabelSmoothedCrossEntropy, Transformer, cooldown_factor, symmetric_kl, transformer_lr,
-                   transformer_lr_scheduler)
+from model import (LabelSmoothedCrossEntropy, Transformer, TransformerLRLambda, cooldown_factor, ramped_lr,
+                   symmetric_kl, transformer_lr, transformer_lr_scheduler)
 from tests.conftest import OpCounter
 
 PAD = 0
@@ -194,6 +194,34 @@ def test_lambda_lr_factory_counts_updates_from_one():
     restored = transformer_lr_scheduler(torch.optim.Adam([param]), d_model=1, warmup_steps=1)
     restored.load_state_dict(scheduler.state_dict())  # the schedule's fields travel in the state dict
     assert restored.get_last_lr()[0] == pytest.approx(transformer_lr(25, 64, 10, 0.5), rel=1e-12)
+
+
+def test_a_shorter_warm_up_reaches_the_papers_peak_sooner_and_keeps_its_decay():
+    d, warmup, peak = 256, 1000, transformer_lr(1000, 256, 1000)
+    assert [ramped_lr(s, d, warmup, 1000) for s in (1, 500, 1000, 4000)] == [
+        transformer_lr(s, d, warmup) for s in (1, 500, 1000, 4000)]  # the paper's exactly
+    assert ramped_lr(100, d, warmup, 200) == pytest.approx(peak / 2, rel=1e-12)  # linear to the peak at 200
+    assert [ramped_lr(s, d, warmup, 200) for s in (200, 600, 1000)] == pytest.approx([peak] * 3, rel=1e-12)  # held
+    assert ramped_lr(4000, d, warmup, 200) == pytest.approx(transformer_lr(4000, d, warmup), rel=1e-12)  # decay
+    assert ramped_lr(0, d, warmup, 200) == 0.0
+
+
+def test_a_refitted_warm_up_goes_on_from_the_current_rate_and_travels_with_the_scheduler():
+    schedule = TransformerLRLambda(d_model=256, warmup_steps=1000)
+    peak = schedule.rate(1000)
+    before = schedule.rate(40)  # the paper's slope: 4% of the peak at update 40
+    schedule.refit(40, 240, predicted_updates=960)
+    assert schedule.rate(40) == pytest.approx(before, rel=1e-12)  # no jump
+    assert schedule.rate(140) == pytest.approx(before + (peak - before) / 2, rel=1e-12)
+    assert schedule.rate(240) == pytest.approx(peak, rel=1e-12) and schedule.rate(3000) < peak
+    schedule.refit(60, 10)  # a warm-up already passed ends at the next update, from the rate reached
+    assert schedule.ramp_steps == 61 and schedule.rate(61) == pytest.approx(peak, rel=1e-12)
+    param = torch.nn.Parameter(torch.zeros(1))
+    scheduler = transformer_lr_scheduler(torch.optim.Adam([param]), d_model=256, warmup_steps=1000)
+    scheduler.lr_lambdas[0].refit(0, 200, 800)
+    restored = transformer_lr_scheduler(torch.optim.Adam([param]), d_model=256, warmup_steps=1000)
+    restored.load_state_dict(scheduler.state_dict())
+    assert restored.lr_lambdas[0] == scheduler.lr_lambdas[0] and restored.lr_lambdas[0].predicted_updates == 800
 
 
 def test_cooldown_is_one_then_linear_to_zero_at_the_budgets_end():

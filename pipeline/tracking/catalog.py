@@ -268,6 +268,10 @@ _add("train", "metric",
      ("mfu", "Model FLOPs utilisation: achieved model FLOP/s per process over the peak (fraction)."),
      ("mfu_peak_tflops", "The peak MFU is measured against, raised when a measured CPU peak was exceeded "
                          "(TFLOP/s)."),
+     ("schedule_predicted_updates", "Budget schedule: the updates the clock budget is predicted to buy, at each "
+                                    "log interval where the warm-up was fitted again (count)."),
+     ("schedule_warmup_steps", "Budget schedule: the update at which the warm-up reaches its peak, as fitted then "
+                               "(update number)."),
      ("dev_loss", "Dev loss per target token, label smoothing included (nats)."),
      ("dev_nll", "Dev negative log-likelihood per target token (nats)."),
      ("dev_ppl", "Dev perplexity, the exponential of dev_nll (ratio)."),

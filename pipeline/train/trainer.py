@@ -18,8 +18,9 @@ Stopping. At ``max_steps`` updates or after ``max_minutes`` of wall clock, which
 over resumes (each checkpoint records the seconds trained up to it): a run that crashed and resumed trains as long
 as one that did not, and raising either budget continues the run. A final checkpoint is always written.
 Time-based decisions (``max_minutes``, ``checkpoint_every_minutes``, the clock of ``train.cooldown``, which lowers
-the learning rate linearly to 0 over the budget's last fraction) are taken by rank 0 and shared, so that all ranks
-act on the same step.
+the learning rate linearly to 0 over the budget's last fraction, and the budget schedule's warm-up fitted to the
+updates the clock will buy, :mod:`pipeline.train.budget`) are taken by rank 0 and shared, so that all ranks act on
+the same step.
 
 Non-finite updates. An update whose loss or gradient is not finite (inf or nan: a diverging model, an overflowing
 batch) is skipped whole: no weight, Adam or schedule change, its batches not trained on, the update count not
@@ -53,6 +54,7 @@ from pipeline.errors import UserError
 from pipeline.fsutil import MANIFEST, exclusive, remove_stale_temps, sha256_file, write_json
 from pipeline.shards import ShardDataset, token_batches, train_splits
 
+from .budget import BudgetWarmup
 from .distributed import DistInfo, all_gather_object, all_reduce_sum, rng_state, seed_everything, setup
 from .metrics import ConsoleSink, JsonlSink, MetricsSink, matmul_roofline, peak_flops, peak_memory_mb, perplexity
 from .resume import resume
@@ -505,6 +507,9 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     saved_step = step if start.resumed else -1
     dev_step = step if last_dev else -1
     budget_s = t.max_minutes * 60 if t.max_minutes is not None else math.inf
+    schedule = step_fn.scheduler.lr_lambdas[0]  # the warm-up a budgeted run fitted comes back with a resume
+    warmup = (BudgetWarmup(schedule, t.max_steps, budget_s, t.budget_warmup, fit_steps=t.schedule == "budget")
+              if t.budget_schedule else None)
     out_of_time = step < t.max_steps and start.train_seconds >= budget_s  # resumed with its time already spent
     shared_seconds = start.train_seconds  # rank 0's training seconds as of the last decision (the cooldown's clock)
     stopped_by = "max_minutes" if out_of_time else "max_steps"
@@ -561,6 +566,11 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                                 "raised to it", achieved, flops_peak, peak_source)
                     flops_peak = achieved
                 metrics |= {"mfu": achieved / flops_peak, "mfu_peak_tflops": flops_peak / 1e12}
+            if warmup is not None and (predicted := warmup.update(step, shared_seconds)):
+                for g in step_fn.optimizer.param_groups:  # the next update's rate, from the refitted warm-up
+                    g["lr"] = schedule(step_fn.scheduler.last_epoch)
+                metrics |= {"schedule_predicted_updates": predicted.updates,
+                            "schedule_warmup_steps": schedule.ramp_steps}
             log_metrics(metrics)
             interval_sums.zero_()
             interval_counts.zero_()
@@ -595,7 +605,10 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                    "accumulation_steps": accum, "tokens": {"src": int(src), "tgt": int(tgt), "sentences": int(sents)},
                    "final_dev": last_dev, "ranks": ranks, "checkpoints": read_index(ckpt_dir), "init_checkpoint": init,
                    "wall_seconds": round(time.monotonic() - started, 3),
-                   "train_seconds": round(trained_seconds(), 3), "out_dir": str(out_dir)}
+                   "train_seconds": round(trained_seconds(), 3), "out_dir": str(out_dir),
+                   "schedule": warmup.summary() if warmup else {
+                       "kind": "paper", "warmup_steps": t.warmup_steps, "predicted_updates": None,
+                       "peak_lr": schedule.rate(t.warmup_steps), "decay_from": t.warmup_steps}}
         write_json(out_dir / "train_summary.json", summary)
         log.info("training stopped (%s) at step %d; outputs in %s", stopped_by, step, out_dir)
         for s in all_sinks:

@@ -1,0 +1,125 @@
+"""Issue 53: learning-rate schedules compared at a fixed compute, with paired seeds, on any CPU.
+
+A slow machine's 30 minutes are a number of updates (an AVX2-only EPYC's: about 780 of 4,096 target tokens), and a
+budget of updates reproduces them on any machine: each arm trains ``--updates`` updates of the embedded default
+(``multi30k-cpu``, its clock off), seeds paired, and is chosen and scored as the default is (N on dev, dev and
+test2016 with the config's beam search; no export). Arms are override sets (``ARMS``); ``paper`` is the baseline.
+Each finished run leaves a record under ``--records`` (scores, dev and test2016 outputs, the schedule it trained
+with, machine, commit): commit them as they come, since run folders live only as long as the machine. ``compare``
+reads the records alone: every arm against ``paper`` by the paired bootstrap pooled over the seeds, on dev (the
+choosing set) and test2016 (reported).
+
+    python bench/schedule_at_compute.py runs --updates 780 --seeds 1 2 --work-dir /work/sched
+    python bench/schedule_at_compute.py compare --updates 780 --seeds 1 2 --out bench/results/schedule_780.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pipeline.average import averaged_path  # noqa: E402
+from pipeline.config import resolve_config  # noqa: E402
+from pipeline.data import read_manifest  # noqa: E402
+from pipeline.evalsets import read_split  # noqa: E402
+from pipeline.evaluate import eval_dir  # noqa: E402
+from pipeline.fsutil import write_text  # noqa: E402
+from pipeline.promotion import pooled_bootstrap  # noqa: E402
+from pipeline.speed import cpu_name  # noqa: E402
+from pipeline.tracking.runs import short_commit  # noqa: E402
+from pipeline.workdir import build_inputs, run_dir  # noqa: E402
+
+CONFIG, TEST = "multi30k-cpu", "test.test2016"
+# the paper's warm-up (train.warmup_steps, the preset's 1,000) against the warm-up fitted to the budget
+ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"]}
+
+
+def overrides(arm: str, updates: int, seed: int) -> list[str]:
+    return [*ARMS[arm], "train.max_minutes=null", f"train.max_steps={updates}", f"train.seed={seed}",
+            "export.engine=none"]
+
+
+def record_path(args: argparse.Namespace, arm: str, seed: int) -> Path:
+    return args.records / f"{arm}-u{args.updates}-seed{seed}.json"
+
+
+def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
+    """Train, choose and score one arm and seed (a finished run is reused), and write its record."""
+    sets = overrides(arm, args.updates, seed)
+    cmd = [sys.executable, "-m", "pipeline", "run", "--config", CONFIG, "--work-dir", str(args.work_dir),
+           *[a for o in sets for a in ("--set", o)]]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+    cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), *sets])
+    run_folder = run_dir(cfg, build_inputs(cfg).shards)
+    averaged = averaged_path(cfg, run_folder)
+    scores = eval_dir(cfg, averaged) / "scores.json"
+    splits = json.loads(scores.read_text(encoding="utf-8"))["splits"]
+    summary = json.loads((run_folder / "train_summary.json").read_text(encoding="utf-8"))
+    record = {"arm": arm, "seed": seed, "updates": summary["steps"], "overrides": sets, "machine": cpu_name(),
+              "cpus": os.cpu_count(), "commit": short_commit(), "schedule": summary["schedule"],
+              "train_seconds": summary["train_seconds"], "chosen_checkpoint": averaged.name,
+              "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
+              "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"], "test2016.chrf": splits[TEST]["chrf"]["score"],
+              "final_dev_nll": (summary.get("final_dev") or {}).get("dev_nll"),
+              "outputs": {s: (scores.parent / f"{s}.hyp").read_text(encoding="utf-8").splitlines()
+                          for s in ("dev", TEST)}}
+    path = record_path(args, arm, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Every arm against ``paper`` from the records: per-seed scores and the pooled paired bootstrap."""
+    records = {(a, s): json.loads(record_path(args, a, s).read_text(encoding="utf-8"))
+               for a in args.arms for s in args.seeds}
+    cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir))])
+    corpus = build_inputs(cfg).corpus
+    refs = {split: read_split(corpus, read_manifest(corpus), split)[1] for split in ("dev", TEST)}
+    out = {"updates": args.updates, "seeds": args.seeds,
+           "machine": "; ".join(sorted({r["machine"] for r in records.values()})),
+           "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in records.values()], "significance": []}
+    for arm in args.arms:
+        if arm == "paper":
+            continue
+        for split in ("dev", TEST):
+            c = pooled_bootstrap("sacrebleu", [records["paper", s]["outputs"][split] for s in args.seeds],
+                                 [records[arm, s]["outputs"][split] for s in args.seeds], refs[split])
+            out["significance"].append({"claim": f"{arm} against paper", "set": split, "base": c.champion,
+                                        "system": c.challenger, "delta": c.delta, "ci95": [c.ci_low, c.ci_high],
+                                        "p": c.p_value, "test": c.signature})
+    print(json.dumps(out, indent=2))
+    if args.out:
+        write_text(args.out, json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("phase", choices=["runs", "compare"])
+    p.add_argument("--updates", type=int, default=780, help="updates per run (the compute of the class studied)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "schedule-at-compute")
+    p.add_argument("--records", type=Path, default=REPO / "bench" / "results" / "schedule_at_compute")
+    p.add_argument("--out", type=Path, default=None, help="compare: the result JSON")
+    args = p.parse_args()
+    args.work_dir = args.work_dir.resolve()
+    if args.phase == "compare":
+        compare(args)
+        return
+    for seed in args.seeds:  # seed by seed: an interrupted study leaves paired arms
+        for arm in args.arms:
+            print(f"record: {run(args, arm, seed)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
