@@ -369,7 +369,7 @@ class TrainConfig(_Strict):
         "Updates over which the learning rate rises linearly before it decays with the inverse square root of "
         "the step. Paper: 4000."))
     schedule: Literal["auto", "paper", "budget"] = Field(default="auto", description=(
-        "The warm-up of the learning-rate schedule. paper: train.warmup_steps updates (section 5.3). budget: fitted "
+        "The warm-up of the learning-rate schedule. paper: train.warmup_steps updates, the paper's. budget: fitted "
         "to the updates the budget buys: with max_minutes, predicted from the throughput the run measures, again at "
         "every log interval while it warms up; where max_steps ends the run first (or there is no clock), "
         "max_steps. The warm-up takes budget_warmup of them (at most warmup_steps) to the same peak, held until "
