@@ -837,13 +837,45 @@ def _refuse_duplicate_keys(node: yaml.Node, path: str = "", seen: set[int] | Non
             _refuse_duplicate_keys(item, f"{path}[{i}]", seen)
 
 
+MAX_YAML_VALUES = 100_000  # a config is a few hundred values; a file that expands past this is refused
+
+
+class _TooLarge(yaml.YAMLError):
+    """A document whose aliases expand past :data:`MAX_YAML_VALUES` values (an "alias bomb")."""
+
+
+def _expanded_values(node: yaml.Node, memo: dict[int, int]) -> int:
+    """How many values ``node`` holds once every alias is expanded, counted over the node graph (each node once:
+    an alias of an alias of ... is a multiplication, not a walk), stopping early past :data:`MAX_YAML_VALUES`."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a node met again while counting it (a recursive alias) counts once
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    total = 1
+    for child in children:
+        total += _expanded_values(child, memo)
+        if total > MAX_YAML_VALUES:
+            raise _TooLarge(f"the document expands to more than {MAX_YAML_VALUES:,} values through its aliases "
+                            f"(from line {node.start_mark.line + 1}; aliases of aliases: an \"alias bomb\"). A "
+                            "config is a few hundred values: write it out without nested aliases")
+    memo[id(node)] = total
+    return total
+
+
 class _YamlLoader(yaml.SafeLoader):
     """SafeLoader that reads scalars as YAML 1.2 does where PyYAML's YAML 1.1 sets traps: ``1e-9`` is a float
     (YAML 1.1 wants ``1.0e-9``: a trap for learning rates), and only true/false are booleans (YAML 1.1 also reads
     yes/no/on/off: the language code ``no`` became false, the word ``on`` of a switch true). It also refuses a key
-    repeated in one mapping (:class:`_DuplicateKey`) instead of keeping the last value."""
+    repeated in one mapping (:class:`_DuplicateKey`) instead of keeping the last value, and a document whose aliases
+    expand past :data:`MAX_YAML_VALUES` values (:class:`_TooLarge`), which would hang whatever reads it."""
 
     def construct_document(self, node: yaml.Node) -> Any:
+        _expanded_values(node, {})  # before anything walks the values: every reader of them would expand the aliases
         _refuse_duplicate_keys(node)
         return super().construct_document(node)
 

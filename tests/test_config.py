@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import typing
 from pathlib import Path
 from typing import get_args
@@ -217,6 +218,26 @@ def test_duplicate_keys_are_refused_naming_both_lines(tmp_path: Path) -> None:
         load_config("multi30k-cpu", ["data={a: 1, a: 2}"])
     assert str(err.value) == ("--set data={a: 1, a: 2}: duplicate key 'a' in the value (columns 2 and 8 of "
                               "'{a: 1, a: 2}'); keep one of them")
+
+
+def test_a_yaml_alias_bomb_is_refused_naming_the_file_at_once(tmp_path: Path) -> None:
+    """9 levels of 10 aliases: a billion values once expanded, a hang with memory past 1 GB for whatever walks
+    them (validation, hashing). A server loads other people's configs: the loader counts before it builds."""
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    head = f"extends: {CONFIG_DIR / 'multi30k-cpu.yaml'}\n"
+    path = tmp_path / "bomb.yaml"
+    path.write_text(head + "name: bomb\n" + "\n".join(levels) + "\n")
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=rf"^{path}: not valid YAML: the document expands to more than 100,000 "
+                                          "values through its aliases"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="alias bomb"):  # an override's value is read by the same loader
+        load_config("multi30k-cpu", ["train.seed={" + ", ".join(levels) + "}"])
+    assert time.perf_counter() - started < 5
+    # aliases that expand to a config's size are read as usual
+    path.write_text(head + "name: ok\ntrain: &t {max_steps: 5}\naverage: {last_n: 2}\n")
+    assert load_config(path).train.max_steps == 5
 
 
 def test_work_dir_is_created_or_refused_with_the_reason(tmp_path: Path) -> None:
