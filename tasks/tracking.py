@@ -67,8 +67,9 @@ def open_stage(parent_run_id: str, stage: str) -> str:
 
 def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, Path], run_id: str | None = None,
               attention_sentences: int = 3, teachers: Sequence[str] = ()) -> str:
-    """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given); ``teachers``
-    names the distill stage's teachers (registered versions)."""
+    """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given), and its headline
+    figures on the parent run too (:data:`pipeline.tracking.runs.HEADLINE`); ``teachers`` names the distill stage's
+    teachers (registered versions)."""
     run_id = run_id or tracking.start_stage_run(parent_run_id, stage)
     tracking.set_tags(run_id, {"cached": str(cached).lower()})
     if stage == "data":
@@ -87,6 +88,7 @@ def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, P
         tracking.log_evaluation(run_id, outputs["checkpoint"], outputs["tokenizer"], outputs["scores"],
                                 attention_sentences=attention_sentences)
     tracking.finish_run(run_id)
+    tracking.log_headline(parent_run_id, stage, run_id)  # the runs table compares pipeline runs on these
     return run_id
 
 

@@ -580,3 +580,11 @@ def test_every_name_logged_to_mlflow_is_in_the_catalog(tracked, tiny_stack, dist
             for e in catalog.unused(run, kind, names.get(kind, ()))]
     assert not dead, ("in pipeline/tracking/catalog.py but not logged by the run (remove them, or mark them "
                       "optional if a tiny CPU run cannot log them):\n  " + "\n  ".join(dead))
+    # the runs table compares pipeline runs: the parent holds the same figures as the children it repeats
+    head, evaluated = c.get_run(parent).data.metrics, c.get_run(runs["evaluate"]).data.metrics
+    assert evaluated and all(head[k] == v for k, v in evaluated.items())
+    assert head["train.steps"] == c.get_run(runs["train"]).data.metrics["train.steps"]
+    assert head["average.n"] == float(c.get_run(runs["average"]).data.params["average.n"])
+    # and the experiment opens in MLflow's model-training view, not its GenAI one
+    experiment = c.get_experiment(c.get_run(parent).info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"

@@ -175,6 +175,20 @@ _add("pipeline", "tag",
      ("prefect.flow_run_url", "The Prefect flow run's page in the Prefect UI."),
      *_PROMOTION_TAGS, _CLOSED_BY)
 _add("pipeline", "artifact", ("config.yaml", "The resolved config the run was started with."))
+# The headline figures the parent repeats of its stage runs (pipeline.tracking.runs.HEADLINE), for the runs table
+_add("pipeline", "metric",
+     ("<set>.<score>", "Each evaluation score of the averaged model, as its evaluate run logs it (that score's "
+                       "unit)."),
+     ("train.steps", "Updates trained in all, as the train run logs it (count)."),
+     ("train.wall_seconds", "Wall-clock time of the training process, start-up included (seconds)."),
+     ("train.tgt_tokens", "Target tokens trained on in all (count)."),
+     ("model.parameters", "Trainable parameters of the model (count)."),
+     ("average.n", "Checkpoints averaged into the evaluated model, chosen on dev or fixed (count)."),
+     ("export.model_mb", "Size of the CTranslate2 export (MiB; configs with a serving export).", True),
+     ("export.export_sentences_per_s", "Dev sentences the export translates per second in its gate (sentences/s; "
+                                       "configs with a serving export).", True),
+     ("export.drop", "Dev BLEU the export loses against PyTorch (BLEU points; configs with a serving export).",
+      True))
 
 # --- every stage run
 for _stage in STAGES:
@@ -269,9 +283,10 @@ _add("train", "metric",
      ("mfu_peak_tflops", "The peak MFU is measured against, raised when a measured CPU peak was exceeded "
                          "(TFLOP/s)."),
      ("schedule_predicted_updates", "Budget schedule: the updates the clock budget is predicted to buy, at each "
-                                    "log interval where the warm-up was fitted again (count)."),
+                                    "log interval where the warm-up was fitted again (count; only where the clock "
+                                    "buys too few updates for the preset's warm-up).", True),
      ("schedule_warmup_steps", "Budget schedule: the update at which the warm-up reaches its peak, as fitted then "
-                               "(update number)."),
+                               "(update number; likewise).", True),
      ("dev_loss", "Dev loss per target token, label smoothing included (nats)."),
      ("dev_nll", "Dev negative log-likelihood per target token (nats)."),
      ("dev_ppl", "Dev perplexity, the exponential of dev_nll (ratio)."),

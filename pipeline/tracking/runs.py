@@ -65,11 +65,16 @@ def client() -> MlflowClient:
     return MlflowClient()
 
 
+# The experiment tag by which MLflow 3's UI picks an experiment's view: without it the UI guesses, and opened this
+# product's experiments in its GenAI view (traces, judges, prompts) instead of the runs table of model training.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def _experiment_id(c: MlflowClient, name: str) -> str:
     exp = c.get_experiment_by_name(name)
     if exp is None:
         try:
-            return c.create_experiment(name)
+            return c.create_experiment(name, tags=dict([EXPERIMENT_KIND]))
         except MlflowException:  # created meanwhile by a concurrent run: read it back
             exp = c.get_experiment_by_name(name)
             if exp is None:
@@ -78,6 +83,8 @@ def _experiment_id(c: MlflowClient, name: str) -> str:
         raise TrackingError(f"MLflow experiment {name!r} ({exp.experiment_id}) is deleted: restore it "
                             f"(mlflow experiments restore --experiment-id {exp.experiment_id}) or set "
                             "tracking.experiment to another name")
+    if EXPERIMENT_KIND[0] not in exp.tags:  # made before the tag (or by hand): a kind chosen in the UI stays
+        c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
     return exp.experiment_id
 
 
@@ -143,6 +150,35 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
 def set_tags(run_id: str, tags: dict[str, Any]) -> None:
     """Set (or overwrite) tags on a run."""
     client().log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+# What the parent run repeats of its stage runs, so that the runs table and the compare view compare pipeline runs
+# without opening their children: per stage, the child's metrics to copy (None: all of them) and params to log as
+# metrics (child param -> parent metric).
+HEADLINE: dict[str, tuple[tuple[str, ...] | None, dict[str, str]]] = {
+    "train": (("train.steps", "train.wall_seconds", "train.tgt_tokens"), {"num_parameters": "model.parameters"}),
+    "average": ((), {"average.n": "average.n"}),
+    "evaluate": (None, {}),  # every <set>.<score>
+    "export": (("export.model_mb", "export.export_sentences_per_s", "export.drop"), {}),
+}
+
+
+def log_headline(parent_run_id: str, stage: str, run_id: str) -> dict[str, float]:
+    """Copy the headline figures of ``stage``'s finished child run ``run_id`` (:data:`HEADLINE`) onto the parent
+    run, under the same names; returns them."""
+    if stage not in HEADLINE:
+        return {}
+    names, params = HEADLINE[stage]
+    data = client().get_run(run_id).data
+    metrics = {k: v for k, v in data.metrics.items() if names is None or k in names}
+    for param, metric in params.items():
+        try:
+            metrics[metric] = float(data.params[param])
+        except (KeyError, ValueError):  # not logged by this stage run (e.g. a reused stage logged before)
+            pass
+    if metrics:
+        log_metrics(parent_run_id, metrics)
+    return metrics
 
 
 # Tags a child run copies from its parent, so that stage runs can be filtered on their own.
