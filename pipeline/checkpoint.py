@@ -269,7 +269,8 @@ def check_tokenizer(state: dict, checkpoint: Path, tokenizer_sha256: str, tokeni
         raise CheckpointError(
             f"{checkpoint} was trained with {recorded}, but the tokenizer {tokenizer_dir} is sha256 "
             f"{tokenizer_sha256[:16]}...: pass the tokenizer folder the checkpoint was trained with (the one its "
-            f"run's shards were encoded with: runs/tokenizer/<fingerprint>/)")
+            f"run's shards were encoded with: runs/tokenizer/<fingerprint>/; --tokenizer of evaluate, export and "
+            f"translate), or a checkpoint of this config's data")
 
 
 def check_pair(state: dict, checkpoint: Path, pair: tuple[str, str], what: str) -> None:

@@ -150,6 +150,18 @@ def cmd_average(cfg: RunConfig, args: argparse.Namespace) -> None:
     _average(cfg, run_dir(cfg, inputs.shards), inputs)
 
 
+def _inputs(cfg: RunConfig, args: argparse.Namespace) -> Inputs:
+    """:func:`build_inputs`, with ``--tokenizer`` (a checkpoint trained elsewhere, with its own tokenizer; checked
+    before any stage runs) in place of the one the config's data makes; the corpus stays the config's: its text is
+    encoded afresh with that tokenizer."""
+    tokenizer = Path(args.tokenizer) if args.tokenizer else None
+    if tokenizer is not None and not (tokenizer / "manifest.json").is_file():
+        raise DataError(f"--tokenizer {tokenizer}: not a tokenizer folder (no manifest.json); pass the folder the "
+                        "checkpoint was trained with: <its work dir>/tokenizer/<fingerprint>/")
+    inputs = build_inputs(cfg, _Progress)
+    return inputs if tokenizer is None else Inputs(inputs.corpus, tokenizer, inputs.shards)
+
+
 def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Checkpoints) -> None:
     for path in checkpoint_list(checkpoint):
         if not path.is_file():
@@ -164,7 +176,7 @@ def _evaluate(cfg: RunConfig, inputs: Inputs, checkpoint: Checkpoints) -> None:
 
 
 def cmd_evaluate(cfg: RunConfig, args: argparse.Namespace) -> None:
-    inputs = build_inputs(cfg, _Progress)
+    inputs = _inputs(cfg, args)
     checkpoints = [Path(c) for c in args.checkpoint] if args.checkpoint else [averaged_path(cfg, run_dir(cfg,
                                                                                                       inputs.shards))]
     _evaluate(cfg, inputs, checkpoints)
@@ -192,7 +204,7 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> None:
     if cfg.task != "translation":
         raise ConfigError(f"export: task {cfg.task!r}; only translation models are exported (parsing decodes under "
                           "a tree constraint that CTranslate2 cannot apply)")
-    inputs = build_inputs(cfg, _Progress)
+    inputs = _inputs(cfg, args)
     checkpoint = Path(args.checkpoint) if args.checkpoint else averaged_path(cfg, run_dir(cfg, inputs.shards))
     if not checkpoint.is_file():
         raise DataError(f"checkpoint not found: {checkpoint}; train and average first (python -m pipeline run)")
@@ -305,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "--config FILE) instead of printing it")
         if name == "export":
             p.add_argument("--checkpoint", help="a training or averaged checkpoint (.pt)")
+        if name in ("export", "evaluate"):
+            p.add_argument("--tokenizer", help=(
+                "the tokenizer folder the checkpoint was trained with (default: the one the config's data makes); "
+                "for a checkpoint trained elsewhere"))
         if name == "distill":
             p.add_argument("--teacher", action="append", help=(
                 "a teacher checkpoint (.pt), instead of distill.teachers; give it again for each further model to "

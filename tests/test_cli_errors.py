@@ -186,7 +186,13 @@ def test_a_checkpoint_meets_only_the_tokenizer_it_was_trained_with(short_model, 
     assert msg.startswith(f"error: {short_model} was trained with tokenizer sha256 ")
     assert f"but the tokenizer {other} is sha256 {Tokenizer(other).sha256[:16]}" in msg
     assert msg.endswith("pass the tokenizer folder the checkpoint was trained with (the one its run's shards were "
-                        "encoded with: runs/tokenizer/<fingerprint>/)")
+                        "encoded with: runs/tokenizer/<fingerprint>/; --tokenizer of evaluate, export and translate), "
+                        "or a checkpoint of this config's data")
+    # the commands the message names take that flag: export with the checkpoint's own tokenizer gets past it
+    for command in ("evaluate", "export"):
+        msg = only_error(cli(command, "--checkpoint", str(short_model), "--tokenizer", str(tmp_path / "nowhere"),
+                             env={"AIAYN_DATA_ROOT": str(shared_data)}))
+        assert msg.startswith(f"error: --tokenizer {tmp_path / 'nowhere'}: not a tokenizer folder"), msg
     # evaluate and export: the same refusal, and no output folder left behind
     with pytest.raises(CheckpointError, match="was trained with tokenizer sha256"):
         evaluate_translation(short_model, other, tiny_stack.corpus, GREEDY, tmp_path / "eval")
