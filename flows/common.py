@@ -81,9 +81,11 @@ def run_pipeline(flow_name: str, cfg: RunConfig, tracking_uri: str | None, regis
         teachers = []
         if cfg.distill.teachers:  # the stages after this read the distilled corpus
             teachers = resolve_teachers(cfg, work)
+            # one teacher whose export passed its gate decodes through it (several times faster on a CPU)
+            export = teachers[0].export if len(teachers) == 1 else None
             corpus, hit = stages["distill"] = run_cached(
                 distill_stage, corpus=corpus, teachers=[t.checkpoint for t in teachers],
-                tokenizer_dir=tracking.shared_tokenizer(teachers), distill=cfg.distill, work_dir=work)
+                tokenizer_dir=tracking.shared_tokenizer(teachers), distill=cfg.distill, work_dir=work, export=export)
             log_stage(parent, "distill", hit, {"corpus": corpus}, teachers=[t.label for t in teachers])
         # train.init_from=champion continues from the champion's weights, so it reads its vocabulary too.
         init = fetch_champion(cfg, work) if cfg.train.init_from == "champion" else None

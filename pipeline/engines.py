@@ -128,12 +128,15 @@ class CTranslate2Engine:
         self.translator = ctranslate2.Translator(str(self.dir), device="cpu", compute_type="default",
                                                  inter_threads=self.workers, intra_threads=1)
 
-    def translate(self, sentences: Sequence[str], decode: DecodeConfig, nbest: int = 1) -> list[list[str]]:
+    def translate(self, sentences: Sequence[str], decode: DecodeConfig, nbest: int = 1, source: str = "request",
+                  truncated: list[int] | None = None) -> list[list[str]]:
+        """As :meth:`Engine.translate`; a sentence cut to the positions is warned about naming ``source`` and its
+        line, which ``truncated`` (given) collects."""
         out: list[list[str]] = [[""] for _ in sentences]  # an empty sentence is not decoded (to_decode)
         todo = to_decode(sentences)
         if not todo:
             return out
-        encoded = encode_sources(self.tokenizer, sentences, self.max_positions, source="request")
+        encoded = encode_sources(self.tokenizer, sentences, self.max_positions, source, truncated)
         rows = [encoded[i] for i in todo]
         limits = [max_output_length(len(r), decode.max_len_a, decode.max_len_b, self.max_positions - 1) for r in rows]
         # rows are cut already (with eos, which an older export needs as input); the longest output this

@@ -64,14 +64,19 @@ def _teachers_content(teachers: list[Path]) -> str:
 @task(name="distill-corpus", persist_result=True,
       cache_key_fn=stage_cache_key(distill_corpus, content={"teachers": _teachers_content}))
 def distill_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, distill: DistillConfig,
-                  work_dir: Path) -> Path:
+                  work_dir: Path, export: Path | None = None) -> Path:
     """The corpus with its training targets replaced by what the teachers (checkpoints sharing ``tokenizer_dir``,
     decoding as one ensemble) translate of its sources, the failed pairs dropped, with a ``distill-progress``
-    artifact (sources decoded); on the GPU when there is one. Keyed like the distilled corpus's fingerprint: the
-    corpus, the teachers' content and the distill settings."""
-    artifact = ProgressArtifact("distill-progress", f"{len(teachers)} teacher(s) translating the training sources")
+    artifact (sources decoded); on the GPU when there is one, else through ``export`` (one teacher's CTranslate2
+    export) when there is one. Keyed like the distilled corpus's fingerprint: the corpus, the teachers' content,
+    the export and the distill settings."""
+    if decode_device() == "cuda":
+        export = None  # our engine on the GPU; CTranslate2's CPU build is what the export is for
+    engine = "its CTranslate2 export" if export is not None else "our engine"
+    artifact = ProgressArtifact("distill-progress", f"{len(teachers)} teacher(s) translating the training sources "
+                                                    f"with {engine}")
     out = distill_corpus(corpus, teachers, tokenizer_dir, distill, work_dir,
-                         device=decode_device(), progress=artifact.fraction)
+                         device=decode_device(), progress=artifact.fraction, export=export)
     artifact.finish()  # also when the distilled corpus was there already
     return out
 

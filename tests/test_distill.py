@@ -215,7 +215,7 @@ def test_targets_are_the_teachers_translations_and_dev_test_are_unchanged(toy: T
         "format": "aiayn-distill/1", "code": entry["code"],
         "source_corpus": {"fingerprint": source["fingerprint"], "path": str(toy.corpus.resolve())},
         "teachers": [{"path": str(toy.teachers[0].resolve()), "sha256": sha256_file(toy.teachers[0])}],
-        "decode": toy.distill.decode.model_dump(mode="json"), "nbest": 1, "select": "best", "max_ratio": 3.0,
+        "engine": "torch", "decode": toy.distill.decode.model_dump(mode="json"), "nbest": 1, "select": "best", "max_ratio": 3.0,
         "drop_copies": True, "read": TRAIN_ROWS, "rules": rules, "kept": len(kept), "removed": removed,
         "truncated": 1,  # the 80-word pair, longer than the teachers' 64 positions
     }
@@ -341,6 +341,29 @@ def test_a_teacher_of_another_language_pair_or_named_twice_is_refused_before_dec
     for bad in ("distill.max_ratio=0.5", "distill.decode.beam_size=1000"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
             toy_config(toy.root, tmp_path, bad)
+
+
+def test_one_teacher_decodes_through_its_ctranslate2_export(toy: Toy, distilled: Path, tmp_path: Path,
+                                                             caplog) -> None:
+    """The export translates the training sources (several times faster on a CPU than our engine); its
+    translations are the targets, the corpus is another one than our engine's, and an ensemble is refused."""
+    from pipeline.engines import CTranslate2Engine
+    from pipeline.export import export_checkpoint
+
+    export = export_checkpoint(toy.teachers[0], toy.tokenizer_dir, "float32", tmp_path / "export")
+    with caplog.at_level(logging.INFO, logger="aiayn.distill"):
+        out = distill_corpus(toy.corpus, toy.teachers[:1], toy.tokenizer_dir, toy.distill, tmp_path, export=export)
+    assert "decoded (ctranslate2)" in caplog.text
+    engine = CTranslate2Engine(export, toy.tokenizer)
+    hyps = [" ".join(n[0].split()) for n in engine.translate(toy.sources()[0], toy.distill.decode)]
+    kept = [(r["origin"], r["line"], r["src"], h) for r, h in zip(rows(toy.corpus), hyps)
+            if failure(r["src"], h, toy.distill) is None]
+    assert [(r["origin"], r["line"], r["src"], r["tgt"]) for r in rows(out)] == kept
+    entry = read_manifest(out)["distillation"]
+    assert entry["engine"] == {"ctranslate2": str(export.resolve()), "sha256": sha256_file(export / "model.bin")}
+    assert out != distilled  # the same teacher through our engine is another corpus
+    with pytest.raises(DistillError, match="decodes one teacher, and 2 were given"):
+        distill_corpus(toy.corpus, toy.teachers, toy.tokenizer_dir, toy.distill, tmp_path, export=export)
 
 
 def test_missing_teachers_and_a_corpus_without_training_split_are_refused(toy: Toy, tmp_path: Path) -> None:
