@@ -215,9 +215,9 @@ def test_targets_are_the_teachers_translations_and_dev_test_are_unchanged(toy: T
         "format": "aiayn-distill/1", "code": entry["code"],
         "source_corpus": {"fingerprint": source["fingerprint"], "path": str(toy.corpus.resolve())},
         "teachers": [{"path": str(toy.teachers[0].resolve()), "sha256": sha256_file(toy.teachers[0])}],
-        "engine": "torch", "decode": toy.distill.decode.model_dump(mode="json"), "nbest": 1, "select": "best", "max_ratio": 3.0,
-        "drop_copies": True, "read": TRAIN_ROWS, "rules": rules, "kept": len(kept), "removed": removed,
-        "truncated": 1,  # the 80-word pair, longer than the teachers' 64 positions
+        "engine": "torch", "decode": toy.distill.decode.model_dump(mode="json"), "nbest": 1, "select": "best",
+        "max_ratio": 3.0, "drop_copies": True, "read": TRAIN_ROWS, "rules": rules, "kept": len(kept),
+        "removed": removed, "truncated": 1,  # the 80-word pair, longer than the teachers' 64 positions
     }
     assert not [p for p in distilled.parent.iterdir() if p.name.endswith(".partial")]  # removed once done
 
