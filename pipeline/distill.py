@@ -242,20 +242,12 @@ def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pa
         with atomic_dir(out) as tmp:
             train, report = _write_corpus(tmp, corpus_dir, corpus,
                                           *_chunk_targets(partial, _chunks(corpus, distill)), distill)
-            write_json(tmp / MANIFEST, {
-                **corpus,
-                "fingerprint": fingerprint,
-                "splits": {**corpus["splits"], "train": train},
-                "distillation": {
-                    "format": DISTILL_FORMAT,
-                    "code": identity["code"],
-                    "source_corpus": {"fingerprint": corpus["fingerprint"], "path": str(corpus_dir.resolve())},
-                    "teachers": [{"path": str(f.resolve()), "sha256": sha} for f, sha in zip(files, shas)],
-                    "engine": "torch" if export is None else {"ctranslate2": str(Path(export).resolve()),
-                                                              "sha256": export_sha},
-                    **distill.model_dump(mode="json", exclude=set(_NOT_CONTENT)),
-                    **report,
-                },
+            _write_manifest(tmp, corpus_dir, corpus, fingerprint, identity["code"], train, {
+                "teachers": [{"path": str(f.resolve()), "sha256": sha} for f, sha in zip(files, shas)],
+                "engine": "torch" if export is None else {"ctranslate2": str(Path(export).resolve()),
+                                                          "sha256": export_sha},
+                **distill.model_dump(mode="json", exclude=set(_NOT_CONTENT)),
+                **report,
             })
         shutil.rmtree(partial)
     if report["truncated"]:
@@ -406,25 +398,28 @@ def distill_from_translations(corpus_dir: Path, translations: Path, distill: Dis
         with open(translations / TRANSLATIONS, encoding="utf-8", newline="\n") as f, atomic_dir(out) as tmp:
             targets = (line[:-1] if line.endswith("\n") else line for line in f)
             train, report = _write_corpus(tmp, corpus_dir, corpus, targets, made["truncated"], distill)
-            write_json(tmp / MANIFEST, {
-                **corpus,
-                "fingerprint": fingerprint,
-                "splits": {**corpus["splits"], "train": train},
-                "distillation": {
-                    "format": DISTILL_FORMAT,
-                    "code": identity["code"],
-                    "source_corpus": {"fingerprint": corpus["fingerprint"], "path": str(corpus_dir.resolve())},
-                    "teachers": made["teachers"],
-                    "translations": {"path": str(translations), "sha256": made["sha256"],
-                                     "lineage": made["lineage"]},
-                    **{k: made[k] for k in ("decode", "nbest", "select")},
-                    **distill.model_dump(mode="json", include=set(_FILTERS)),
-                    **report,
-                },
+            _write_manifest(tmp, corpus_dir, corpus, fingerprint, identity["code"], train, {
+                "teachers": made["teachers"],
+                "translations": {"path": str(translations), "sha256": made["sha256"],
+                                 "lineage": made["lineage"]},
+                **{k: made[k] for k in ("decode", "nbest", "select")},
+                **distill.model_dump(mode="json", include=set(_FILTERS)),
+                **report,
             })
     log.info("distilled corpus written to %s from %s: %d training sources, %d kept", out, translations,
              report["read"], report["kept"])
     return out
+
+
+def _write_manifest(tmp: Path, corpus_dir: Path, corpus: dict, fingerprint: str, code: str, train: dict,
+                    entry: dict) -> None:
+    """The distilled corpus's manifest: the source corpus's, with its own fingerprint and training split, and the
+    ``distillation`` entry (format, code, source corpus, then ``entry``: the teachers and what the road adds)."""
+    write_json(tmp / MANIFEST, {**corpus, "fingerprint": fingerprint, "splits": {**corpus["splits"], "train": train},
+                                "distillation": {"format": DISTILL_FORMAT, "code": code,
+                                                 "source_corpus": {"fingerprint": corpus["fingerprint"],
+                                                                   "path": str(corpus_dir.resolve())},
+                                                 **entry}})
 
 
 def _row_chunks(path: Path, columns: list[str], rows: int) -> Iterator[pa.Table]:
