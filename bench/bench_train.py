@@ -45,7 +45,7 @@ def build(data_root: str, work_dir: Path) -> Path:
 def child(args: argparse.Namespace) -> None:
     """Time ``args.impl`` for warm-up + steps; print one JSON line."""
     cfg = load_config("multi30k-cpu", [("data.root", args.data_root), f"train.max_tokens={args.max_tokens}",
-                                       f"train.update_tokens={args.max_tokens}"])
+                                       f"train.update_tokens={args.max_tokens}", f"train.precision={args.precision}"])
     info = setup()
     torch.set_num_threads(args.threads)
     ds = ShardDataset(args.shards, "train", verify=False)
@@ -91,6 +91,8 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="ours: train.precision (fp32 on any CPU: the class without native bf16); plain is fp32")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
@@ -107,7 +109,8 @@ def main() -> None:
     for _ in range(args.repeats):
         for impl in ("ours", "plain"):
             cmd = [sys.executable, __file__, "--impl", impl, "--shards", str(shards), "--data-root", args.data_root,
-                   "--max-tokens", str(args.max_tokens), "--threads", str(args.threads), "--steps", str(args.steps),
+                   "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
+                   "--precision", args.precision, "--steps", str(args.steps),
                    "--warmup", str(args.warmup)]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
             results[impl]["times"] += r["times"]
@@ -121,7 +124,8 @@ def main() -> None:
                          "mean_tgt_tokens_per_batch": statistics.mean(r["tokens"]),
                          "median_step_s": statistics.median(r["times"]), "peak_rss_mb": max(r["rss"])}
     ratio = summary["ours"]["tgt_tokens_per_s"] / summary["plain"]["tgt_tokens_per_s"]
-    print(f"tiny preset, {args.threads} threads, max_tokens {args.max_tokens}, {args.steps} steps x {args.repeats}")
+    print(f"tiny preset, {args.threads} threads, max_tokens {args.max_tokens}, precision {args.precision} (ours), "
+          f"{args.steps} steps x {args.repeats}")
     print(f"{'impl':<6} {'tgt tok/s':>10} {'tok/batch':>10} {'step s':>8} {'peak RSS MB':>12}")
     for impl, s in summary.items():
         print(f"{impl:<6} {s['tgt_tokens_per_s']:>10.0f} {s['mean_tgt_tokens_per_batch']:>10.0f} "

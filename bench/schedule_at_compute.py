@@ -37,8 +37,24 @@ from pipeline.tracking.runs import short_commit  # noqa: E402
 from pipeline.workdir import build_inputs, run_dir  # noqa: E402
 
 CONFIG, TEST = "multi30k-cpu", "test.test2016"
-# the paper's warm-up (train.warmup_steps, the preset's 1,000) against the warm-up fitted to the budget
-ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"]}
+# the paper's warm-up (train.warmup_steps, the preset's 1,000) against the warm-up fitted to the budget, and recipes
+# that spend the same compute otherwise. An arm with smaller updates gets the updates its tokens buy in the time of
+# --updates updates of 4,096 tokens on an fp32 CPU (the class studied), at the throughput measured for its update
+# size (FP32_SPEED).
+ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
+        "small": ["train.schedule=budget", "train.update_tokens=1024", "train.max_tokens=1024", "train.cooldown=0.3",
+                  "model.dropout=0.1"],
+        "mid": ["train.schedule=budget", "train.update_tokens=2048", "train.max_tokens=2048", "train.cooldown=0.3",
+                "model.dropout=0.1"]}
+# target tokens/s of our fp32 training at an update size against 4,096 tokens, side by side in one run:
+# bench/results/train_speed_by_update_fp32_xeon-amx_2026-11-27.json (bench/bench_train.py --precision fp32)
+FP32_SPEED = {4096: 1.0, 2048: 1.0, 1024: 0.81}
+
+
+def arm_steps(arm: str, updates: int) -> int:
+    """The updates ``arm`` trains in the time of ``updates`` updates of 4,096 target tokens."""
+    tokens = next((int(o.split("=")[1]) for o in ARMS[arm] if o.startswith("train.update_tokens=")), 4096)
+    return round(updates * 4096 / tokens * FP32_SPEED[tokens])
 
 
 # test2016 only: newstest2014 (news, out of the captions' domain) is the default's slowest evaluation and decides
@@ -47,7 +63,7 @@ TESTS = "data.test=[{name: test2016, format: text, path: multi30k/test2016}]"
 
 
 def overrides(arm: str, updates: int, seed: int) -> list[str]:
-    return [*ARMS[arm], "train.max_minutes=null", f"train.max_steps={updates}", f"train.seed={seed}",
+    return [*ARMS[arm], "train.max_minutes=null", f"train.max_steps={arm_steps(arm, updates)}", f"train.seed={seed}",
             "export.engine=none", TESTS]
 
 
