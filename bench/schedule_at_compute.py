@@ -6,8 +6,8 @@ budget of updates reproduces them on any machine: each arm trains ``--updates`` 
 test2016 with the config's beam search; no newstest2014, no export). Arms are override sets (``ARMS``); ``paper``
 is the baseline. Each finished run leaves a record under ``--records`` (scores, dev and test2016 outputs, the
 schedule it trained with, machine, commit): commit them as they come, since run folders live only as long as the
-machine. ``compare`` reads the records alone: every arm against ``paper`` by the paired bootstrap pooled over
-the seeds, on dev (the choosing set) and test2016 (reported).
+machine. ``compare`` reads the records alone: every arm against ``--baseline`` (``paper``) by the paired bootstrap
+pooled over the seeds, on dev (the choosing set) and test2016 (reported).
 
     python bench/schedule_at_compute.py runs --updates 780 --seeds 1 2 --work-dir /work/sched
     python bench/schedule_at_compute.py compare --updates 780 --seeds 1 2 --out bench/results/schedule_780.json
@@ -45,7 +45,9 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         "small": ["train.schedule=budget", "train.update_tokens=1024", "train.max_tokens=1024", "train.cooldown=0.3",
                   "model.dropout=0.1"],
         "mid": ["train.schedule=budget", "train.update_tokens=2048", "train.max_tokens=2048", "train.cooldown=0.3",
-                "model.dropout=0.1"]}
+                "model.dropout=0.1"],
+        # the same cool-down and dropout at the preset's update size: what the update size adds
+        "big": ["train.schedule=budget", "train.cooldown=0.3", "model.dropout=0.1"]}
 # target tokens/s of our fp32 training at an update size against 4,096 tokens, side by side in one run:
 # bench/results/train_speed_by_update_fp32_xeon-amx_2026-11-27.json (bench/bench_train.py --precision fp32)
 FP32_SPEED = {4096: 1.0, 2048: 1.0, 1024: 0.81}
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
 
 
 def compare(args: argparse.Namespace) -> dict:
-    """Every arm against ``paper`` from the records: per-seed scores and the pooled paired bootstrap."""
+    """Every arm against ``--baseline`` from the records: per-seed scores and the pooled paired bootstrap."""
     records = {(a, s): json.loads(record_path(args, a, s).read_text(encoding="utf-8"))
                for a in args.arms for s in args.seeds}
     cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), TESTS])
@@ -108,13 +110,17 @@ def compare(args: argparse.Namespace) -> dict:
     out = {"updates": args.updates, "seeds": args.seeds,
            "machine": "; ".join(sorted({r["machine"] for r in records.values()})),
            "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in records.values()], "significance": []}
+    keys = ("dev.sacrebleu", "test2016.sacrebleu", "test2016.chrf", "updates", "train_seconds")
+    out["means"] = {arm: {k: round(sum(records[arm, s][k] for s in args.seeds) / len(args.seeds), 2) for k in keys}
+                    for arm in args.arms}
+    base = args.baseline
     for arm in args.arms:
-        if arm == "paper":
+        if arm == base:
             continue
         for split in ("dev", TEST):
-            c = pooled_bootstrap("sacrebleu", [records["paper", s]["outputs"][split] for s in args.seeds],
+            c = pooled_bootstrap("sacrebleu", [records[base, s]["outputs"][split] for s in args.seeds],
                                  [records[arm, s]["outputs"][split] for s in args.seeds], refs[split])
-            out["significance"].append({"claim": f"{arm} against paper", "set": split, "base": c.champion,
+            out["significance"].append({"claim": f"{arm} against {base}", "set": split, "base": c.champion,
                                         "system": c.challenger, "delta": c.delta, "ci95": [c.ci_low, c.ci_high],
                                         "p": c.p_value, "test": c.signature})
     print(json.dumps(out, indent=2))
@@ -132,6 +138,7 @@ def main() -> None:
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "schedule-at-compute")
     p.add_argument("--records", type=Path, default=REPO / "bench" / "results" / "schedule_at_compute")
     p.add_argument("--out", type=Path, default=None, help="compare: the result JSON")
+    p.add_argument("--baseline", default="paper", choices=list(ARMS), help="compare: the arm the others face")
     args = p.parse_args()
     args.work_dir = args.work_dir.resolve()
     if args.phase == "compare":
