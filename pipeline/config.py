@@ -424,7 +424,7 @@ class TrainConfig(_Strict):
         "it; a CPU with AMX tiles or AVX512-BF16), fp32 otherwise; the trainer logs which and why."))
     # why auto and not always bf16: on a CPU without native bf16, bf16 trains slower than fp32; where it is native
     # it trains faster at the same loss (bench/bench_vs_fairseq.py). auto is resolved by
-    # pipeline.train.trainer.training_precision.
+    # pipeline.hardware.training_precision.
     bf16_copy: Literal["auto", "on", "off"] = Field(default="auto", description=(
         "How bf16 training runs (with precision bf16). on: forward and backward run a bf16 copy of the model, Adam "
         "updates the fp32 weights, copied into it after each update; off: autocast, which casts weights and "
@@ -734,6 +734,20 @@ class RunConfig(_Strict):
     distill: DistillConfig = Field(default=DistillConfig(), description=(
         "Sequence-level knowledge distillation: teachers whose translations of the training sources replace its "
         "targets. No teachers = none."))
+    recipes: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
+        "Compute recipes: named sets of settings, each a partial config (sections and fields, as in the YAML), "
+        "that recipe applies over the YAML files and under the overrides. Keyed by the precision a machine trains "
+        "at for recipe auto: fp32 (a CPU without native bf16, which buys a fraction of the updates in the same "
+        "minutes), bf16. Not in the paper."))
+    recipe: str = Field(default="auto", description=(
+        "Which of recipes to apply. auto: where the clock ends the run (train.max_minutes set), the recipe named "
+        "by the precision this machine trains at (train.precision resolved: bf16 or fp32), if recipes has it; "
+        "a run with a step budget gets the same compute on any machine and keeps the config as written. none: "
+        "the config as written. A key of recipes: that recipe. Overrides (--set, deployment parameters) win over "
+        "the recipe's settings. Not in the paper."))
+    recipe_applied: str | None = Field(default=None, description=(
+        "Set when the config is loaded: the recipe applied (none: none), with recipe auto resolved on this machine; "
+        "logged with the run. A config that holds it is resolved already and gets no recipe again."))
 
     @property
     def exports(self) -> bool:
@@ -1039,7 +1053,9 @@ def _error_source(loc: tuple, items: list[tuple[str, Any, str]], path: Path) -> 
     setters = [label for key, value, label in items if _sets(key, value, loc)]
     if setters:
         return setters[-1]  # the last one applied is the value that was validated
-    inside = [label for key, _, label in items if loc and tuple(key.split("."))[: len(loc)] == loc]
+    # a recipe's settings are the config file's, not overrides named beside it
+    inside = [label for key, _, label in items if loc and tuple(key.split("."))[: len(loc)] == loc
+              and not label.startswith(f"{path}: recipes.")]
     return f"{path} with {', '.join(inside)}" if inside else str(path)
 
 
@@ -1058,18 +1074,82 @@ def _did_you_mean(loc: tuple) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def _config_error(errors: list, items: list[tuple[str, Any, str]], path: Path) -> ConfigError:
+    """One :class:`ConfigError` for pydantic's ``errors``, naming per bad field where its value came from."""
+    # a whole-config rule names its fields in its message; echoing the whole config would bury it
+    lines = [f"{_error_source(err['loc'], items, path)}: {_field_path(err['loc'])}: {err['msg']}"
+             + (f" (got {err.get('input')!r})" if err["loc"] else "")
+             + (_did_you_mean(err["loc"]) if err["type"] == "extra_forbidden" else "")
+             for err in errors]
+    return ConfigError(lines[0] if len(lines) == 1 else "invalid config:\n" + "\n".join(f"  {line}" for line in lines))
+
+
 def _validate(tree: dict, items: list[tuple[str, Any, str]], path: Path) -> RunConfig:
     """The typed config of a merged tree; a :class:`ConfigError` naming, per bad field, where its value came from."""
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
-        # a whole-config rule names its fields in its message; echoing the whole config would bury it
-        lines = [f"{_error_source(err['loc'], items, path)}: {_field_path(err['loc'])}: {err['msg']}"
-                 + (f" (got {err.get('input')!r})" if err["loc"] else "")
-                 + (_did_you_mean(err["loc"]) if err["type"] == "extra_forbidden" else "")
-                 for err in e.errors()]
-        raise ConfigError(lines[0] if len(lines) == 1
-                          else "invalid config:\n" + "\n".join(f"  {line}" for line in lines)) from None
+        raise _config_error(e.errors(), items, path) from None
+
+
+def _leaves(tree: Mapping, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` per leaf of a nested mapping (a list is a leaf)."""
+    out: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
+
+
+# What a compute recipe may set: how the model is trained and decoded (so it sits between the YAML files and
+# everything that points the run at its data and servers: the environment, data_root, the overrides).
+RECIPE_SECTIONS = ("tokenizer", "model", "train", "average", "decode")
+
+
+def _recipes(tree: dict, items: list[tuple[str, Any, str]], path: Path) -> tuple[str | None, dict[str, list]]:
+    """The recipe this config gets on this machine (None: resolved already, nothing to apply; ``none``: no recipe)
+    and every recipe's settings as override items, labelled ``<file>: recipes.<name>: <key>=<value>``."""
+    merged = _apply(tree, items)
+    recipes, name = merged.get("recipes") or {}, merged.get("recipe", "auto")
+    if merged.get("recipe_applied") is not None:
+        return None, {}
+    if not isinstance(recipes, Mapping) or not all(isinstance(r, Mapping) for r in recipes.values()):
+        return "none", {}  # the schema says what is wrong with them
+    sets = {key: [(k, v, f"{path}: recipes.{key}: {k}={v!r}") for k, v in _leaves(recipe)]
+            for key, recipe in recipes.items()}
+    for recipe_items in sets.values():
+        bad = [label for k, _, label in recipe_items if k.split(".")[0] not in RECIPE_SECTIONS]
+        if bad:
+            raise ConfigError(f"{bad[0]}: a recipe sets how the model is trained and decoded (the sections "
+                              f"{', '.join(RECIPE_SECTIONS)}), not the data, the tracking or which recipe applies")
+    if name == "auto":
+        train = merged.get("train") or {}
+        if train.get("max_minutes") is not None and recipes:
+            from pipeline.hardware import training_precision  # imports torch: only where a recipe may apply
+
+            precision = training_precision(train.get("precision", "auto"))[0]
+            name = precision if precision in recipes else "none"
+        else:
+            name = "none"
+    elif name != "none" and name not in recipes:
+        raise ConfigError(f"{path}: recipe {name!r} is not one of recipes ({', '.join(recipes) or 'none defined'}); "
+                          "use auto, none or one of them")
+    return name, sets
+
+
+def _check_recipe(tree: dict, recipe_items: list, items: list, path: Path) -> None:
+    """Refuse a recipe whose own settings are invalid, though this machine does not apply it: a typo in one fails
+    on every machine, not only on the class it was written for."""
+    both = [*recipe_items, *items]
+    try:
+        RunConfig.model_validate(_apply(tree, both))
+    except ValidationError as e:
+        labels = {label for _, _, label in recipe_items}
+        ours = [err for err in e.errors() if _error_source(err["loc"], both, path) in labels]
+        if ours:
+            raise _config_error(ours, both, path) from None
 
 
 def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
@@ -1088,7 +1168,12 @@ def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
             tree["data"] = _load_yaml_tree(resolve_config_path(local, path.parent))["data"]
         tree = apply_overrides(tree, [("data.root", str(data_root))])
     items = _override_items(overrides)
-    cfg = _validate(_apply(tree, items), items, path)
+    chosen, recipes = _recipes(tree, items, path)
+    applied = [] if chosen is None else [*recipes.get(chosen, []), ("recipe_applied", chosen, f"recipe {chosen}")]
+    cfg = _validate(_apply(tree, [*applied, *items]), [*applied, *items], path)
+    for name, recipe_items in recipes.items():
+        if name != chosen:
+            _check_recipe(tree, recipe_items, items, path)
     mismatch = cfg.data.dev_domain_mismatch()
     if mismatch:
         warnings.warn(f"{path}: {mismatch}", DevDomainWarning, stacklevel=2)
@@ -1103,7 +1188,8 @@ def resolve_config(name_or_path: str | Path, overrides: Overrides | None = None,
                    environ: Mapping[str, str] | None = None) -> RunConfig:
     """The run's config, resolved once: the one function that owns precedence, used by the CLI and the flows.
 
-    Later wins: the schema's defaults < the YAML file (and the presets it ``extends``) < the environment
+    Later wins: the schema's defaults < the YAML file (and the presets it ``extends``) < its compute recipe
+    (``recipe``, ``recipes``; training settings only, :data:`RECIPE_SECTIONS`) < the environment
     (``AIAYN_DATA_ROOT``, ``AIAYN_WORK_DIR``; ``environ``, default ``os.environ``) < ``data_root`` < ``overrides``
     (dotted keys, in order). What runs below (the torchrun entry point included) receives the result, written by
     :func:`write_resolved`, and reads no environment of its own.

@@ -62,6 +62,11 @@ def render_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision
             f"`{summary['stopped_by']}` after {summary['wall_seconds'] / 60:.1f} min on {summary['world_size']} "
             f"process(es); {summary['tokens']['tgt']:,} target tokens this invocation"
             + (f"; final dev loss {dev['dev_loss']:.3f}, ppl {dev['dev_ppl']:.2f}." if dev else "."), ""]
+    if "machine" in summary:  # runs before the record have none
+        recipe = summary.get("recipe") or "none"
+        out += [f"Machine: {summary['machine']}, trained in {summary['precision']}; compute recipe `{recipe}`"
+                + ("" if recipe == "none" else f" (the config's `recipes.{recipe}`, applied over its YAML files)")
+                + ".", ""]
     if sched := summary.get("schedule"):  # runs before the record have none
         fitted = (f", fitted to the {sched['predicted_updates']:,} updates predicted for the clock budget"
                   if sched["kind"] == "budget" and sched["predicted_updates"] else "")

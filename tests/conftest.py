@@ -110,12 +110,20 @@ def shared_data() -> Path:
 
 
 # A tiny model on real Multi30k: the integration tests check the machinery, not translation quality.
+# Two test sets, one out of the captions' domain (news, long sentences): what per-set scores, guards, lineage and
+# shards are tested on (the default itself has test2016 alone).
+TWO_TESTS = ("data.test=[{name: test2016, format: text, path: multi30k/test2016}, "
+             "{name: newstest2014, format: text, path: wmt14-en-de/newstest2014}]")
+
 TINY = ["model.encoder_layers=1", "model.decoder_layers=1", "model.d_model=32", "model.n_heads=2", "model.d_ff=64",
         "tokenizer.vocab_size=1000", "train.max_tokens=512", "train.update_tokens=512", "train.warmup_steps=10",
         "train.log_every_steps=2", "train.dev_every_steps=1000", "train.dev_max_sentences=64",
         "train.checkpoint_every_steps=1000", "train.checkpoint_every_minutes=60.0",
         # the fixed-N path (tests of choosing N on dev set choose_from themselves)
-        "average.choose_from=[]"]
+        "average.choose_from=[]",
+        TWO_TESTS,
+        # the config as written on every machine (the compute recipe of a CPU class is tested on its own)
+        "recipe=none"]
 
 # The tiny run of a deployment: TINY's model and batch, greedy decoding capped short (with max_steps=10).
 QUICK = {**{k: parse_value(v) for k, v in (o.split("=", 1) for o in TINY)}, "train.checkpoint_every_steps": 5,

@@ -55,8 +55,14 @@ def test_the_embedded_defaults_take_the_measured_recipe_and_the_paper_presets_st
     """Issue 21's recipe (configs/presets/tiny.yaml) reaches every config of the embedded default, and nothing
     else: the paper rows keep P_drop, a fixed N and alpha 0.6."""
     for name in ("multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly"):
-        cfg = load_config(name)
+        cfg = load_config(name, ["recipe=none"])
         assert (cfg.model.dropout, cfg.average.choose_from, cfg.decode.length_penalty) == (0.2, [1, 5, 10, 20], 1.4)
+        # and on a CPU that trains fp32, the recipe measured at its compute (issue 53, ledger L34)
+        fp32 = load_config(name, ["train.precision=fp32"])
+        assert (fp32.recipe_applied, fp32.train.update_tokens, fp32.train.max_tokens, fp32.train.cooldown,
+                fp32.model.dropout, fp32.decode.length_penalty) == ("fp32", 2048, 2048, 0.3, 0.1, 1.4)
+    # the parsing preset keeps its own measured settings on every machine
+    assert load_config("ptb-sample-cpu", ["train.precision=fp32"]).recipe_applied == "none"
     for name in ("wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big"):
         cfg = load_config(name)
         assert (cfg.average.choose_from, cfg.decode.length_penalty) == ([], 0.6), name
@@ -449,3 +455,61 @@ def test_every_float_field_refuses_inf_and_nan_naming_the_field() -> None:
             with pytest.raises(ConfigError, match=rf"--set {re.escape(key)}={re.escape(value)}: {re.escape(key)}: "
                                                   r"Input should be a finite number"):
                 load_config("multi30k-cpu", [f"{key}={value}"])
+
+
+RECIPES = "recipes={fp32: {train: {update_tokens: 1024, max_tokens: 1024}, model: {dropout: 0.1}}, bf16: {}}"
+
+
+def test_a_compute_recipe_applies_over_the_yaml_and_under_the_overrides() -> None:
+    cfg = load_config("multi30k-cpu", [RECIPES, "recipe=fp32"])
+    assert (cfg.recipe_applied, cfg.train.update_tokens, cfg.train.max_tokens, cfg.model.dropout) == (
+        "fp32", 1024, 1024, 0.1)
+    mine = load_config("multi30k-cpu", [RECIPES, "recipe=fp32", "train.update_tokens=2048"])
+    assert (mine.train.update_tokens, mine.train.max_tokens) == (2048, 1024)  # the override wins, field by field
+    written = load_config("multi30k-cpu", [RECIPES, "recipe=none"])
+    assert (written.recipe_applied, written.train.update_tokens, written.model.dropout) == ("none", 4096, 0.2)
+
+
+def test_recipe_auto_follows_the_precision_of_this_machine_only_on_a_clock_budget() -> None:
+    from pipeline.hardware import training_precision
+
+    precision = training_precision("auto")[0]
+    clock = load_config("multi30k-cpu", [RECIPES])
+    assert clock.train.max_minutes and clock.recipe == "auto" and clock.recipe_applied == precision
+    assert clock.train.update_tokens == (1024 if precision == "fp32" else 4096)
+    # the precision asked for names the recipe, whatever the hardware computes natively
+    assert load_config("multi30k-cpu", [RECIPES, "train.precision=fp32"]).train.update_tokens == 1024
+    # a step budget buys the same updates on every machine: the config as written
+    steps = load_config("multi30k-cpu", [RECIPES, "train.max_minutes=null", "train.precision=fp32"])
+    assert (steps.recipe_applied, steps.train.update_tokens) == ("none", 4096)
+
+
+def test_a_resolved_config_keeps_what_its_recipe_and_overrides_made_it(tmp_path: Path) -> None:
+    cfg = load_config("multi30k-cpu", [RECIPES, "recipe=fp32", "train.update_tokens=2048"])
+    path = write_resolved(cfg, tmp_path / "config.yaml")
+    assert load_resolved(path) == cfg
+    again = load_config(path)  # a run's config.yaml as a --config: the recipe is not applied a second time
+    assert (again.train.update_tokens, again.recipe_applied) == (2048, "fp32")
+
+
+def test_recipe_errors_name_the_recipe_on_every_machine() -> None:
+    # a typo in a recipe this machine would not apply fails all the same
+    with pytest.raises(ConfigError, match=r"recipes\.fp32: train\.update_tokenz=1024: .*did you mean 'update_tokens'"):
+        load_config("multi30k-cpu", ["recipes={fp32: {train: {update_tokenz: 1024}}}", "recipe=none"])
+    with pytest.raises(ConfigError, match=r"recipes\.bf16: model\.dropout=2: model\.dropout: Input should be less"):
+        load_config("multi30k-cpu", ["recipes={bf16: {model: {dropout: 2}}}"])
+    with pytest.raises(ConfigError, match=r"recipe 'fast' is not one of recipes \(fp32, bf16\); use auto, none"):
+        load_config("multi30k-cpu", [RECIPES, "recipe=fast"])
+    for setting in ("recipe: none", "data: {root: /tmp}"):
+        with pytest.raises(ConfigError, match=r"recipes\.fp32: .*: a recipe sets how the model is trained and decoded"):
+            load_config("multi30k-cpu", [f"recipes={{fp32: {{{setting}}}}}"])
+
+
+def test_the_cpu_class_is_what_the_cpu_flags_say() -> None:
+    from pipeline.hardware import CPU_CLASSES, cpu_class
+
+    flags = set(next(line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags")))
+    expected = ("amx" if "amx_tile" in flags else "avx512-bf16" if "avx512_bf16" in flags
+                else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other")
+    assert cpu_class() == expected and expected in CPU_CLASSES

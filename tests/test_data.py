@@ -19,6 +19,7 @@ import pytest
 
 from pipeline.config import DataConfig, load_config
 from pipeline.data import DataError, corpus_fingerprint, prepare_corpus, read_manifest
+from tests.conftest import TWO_TESTS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +68,8 @@ def assert_nothing_written(work: Path) -> None:
 
 @pytest.mark.integration
 def test_multi30k_default_config_on_shared_data(shared_data: Path, tmp_path: Path) -> None:
-    cfg = load_config("multi30k-cpu", [("data.root", str(shared_data))])
+    assert [t.name for t in load_config("multi30k-cpu").data.test] == ["test2016"]  # in domain only (issue 53)
+    cfg = load_config("multi30k-cpu", [("data.root", str(shared_data)), TWO_TESTS])
     corpus = prepare_corpus(cfg.data, tmp_path)
     m = read_manifest(corpus)
     train = m["splits"]["train"]

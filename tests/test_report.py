@@ -157,6 +157,18 @@ def test_data_tokenizer_and_training_sections(tmp_path: Path, cfg: RunConfig) ->
     assert sections == ["## Stages", "## Data", "## Tokenizer", "## Training", "## Scores"]
 
 
+def test_training_names_the_machine_precision_and_recipe(tmp_path: Path, cfg: RunConfig) -> None:
+    stages = stage_files(tmp_path)
+    run = stages["train"][0]
+    summary = json.loads((run / "train_summary.json").read_text())
+    write(run / "train_summary.json", {**summary, "machine": "CPU class avx2", "precision": "fp32", "recipe": "fp32"})
+    assert ("Machine: CPU class avx2, trained in fp32; compute recipe `fp32` (the config's `recipes.fp32`, applied "
+            "over its YAML files).") in render_report(cfg, stages, None, None).splitlines()
+    write(run / "train_summary.json", {**summary, "machine": "CPU class amx", "precision": "bf16", "recipe": "none"})
+    assert "Machine: CPU class amx, trained in bf16; compute recipe `none`." in render_report(
+        cfg, stages, None, None).splitlines()
+
+
 def test_training_without_final_dev(tmp_path: Path, cfg: RunConfig) -> None:
     lines = render_report(cfg, stage_files(tmp_path, final_dev={}), None, None).splitlines()
     assert ("12,345 updates, 3 epochs, stopped by `max_steps` after 12.6 min on 2 process(es); 1,234,567 target "

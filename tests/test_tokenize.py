@@ -16,17 +16,18 @@ from pipeline.config import CleaningConfig, SpecialIds, TokenizerConfig, load_co
 from pipeline.data import prepare_corpus
 from pipeline.data.clean import Normalizer
 from pipeline.tokenize import Tokenizer, TokenizerError, token_dtype, train_tokenizer, word_class, word_classes
+from tests.conftest import TWO_TESTS
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = TokenizerConfig(vocab_size=4000)
 
 
 def multi30k_corpus(shared_data: Path, work_dir: Path) -> Path:
-    """The ``multi30k-cpu`` corpus (train Multi30k; dev Multi30k val; tests test2016, newstest2014).
+    """The ``multi30k-cpu`` corpus (train Multi30k; dev Multi30k val) with two tests, test2016 and newstest2014.
 
     The one place the tokenizer and shard tests get their input from (tests/test_shards.py imports it).
     """
-    return prepare_corpus(load_config("multi30k-cpu", {"data.root": str(shared_data)}).data, work_dir)
+    return prepare_corpus(load_config("multi30k-cpu", [("data.root", str(shared_data)), TWO_TESTS]).data, work_dir)
 
 
 @pytest.fixture(scope="module")

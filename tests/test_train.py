@@ -96,6 +96,14 @@ def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
     assert params[0]["precision_reason"].startswith("train.precision=auto: ")
     assert params[0]["mfu_peak_tflops"] > 0 and all(0 < m["mfu"] <= 1 for m in logged)
     assert all(m["mfu_peak_tflops"] >= params[0]["mfu_peak_tflops"] for m in logged)
+    # beside the measured roofline, the CPU's nominal peak where its class is known: never a higher MFU
+    if params[0]["mfu_nominal_peak_tflops"]:
+        assert params[0]["mfu_nominal_peak_source"].startswith("nominal: ")
+        nominal = params[0]["mfu_nominal_peak_tflops"]  # the same achieved FLOP/s over the other peak
+        assert all(m["mfu_nominal"] == pytest.approx(m["mfu"] * m["mfu_peak_tflops"] / nominal) for m in logged)
+    else:
+        assert params[0]["mfu_nominal_peak_source"].startswith("no nominal peak known") and not any(
+            "mfu_nominal" in m for m in logged)
     assert [m["step"] for m in logged] == list(range(2, 31, 2))
     assert np.mean([m["loss"] for m in logged[-3:]]) < np.mean([m["loss"] for m in logged[:3]]) - 0.5
     dev = [m for m in lines if "dev_loss" in m]
@@ -106,6 +114,11 @@ def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["steps"] == 30 and summary["stopped_by"] == "max_steps" and summary["tokens"]["tgt"] > 0
     assert summary["final_dev"]["dev_loss"] == dev[-1]["dev_loss"]
+    # what trained it, named in the summary and the params alike (the tests' config: recipe none on every machine)
+    from pipeline.hardware import cpu_class
+
+    assert (summary["machine"], summary["precision"], summary["recipe"]) == (
+        f"CPU class {cpu_class()}", params[0]["precision"], "none") and params[0]["machine"] == summary["machine"]
     assert [c["step"] for c in summary["checkpoints"]] == [30]
 
 
@@ -1271,7 +1284,7 @@ def test_the_heap_keeps_freed_memory_once_per_process():
 
 
 def test_auto_precision_follows_the_hardware() -> None:
-    from pipeline.train.trainer import native_bf16, training_precision
+    from pipeline.hardware import native_bf16, training_precision
 
     cpu = torch.device("cpu")
     assert training_precision("fp32", cpu) == ("fp32", "train.precision=fp32")
@@ -1280,3 +1293,23 @@ def test_auto_precision_follows_the_hardware() -> None:
     precision, why = training_precision("auto", cpu)
     assert precision == ("bf16" if native else "fp32") and native_bf16(cpu)[0] == native
     assert why.startswith("train.precision=auto: this CPU has ") and "(torch.cpu" in why
+
+
+def test_the_nominal_cpu_peak_is_cores_times_flops_per_cycle_times_the_clock() -> None:
+    from pipeline.hardware import _FLOPS_PER_CYCLE, cpu_class, nominal_cpu_peak
+
+    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+                if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    key = (info["vendor_id"], cpu_class())
+    table = _FLOPS_PER_CYCLE.get((*key, int(info["cpu family"]))) or _FLOPS_PER_CYCLE.get(key) or {}
+    for precision in ("fp32", "bf16"):
+        peak, how = nominal_cpu_peak(precision, 1)
+        if precision not in table:
+            assert peak is None and how.startswith("no nominal peak known for"), how
+            continue
+        assert peak == pytest.approx(table[precision] * float(info["cpu MHz"]) * 1e6)  # one thread: one core
+        assert f"1 core(s) x {table[precision]} {precision} FLOPs/cycle" in how
+    # threads on SMT siblings of one core share its units: never more cores than the threads allow
+    assert nominal_cpu_peak("fp32", 4)[0] in (None, pytest.approx(4 * nominal_cpu_peak("fp32", 1)[0] /
+                                                                  (int(info["siblings"]) // int(info["cpu cores"]))))

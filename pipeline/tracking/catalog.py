@@ -138,6 +138,11 @@ _CONFIG = [
                    "rule; see the configuration reference."),
     ("distill.*", "The ``distill`` section, one param per field (the teachers by index, as configured, e.g. an "
                   "alias): sequence-level knowledge distillation; see the configuration reference."),
+    ("recipes.*", "The config's compute recipes, one param per setting (``recipes.<name>.<section>.<field>``); "
+                  "see the configuration reference (a config without recipes logs none).", True),
+    ("recipe", "Which compute recipe the config asked for: auto, none or a name of recipes."),
+    ("recipe_applied", "The compute recipe applied on this machine (none: the config as written); its settings "
+                       "are already in the params of their sections."),
 ]
 
 _PROMOTION_TAGS = [
@@ -259,11 +264,16 @@ _add("train", "param", *_CONFIG,
      ("accumulation_steps", "Micro-batches each process accumulates per update (count)."),
      ("num_parameters", "Trainable parameters of the model (count)."),
      ("device", "The torch device of rank zero, e.g. cpu or cuda."),
+     ("machine", "What rank zero trained on: the GPU's name, or the CPU's class (amx, avx512-bf16, avx512, avx2)."),
      ("precision", "The training precision actually used: fp32 or bf16."),
      ("precision_reason", "Why that precision was chosen (for train.precision auto)."),
      ("shards_fingerprint", "Prefix of the fingerprint of the shards trained on."),
      ("mfu_peak_tflops", "The peak that MFU is measured against, per process (TFLOP/s; None when unknown)."),
-     ("mfu_peak_source", "Where that peak comes from: a GPU datasheet, or a matrix product measured on this CPU."))
+     ("mfu_peak_source", "Where that peak comes from: a GPU datasheet, or a matrix product measured on this CPU."),
+     ("mfu_nominal_peak_tflops", "On a CPU: its nominal peak for the training threads in the training precision "
+                                 "(TFLOP/s; None when unknown or on a GPU)."),
+     ("mfu_nominal_peak_source", "How that nominal peak was reckoned: cores, FLOPs per cycle of the vector or matrix "
+                                 "units, clock."))
 _add("train", "metric",
      ("loss", "Training loss per target token over the last logging interval, label smoothing included (nats)."),
      ("nll", "Training negative log-likelihood per target token over the last logging interval (nats)."),
@@ -282,6 +292,9 @@ _add("train", "metric",
      ("mfu", "Model FLOPs utilisation: achieved model FLOP/s per process over the peak (fraction)."),
      ("mfu_peak_tflops", "The peak MFU is measured against, raised when a measured CPU peak was exceeded "
                          "(TFLOP/s)."),
+     ("mfu_nominal", "On a CPU: achieved model FLOP/s per process over the CPU's nominal peak (cores x FLOPs per "
+                     "cycle x clock; the mfu_nominal_peak_source param says which), absent where it is not known "
+                     "(fraction).", True),
      ("schedule_predicted_updates", "Budget schedule: the updates the clock budget is predicted to buy, at each "
                                     "log interval where the warm-up was fitted again (count; only where the clock "
                                     "buys too few updates for the preset's warm-up).", True),

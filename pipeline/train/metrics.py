@@ -100,7 +100,8 @@ class ConsoleSink:
         self._step = start_step
 
     def log_params(self, params: dict[str, Any]) -> None:
-        keys = ("world_size", "accumulation_steps", "num_parameters", "device", "precision")
+        keys = ("world_size", "accumulation_steps", "num_parameters", "device", "machine", "precision",
+                "recipe_applied")
         log.info("training: %s", ", ".join(f"{k}={params[k]}" for k in keys if k in params))
         if "precision_reason" in params:
             log.info("precision %s: %s", params["precision"], params["precision_reason"])

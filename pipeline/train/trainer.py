@@ -52,6 +52,7 @@ from pipeline.checkpoint import read_index, save_checkpoint
 from pipeline.config import RunConfig, dump_config, write_resolved
 from pipeline.errors import UserError
 from pipeline.fsutil import MANIFEST, exclusive, remove_stale_temps, sha256_file, write_json
+from pipeline.hardware import machine_class, nominal_cpu_peak, training_precision
 from pipeline.shards import ShardDataset, token_batches, train_splits
 
 from .budget import BudgetWarmup
@@ -96,28 +97,6 @@ def usable_batches(ds: ShardDataset, max_tokens: int, max_positions: int, seed: 
 def accumulation_steps(update_tokens: int, max_tokens: int, world_size: int) -> int:
     """Micro-batches per rank per update so that one update holds about ``update_tokens`` target tokens."""
     return max(1, round(update_tokens / (max_tokens * world_size)))
-
-
-def native_bf16(device: torch.device) -> tuple[bool, str]:
-    """Whether ``device`` computes bf16 natively, and what says so (torch's own capability queries)."""
-    if device.type == "cuda":
-        ok = torch.cuda.is_bf16_supported()
-        return ok, f"{torch.cuda.get_device_name(device)} {'supports' if ok else 'does not support'} bf16"
-    features = [name for name, query in (("AMX tiles", "_is_amx_tile_supported"),
-                                         ("AVX512-BF16", "_is_avx512_bf16_supported"))
-                if getattr(torch.cpu, query, lambda: False)()]
-    if features:
-        return True, f"this CPU has {' and '.join(features)} (torch.cpu)"
-    capability = torch.backends.cpu.get_cpu_capability()
-    return False, f"this CPU has neither AMX tiles nor AVX512-BF16 (torch.cpu; capability {capability})"
-
-
-def training_precision(setting: str, device: torch.device) -> tuple[str, str]:
-    """``train.precision`` resolved for ``device``: (``bf16`` or ``fp32``, why)."""
-    if setting != "auto":
-        return setting, f"train.precision={setting}"
-    ok, why = native_bf16(device)
-    return ("bf16" if ok else "fp32"), f"train.precision=auto: {why}"
 
 
 class Update(NamedTuple):
@@ -452,6 +431,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
 
     vocab = train_ds.manifest["tokenizer"]["vocab_size"]
     flops_peak, peak_source = _flops_peak(cfg, info, step_fn.bf16, vocab) if info.is_main else (None, None)
+    nominal, nominal_source = (nominal_cpu_peak(step_fn.precision, torch.get_num_threads())
+                               if info.is_main and info.device.type == "cpu" else (None, None))
     all_sinks: list[MetricsSink] = []
     if info.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -463,10 +444,13 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         all_sinks = [JsonlSink(out_dir / "metrics.jsonl", resume_step=step), ConsoleSink(t.max_steps, step), *sinks]
         params = {**_flat(cfg.model_dump(mode="json")), "world_size": info.world_size, "accumulation_steps": accum,
                   "num_parameters": model.num_parameters(), "device": str(info.device),
-                  "precision": step_fn.precision, "precision_reason": step_fn.precision_reason,
+                  "machine": machine_class(info.device), "precision": step_fn.precision,
+                  "precision_reason": step_fn.precision_reason, "recipe_applied": cfg.recipe_applied,
                   "shards_fingerprint": shards["fingerprint"],
                   "mfu_peak_tflops": flops_peak / 1e12 if flops_peak else None,
-                  "mfu_peak_source": peak_source}
+                  "mfu_peak_source": peak_source,
+                  "mfu_nominal_peak_tflops": nominal / 1e12 if nominal else None,
+                  "mfu_nominal_peak_source": nominal_source}
         for s in all_sinks:
             s.log_params(params)
 
@@ -566,6 +550,8 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
                                 "raised to it", achieved, flops_peak, peak_source)
                     flops_peak = achieved
                 metrics |= {"mfu": achieved / flops_peak, "mfu_peak_tflops": flops_peak / 1e12}
+                if nominal:
+                    metrics["mfu_nominal"] = achieved / nominal
             if warmup is not None and (predicted := warmup.update(step, shared_seconds)):
                 for g in step_fn.optimizer.param_groups:  # the next update's rate, from the refitted warm-up
                     g["lr"] = schedule(step_fn.scheduler.last_epoch)
@@ -602,7 +588,9 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     if info.is_main:
         tgt, src, sents = totals.tolist()
         summary = {"steps": step, "epoch": epoch, "stopped_by": stopped_by, "world_size": info.world_size,
-                   "accumulation_steps": accum, "tokens": {"src": int(src), "tgt": int(tgt), "sentences": int(sents)},
+                   "accumulation_steps": accum, "machine": machine_class(info.device),
+                   "precision": step_fn.precision, "recipe": cfg.recipe_applied,
+                   "tokens": {"src": int(src), "tgt": int(tgt), "sentences": int(sents)},
                    "final_dev": last_dev, "ranks": ranks, "checkpoints": read_index(ckpt_dir), "init_checkpoint": init,
                    "wall_seconds": round(time.monotonic() - started, 3),
                    "train_seconds": round(trained_seconds(), 3), "out_dir": str(out_dir),

@@ -104,7 +104,9 @@ class Entry(_Strict):
 
 
 class Ledger(_Strict):
-    current_default: dict[str, str]
+    # run config -> the entry with the current default's own figures, or one per CPU class (amx, avx512-bf16,
+    # avx2, ...: what each class of machine gets from the same config)
+    current_default: dict[str, str | dict[str, str]]
     entries: list[Entry]
 
     @model_validator(mode="after")
@@ -118,10 +120,16 @@ class Ledger(_Strict):
             missing = [s for s in e.supersedes if s not in known]
             if missing:
                 raise ValueError(f"{e.id}: supersedes unknown entries {missing}")
-        for config, eid in self.current_default.items():
-            if eid not in known:
-                raise ValueError(f"current_default.{config}: no entry {eid}")
+        for config in self.current_default:
+            for machine, eid in self.defaults(config).items():
+                if eid not in known:
+                    raise ValueError(f"current_default.{config}{'.' + machine if machine else ''}: no entry {eid}")
         return self
+
+    def defaults(self, config: str) -> dict[str, str]:
+        """The current default entries of ``config``: CPU class -> entry id (one entry for every machine: key "")."""
+        value = self.current_default.get(config, {})
+        return {"": value} if isinstance(value, str) else dict(value)
 
     def __getitem__(self, eid: str) -> Entry:
         for e in self.entries:
@@ -199,7 +207,8 @@ def _ci(s: Significance) -> str:
 
 def render(ledger: Ledger, repo_url_for: str = "../../") -> str:
     """The ledger page (Markdown): an index, then one section per entry, newest first."""
-    current = {eid: cfg for cfg, eid in ledger.current_default.items()}
+    current = {eid: f"{cfg}` on {machine}" if machine else f"{cfg}`" for cfg in ledger.current_default
+               for machine, eid in ledger.defaults(cfg).items()}
     superseded = {s: e.id for e in ledger.entries for s in e.supersedes}
     order = sorted(ledger.entries, key=lambda e: (e.date, e.id), reverse=True)
     lines = ["# Results ledger", "",
@@ -211,13 +220,13 @@ def render(ledger: Ledger, repo_url_for: str = "../../") -> str:
              "files they list.", "",
              "| id | date | what | machine |", "|---|---|---|---|"]
     for e in order:
-        mark = f" (current default of `{current[e.id]}`)" if e.id in current else ""
+        mark = f" (current default of `{current[e.id]})" if e.id in current else ""
         mark += f" (superseded by {superseded[e.id]})" if e.id in superseded else ""
         lines.append(f"| [{e.id}](#{e.anchor}) | {e.date} | {_cell(e.title)}{mark} | {_cell(e.machine.describe())} |")
     for e in order:
         lines += ["", f"## {e.id}", "", f"**{e.title}** ({e.date})", ""]
         if e.id in current:
-            lines += [f"The current default's own figures for `{current[e.id]}`.", ""]
+            lines += [f"The current default's own figures for `{current[e.id]}.", ""]
         if e.id in superseded:
             lines += [f"Superseded by [{superseded[e.id]}](#{superseded[e.id].lower()}).", ""]
         lines += [e.what.strip(), "",
