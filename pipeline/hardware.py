@@ -17,13 +17,19 @@ def training_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _bf16_features() -> list[str]:
+    """The bf16 matrix features this CPU has, by torch's own capability queries: AMX tiles, AVX512-BF16."""
+    return [name for name, query in (("AMX tiles", "_is_amx_tile_supported"),
+                                     ("AVX512-BF16", "_is_avx512_bf16_supported"))
+            if getattr(torch.cpu, query, lambda: False)()]
+
+
 def cpu_class() -> str:
     """This CPU's class, one of :data:`CPU_CLASSES`: amx (AMX tiles), avx512-bf16, avx512 (AVX-512 without bf16),
     avx2, other."""
-    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-        return "amx"
-    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
-        return "avx512-bf16"
+    features = _bf16_features()
+    if features:
+        return "amx" if "AMX tiles" in features else "avx512-bf16"
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(capability, "other")
 
@@ -33,9 +39,7 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
     if device.type == "cuda":
         ok = torch.cuda.is_bf16_supported()
         return ok, f"{torch.cuda.get_device_name(device)} {'supports' if ok else 'does not support'} bf16"
-    features = [name for name, query in (("AMX tiles", "_is_amx_tile_supported"),
-                                         ("AVX512-BF16", "_is_avx512_bf16_supported"))
-                if getattr(torch.cpu, query, lambda: False)()]
+    features = _bf16_features()
     if features:
         return True, f"this CPU has {' and '.join(features)} (torch.cpu)"
     capability = torch.backends.cpu.get_cpu_capability()
@@ -71,7 +75,7 @@ _FLOPS_PER_CYCLE = {
 }
 
 
-def _cpuinfo() -> dict[str, str]:
+def cpuinfo() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
     path = "/proc/cpuinfo"
     try:
@@ -88,7 +92,7 @@ def nominal_cpu_peak(precision: str, threads: int) -> tuple[float | None, str]:
     where the vendor or class is not in the table. What MFU is also logged against beside the measured roofline:
     the roofline says how near the model's products get to what torch.mm reaches here, this what the silicon
     could do at all."""
-    info, klass = _cpuinfo(), cpu_class()
+    info, klass = cpuinfo(), cpu_class()
     vendor, family = info.get("vendor_id", "?"), info.get("cpu family", "?")
     table = (_FLOPS_PER_CYCLE.get((vendor, klass, int(family))) if family.isdigit() else None) or \
         _FLOPS_PER_CYCLE.get((vendor, klass))

@@ -17,6 +17,7 @@ from pipeline.config import DecodeConfig
 from pipeline.data import read_manifest
 from pipeline.engines import Engine, open_engine
 from pipeline.evalsets import read_split
+from pipeline.hardware import cpuinfo
 from pipeline.tokenize import Tokenizer
 
 STUDENT = "student"  # the student's label in :func:`student_speeds`
@@ -25,14 +26,11 @@ STUDENT = "student"  # the student's label in :func:`student_speeds`
 def cpu_name() -> str:
     """The CPU's model name, family and model, and its matrix features (AMX tiles, AVX512-BF16), from
     /proc/cpuinfo."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    info = cpuinfo()
+    flags = set(info.get("flags", "").split())
     features = [name for flag, name in (("amx_tile", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
-    family = {k: next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                       if line.split(":")[0].strip() == k), "?") for k in ("cpu family", "model")}
     # the model name alone can be as vague as "AMD EPYC": family and model tell the generations apart
-    return (f"{model}, family {family['cpu family']} model {family['model']} "
+    return (f"{info.get('model name', '?')}, family {info.get('cpu family', '?')} model {info.get('model', '?')} "
             f"({', '.join(features) or 'no AMX, no AVX512-BF16'})")
 
 

@@ -1296,11 +1296,9 @@ def test_auto_precision_follows_the_hardware() -> None:
 
 
 def test_the_nominal_cpu_peak_is_cores_times_flops_per_cycle_times_the_clock() -> None:
-    from pipeline.hardware import _FLOPS_PER_CYCLE, cpu_class, nominal_cpu_peak
+    from pipeline.hardware import _FLOPS_PER_CYCLE, cpu_class, cpuinfo, nominal_cpu_peak
 
-    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-                if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    info = cpuinfo()
     key = (info["vendor_id"], cpu_class())
     table = _FLOPS_PER_CYCLE.get((*key, int(info["cpu family"]))) or _FLOPS_PER_CYCLE.get(key) or {}
     for precision in ("fp32", "bf16"):

@@ -431,6 +431,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
 
     vocab = train_ds.manifest["tokenizer"]["vocab_size"]
     flops_peak, peak_source = _flops_peak(cfg, info, step_fn.bf16, vocab) if info.is_main else (None, None)
+    machine = machine_class(info.device)  # the log's, the params' and the summary's
     nominal, nominal_source = (nominal_cpu_peak(step_fn.precision, torch.get_num_threads())
                                if info.is_main and info.device.type == "cpu" else (None, None))
     all_sinks: list[MetricsSink] = []
@@ -444,7 +445,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
         all_sinks = [JsonlSink(out_dir / "metrics.jsonl", resume_step=step), ConsoleSink(t.max_steps, step), *sinks]
         params = {**_flat(cfg.model_dump(mode="json")), "world_size": info.world_size, "accumulation_steps": accum,
                   "num_parameters": model.num_parameters(), "device": str(info.device),
-                  "machine": machine_class(info.device), "precision": step_fn.precision,
+                  "machine": machine, "precision": step_fn.precision,
                   "precision_reason": step_fn.precision_reason, "recipe_applied": cfg.recipe_applied,
                   "shards_fingerprint": shards["fingerprint"],
                   "mfu_peak_tflops": flops_peak / 1e12 if flops_peak else None,
@@ -588,7 +589,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     if info.is_main:
         tgt, src, sents = totals.tolist()
         summary = {"steps": step, "epoch": epoch, "stopped_by": stopped_by, "world_size": info.world_size,
-                   "accumulation_steps": accum, "machine": machine_class(info.device),
+                   "accumulation_steps": accum, "machine": machine,
                    "precision": step_fn.precision, "recipe": cfg.recipe_applied,
                    "tokens": {"src": int(src), "tgt": int(tgt), "sentences": int(sents)},
                    "final_dev": last_dev, "ranks": ranks, "checkpoints": read_index(ckpt_dir), "init_checkpoint": init,
