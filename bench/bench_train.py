@@ -10,6 +10,7 @@ peak RSS.
 
     python bench/bench_train.py                          # tiny preset, 2 threads
     python bench/bench_train.py --steps 20 --repeats 3
+    python bench/bench_train.py --precision fp32 --set model.d_model=128 --set model.d_ff=512   # another shape
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def build(data_root: str, work_dir: Path) -> Path:
 def child(args: argparse.Namespace) -> None:
     """Time ``args.impl`` for warm-up + steps; print one JSON line."""
     cfg = load_config("multi30k-cpu", [("data.root", args.data_root), f"train.max_tokens={args.max_tokens}",
-                                       f"train.update_tokens={args.max_tokens}", f"train.precision={args.precision}"])
+                                       f"train.update_tokens={args.max_tokens}", f"train.precision={args.precision}",
+                                       *args.set])
     info = setup()
     torch.set_num_threads(args.threads)
     ds = ShardDataset(args.shards, "train", verify=False)
@@ -97,6 +99,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of both implementations' model and training (e.g. model.d_model=128)")
     p.add_argument("--impl", choices=["ours", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--shards", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -111,7 +115,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--impl", impl, "--shards", str(shards), "--data-root", args.data_root,
                    "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
                    "--precision", args.precision, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)]
+                   "--warmup", str(args.warmup), *[a for o in args.set for a in ("--set", o)]]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
             results[impl]["times"] += r["times"]
             results[impl]["tokens"] += r["tokens"]
@@ -124,8 +128,9 @@ def main() -> None:
                          "mean_tgt_tokens_per_batch": statistics.mean(r["tokens"]),
                          "median_step_s": statistics.median(r["times"]), "peak_rss_mb": max(r["rss"])}
     ratio = summary["ours"]["tgt_tokens_per_s"] / summary["plain"]["tgt_tokens_per_s"]
-    print(f"tiny preset, {args.threads} threads, max_tokens {args.max_tokens}, precision {args.precision} (ours), "
-          f"{args.steps} steps x {args.repeats}")
+    shape = "".join(f" {o}" for o in args.set)
+    print(f"tiny preset{shape}, {args.threads} threads, max_tokens {args.max_tokens}, "
+          f"precision {args.precision} (ours), {args.steps} steps x {args.repeats}")
     print(f"{'impl':<6} {'tgt tok/s':>10} {'tok/batch':>10} {'step s':>8} {'peak RSS MB':>12}")
     for impl, s in summary.items():
         print(f"{impl:<6} {s['tgt_tokens_per_s']:>10.0f} {s['mean_tgt_tokens_per_batch']:>10.0f} "

@@ -40,23 +40,30 @@ CONFIG, TEST = "multi30k-cpu", "test.test2016"
 # the paper's warm-up (train.warmup_steps, the preset's 1,000) against the warm-up fitted to the budget, and recipes
 # that spend the same compute otherwise. An arm with smaller updates gets the updates its tokens buy in the time of
 # --updates updates of 4,096 tokens on an fp32 CPU (the class studied), at the throughput measured for its update
-# size (FP32_SPEED).
+# size and shape (FP32_SPEED).
+MID = ["train.schedule=budget", "train.update_tokens=2048", "train.max_tokens=2048", "train.cooldown=0.3",
+       "model.dropout=0.1"]
 ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         "small": ["train.schedule=budget", "train.update_tokens=1024", "train.max_tokens=1024", "train.cooldown=0.3",
                   "model.dropout=0.1"],
-        "mid": ["train.schedule=budget", "train.update_tokens=2048", "train.max_tokens=2048", "train.cooldown=0.3",
-                "model.dropout=0.1"],
+        "mid": MID,
         # the same cool-down and dropout at the preset's update size: what the update size adds
-        "big": ["train.schedule=budget", "train.cooldown=0.3", "model.dropout=0.1"]}
-# target tokens/s of our fp32 training at an update size against 4,096 tokens, side by side in one run:
-# bench/results/train_speed_by_update_fp32_xeon-amx_2026-11-27.json (bench/bench_train.py --precision fp32)
-FP32_SPEED = {4096: 1.0, 2048: 1.0, 1024: 0.81}
+        "big": ["train.schedule=budget", "train.cooldown=0.3", "model.dropout=0.1"],
+        # mid at a quarter of the width's FLOPs per token (d_model 128, d_ff 512): more tokens for the same compute
+        "narrow": [*MID, "model.d_model=128", "model.d_ff=512"],
+        # mid in the shape of Wu et al. (ACL 2021)'s Multi30k model: d_model 128, d_ff 256, 4+4 layers
+        "wu": [*MID, "model.d_model=128", "model.d_ff=256", "model.encoder_layers=4", "model.decoder_layers=4"]}
+# target tokens/s of our fp32 training against the preset's shape at updates of 4,096 tokens, side by side in one
+# run (bench/bench_train.py --precision fp32): by update size,
+# bench/results/train_speed_by_update_fp32_xeon-amx_2026-11-27.json; by shape (at 2,048, the lower of two rounds),
+# bench/results/train_speed_by_shape_fp32_xeon-amx_2026-11-28.json
+FP32_SPEED = {"small": 0.81, "narrow": 2.0, "wu": 1.74}
 
 
 def arm_steps(arm: str, updates: int) -> int:
-    """The updates ``arm`` trains in the time of ``updates`` updates of 4,096 target tokens."""
+    """The updates ``arm`` trains in the time of ``updates`` updates of 4,096 target tokens of the preset's shape."""
     tokens = next((int(o.split("=")[1]) for o in ARMS[arm] if o.startswith("train.update_tokens=")), 4096)
-    return round(updates * 4096 / tokens * FP32_SPEED[tokens])
+    return round(updates * 4096 / tokens * FP32_SPEED.get(arm, 1.0))
 
 
 # test2016 only: newstest2014 (news, out of the captions' domain) is the default's slowest evaluation and decides
