@@ -3,6 +3,7 @@
     python -m ops.localstack up [--data-root DIR]   # Prefect server + work pool + deployments + worker, MLflow
     python -m ops.localstack status
     python -m ops.localstack down                   # stops exactly the processes ``up`` started
+    python -m ops.localstack deploy                 # prefect.yaml and the promotion locks to $PREFECT_API_URL
 
 ``up`` starts a Prefect server (SQLite), an MLflow tracking server (SQLite + a local artifact folder), creates
 the process work pool, deploys ``prefect.yaml`` and starts a worker; it prints the two UI addresses. It is safe
@@ -10,6 +11,12 @@ to run twice: a service whose recorded process is alive and healthy is kept. Bef
 Crashed the runs of the pool whose process is gone (a machine restart leaves them Running). Every process is recorded in
 ``<home>/stack.json`` with its PID and start time, so ``down`` never signals a process it did not start, even
 after a PID was reused. Ports default to Prefect's 4200 and MLflow's 5000 (``--prefect-port``, ``--mlflow-port``).
+
+With ``--database-url postgresql://USER:PASSWORD@HOST:PORT`` (or ``AIAYN_DATABASE_URL``, which keeps the password
+out of the process list and the shell history) both servers keep their data on that PostgreSQL server instead, as
+Prefect and MLflow advise for servers with concurrent workers: Prefect in the database ``aiayn_prefect``, MLflow's
+runs and registry in ``aiayn_mlflow`` (created when missing, if the role may; else create them first). The
+embedded default stays SQLite.
 
 The Prefect CLI finds the server through ``prefect.toml`` in the project root (``api.url``), so after ``up``
 ``prefect deployment run 'train-en-de/multi30k-cpu' --watch`` works from the project root. With other ports,
@@ -27,6 +34,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from dataclasses import asdict, dataclass
@@ -58,6 +66,7 @@ class Service:
     create_time: float
     url: str
     log: str
+    database: str = "sqlite"  # where the service keeps its data: sqlite, or the PostgreSQL URL without password
 
     def alive(self) -> bool:
         """True only if the recorded PID still runs the process we started (not a reused PID)."""
@@ -138,18 +147,109 @@ def start_service(name: str, cmd: list[str], env: dict[str, str], health_url: st
     return service
 
 
-def start_mlflow(home: Path, port: int) -> Service:
-    """An MLflow tracking server on 127.0.0.1:``port``: runs and registry in SQLite, artifacts in a folder."""
+DATABASES = {"prefect-server": "aiayn_prefect", "mlflow": "aiayn_mlflow"}  # service -> its database on PostgreSQL
+
+
+@dataclass(frozen=True)
+class PostgreSQL:
+    """The PostgreSQL server a stack keeps Prefect's and MLflow's data on (one database each: their schemas would
+    collide in one, both keeping an ``alembic_version`` table)."""
+
+    user: str
+    password: str
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, url: str) -> PostgreSQL:
+        """``postgresql://USER[:PASSWORD]@HOST[:PORT]`` (no database: the stack names its own), or a StackError
+        saying what is wrong with it (never echoing the password)."""
+        parts = urllib.parse.urlsplit(url)
+        shown = cls._redact(parts)
+        if parts.scheme not in ("postgresql", "postgres"):
+            raise StackError(f"--database-url / AIAYN_DATABASE_URL {shown}: not a PostgreSQL URL; give "
+                             "postgresql://USER:PASSWORD@HOST:PORT")
+        if not parts.hostname or not parts.username:
+            raise StackError(f"--database-url / AIAYN_DATABASE_URL {shown}: names no user or host; give "
+                             "postgresql://USER:PASSWORD@HOST:PORT")
+        if parts.path.strip("/") or parts.query:
+            raise StackError(f"--database-url / AIAYN_DATABASE_URL {shown}: name the server only, without a "
+                             f"database or options: the stack keeps Prefect in {DATABASES['prefect-server']} and "
+                             f"MLflow in {DATABASES['mlflow']} on it")
+        try:
+            port = parts.port or 5432
+        except ValueError as e:
+            raise StackError(f"--database-url / AIAYN_DATABASE_URL {shown}: {e}") from None
+        return cls(urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""),
+                   parts.hostname, port)
+
+    @staticmethod
+    def _redact(parts: urllib.parse.SplitResult) -> str:
+        netloc = parts.netloc.rsplit("@", 1)
+        if len(netloc) == 2 and ":" in netloc[0]:
+            netloc[0] = netloc[0].split(":", 1)[0] + ":***"
+        return urllib.parse.urlunsplit(parts._replace(netloc="@".join(netloc)))
+
+    def url(self, database: str, driver: str = "") -> str:
+        """The SQLAlchemy URL of ``database`` (``driver``: e.g. ``asyncpg``, Prefect's)."""
+        auth = urllib.parse.quote(self.user, safe="") + (
+            ":" + urllib.parse.quote(self.password, safe="") if self.password else "")
+        return f"postgresql{'+' + driver if driver else ''}://{auth}@{self.host}:{self.port}/{database}"
+
+    def shown(self, database: str) -> str:
+        """The URL of ``database`` as logs and ``stack.json`` show it: without the password."""
+        return f"postgresql://{self.user}@{self.host}:{self.port}/{database}"
+
+    def ensure(self, database: str) -> None:
+        """Create ``database`` when it does not exist (the role needs CREATEDB for that); a StackError naming the
+        server and what to do when it cannot be reached or created."""
+        import psycopg2  # MLflow's PostgreSQL driver; only this mode needs it
+        from psycopg2 import errors
+
+        def connect(db: str):
+            return psycopg2.connect(dbname=db, user=self.user, password=self.password, host=self.host,
+                                    port=self.port, connect_timeout=10)
+
+        try:
+            connect(database).close()
+            return
+        except psycopg2.OperationalError as e:
+            if f'database "{database}" does not exist' not in str(e):
+                raise StackError(f"PostgreSQL at {self.shown(database)}: {str(e).strip()}") from None
+        try:
+            conn = connect("postgres")
+            try:  # not `with conn`: that opens a transaction, and CREATE DATABASE cannot run in one
+                conn.autocommit = True
+                with conn.cursor() as cur:
+                    cur.execute(f'CREATE DATABASE "{database}"')
+            finally:
+                conn.close()
+        except (psycopg2.OperationalError, errors.InsufficientPrivilege) as e:
+            raise StackError(f"PostgreSQL at {self.shown(database)}: the database does not exist and could not be "
+                             f"created ({str(e).strip()}); create it (CREATE DATABASE {database} OWNER "
+                             f"{self.user}) or give the role CREATEDB") from None
+
+
+def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None) -> Service:
+    """An MLflow tracking server on 127.0.0.1:``port``: runs and registry in SQLite (or in ``database``),
+    artifacts in a folder."""
     home = home.resolve()
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
     if port_in_use(port):
         raise StackError(f"port {port} on {HOST} is taken; stop what uses it or pass --mlflow-port")
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # ~500 MB less (STACK-NOTES)
+    if database is None:
+        env["MLFLOW_BACKEND_STORE_URI"], shown = f"sqlite:///{home / 'mlflow.db'}", "sqlite"
+    else:
+        database.ensure(DATABASES["mlflow"])
+        # by the environment, not --backend-store-uri: a password on the command line is in every `ps`
+        env["MLFLOW_BACKEND_STORE_URI"] = database.url(DATABASES["mlflow"])
+        shown = database.shown(DATABASES["mlflow"])
     cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", HOST, "--port", str(port),
-           "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
-           "--artifacts-destination", str(home / "artifacts")]
+           "--workers", "1", "--artifacts-destination", str(home / "artifacts")]
     url = f"http://{HOST}:{port}"
-    return start_service("mlflow", cmd, env, f"{url}/health", url, home / "mlflow.log")
+    service = start_service("mlflow", cmd, env, f"{url}/health", url, home / "mlflow.log")
+    return Service(**{**asdict(service), "database": shown})
 
 
 def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
@@ -161,12 +261,19 @@ def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
     return env
 
 
-def start_prefect_server(home: Path, port: int) -> Service:
-    """A Prefect server on 127.0.0.1:``port`` with SQLite under ``home``."""
+def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = None) -> Service:
+    """A Prefect server on 127.0.0.1:``port`` with SQLite under ``home`` (or its database on ``database``; the
+    server migrates it to its schema as it starts)."""
     if port_in_use(port):
         raise StackError(f"port {port} on {HOST} is taken; stop what uses it or pass --prefect-port")
     env = prefect_env(home, None)
     env.pop("PREFECT_API_URL", None)
+    shown = "sqlite"
+    env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)  # the default: SQLite under PREFECT_HOME
+    if database is not None:
+        database.ensure(DATABASES["prefect-server"])
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = database.url(DATABASES["prefect-server"], "asyncpg")
+        shown = database.shown(DATABASES["prefect-server"])
     env["PREFECT_SERVER_API_PORT"] = str(port)
     env["PREFECT_SERVER_API_HOST"] = HOST
     url = f"http://{HOST}:{port}"
@@ -174,7 +281,8 @@ def start_prefect_server(home: Path, port: int) -> Service:
     # server's. Seen as "Can't connect to Server API" on every page of a stack on another port (browser check).
     env["PREFECT_SERVER_UI_API_URL"] = f"{url}/api"
     cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", HOST, "--port", str(port)]
-    return start_service("prefect-server", cmd, env, f"{url}/api/health", url, home / "server.log")
+    service = start_service("prefect-server", cmd, env, f"{url}/api/health", url, home / "server.log")
+    return Service(**{**asdict(service), "database": shown})
 
 
 def prefect_cli(args: list[str], env: dict[str, str]) -> None:
@@ -300,14 +408,21 @@ class Stack:
         write_json(self.state, {k: asdict(v) for k, v in services.items()})
 
     def up(self, prefect_port: int, mlflow_port: int, data_root: Path | None = None,
-           work_dir: Path | None = None, result_storage: str | None = None) -> dict[str, Service]:
+           work_dir: Path | None = None, result_storage: str | None = None,
+           database: PostgreSQL | None = None) -> dict[str, Service]:
         """Start what is not running, deploy prefect.yaml, and return the services (safe to call twice)."""
         services = {k: s for k, s in self.load().items() if s.alive()}
+        for name, service in services.items():  # a running server keeps its data where it is: never switched
+            wanted = "sqlite" if database is None else database.shown(DATABASES.get(name, ""))
+            if name in DATABASES and service.database != wanted:
+                raise StackError(f"{name} of the stack under {self.home} runs on {service.database}, not {wanted}: "
+                                 f"stop it first (python -m ops.localstack down --home {self.home}) or use "
+                                 "another --home")
         if "mlflow" not in services:
-            services["mlflow"] = start_mlflow(self.home / "mlflow", mlflow_port)
+            services["mlflow"] = start_mlflow(self.home / "mlflow", mlflow_port, database)
             self.save(services)
         if "prefect-server" not in services:
-            services["prefect-server"] = start_prefect_server(self.home / "prefect", prefect_port)
+            services["prefect-server"] = start_prefect_server(self.home / "prefect", prefect_port, database)
             self.save(services)
         api_url = services["prefect-server"].url + "/api"
         env = prefect_env(self.home / "prefect", api_url)
@@ -342,7 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (defaults that come from the environment are resolved in main, so the generated
     reference does not depend on the shell it was made in)."""
     p = argparse.ArgumentParser(prog="python -m ops.localstack", description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("action", choices=["up", "down", "status", "deploy"],
+                   help="deploy: apply prefect.yaml's deployments and a promotion lock per deployed model to the "
+                        "Prefect server at PREFECT_API_URL (a team's own; its work pools made beforehand), "
+                        "starting nothing")
     p.add_argument("--home", type=Path,
                    help="where the stack keeps its databases, artifacts, logs and PID records (default: env "
                         "AIAYN_STACK_HOME, else runs/stack)")
@@ -350,6 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server's port on 127.0.0.1")
     p.add_argument("--data-root", type=Path, help="local corpora for flow runs (sets AIAYN_DATA_ROOT for the worker)")
     p.add_argument("--work-dir", type=Path, help="where flow runs write stage outputs (AIAYN_WORK_DIR)")
+    p.add_argument("--database-url",
+                   help="keep Prefect's and MLflow's data on this PostgreSQL server, "
+                        "postgresql://USER:PASSWORD@HOST:PORT, in the databases aiayn_prefect and aiayn_mlflow "
+                        "(default: env AIAYN_DATABASE_URL, which keeps the password off the command line; else "
+                        "SQLite files under the stack's home)")
     p.add_argument("--result-storage",
                    help="where cached stage results go: a folder, or 'block:<type>/<name>', a Prefect storage block "
                         "for workers on other machines (default: env AIAYN_RESULT_STORAGE, else the stack's "
@@ -361,23 +484,38 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.home = args.home or Path(os.environ.get("AIAYN_STACK_HOME", REPO / "runs" / "stack"))
     args.result_storage = args.result_storage or os.environ.get("AIAYN_RESULT_STORAGE")
+    args.database_url = args.database_url or os.environ.get("AIAYN_DATABASE_URL")
     stack = Stack(args.home)
     try:
         if args.action == "up":
+            database = PostgreSQL.parse(args.database_url) if args.database_url else None
             services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir,
-                                args.result_storage)
+                                args.result_storage, database)
             print(f"Prefect UI:  {services['prefect-server'].url}")
             print(f"MLflow UI:   {services['mlflow'].url}")
+            print(f"databases:   Prefect {services['prefect-server'].database}, MLflow {services['mlflow'].database}")
             print(f"worker:      pool {WORK_POOL}, log {services['prefect-worker'].log}")
             print(f"export PREFECT_API_URL={services['prefect-server'].url}/api "
                   f"MLFLOW_TRACKING_URI={services['mlflow'].url}")
+        elif args.action == "deploy":
+            if not os.environ.get("PREFECT_API_URL"):
+                raise StackError("deploy applies prefect.yaml to the server at PREFECT_API_URL, which is not set: "
+                                 "export PREFECT_API_URL=http://HOST:PORT/api (the local stack's `up` deploys "
+                                 "by itself)")
+            # prefect deploy fills {{ $AIAYN_PROJECT_DIR }} of the pull step from its own environment when it is
+            # set; left unset, the placeholder stays and each flow run's environment (the image's) fills it
+            env = {k: v for k, v in os.environ.items() if k != "AIAYN_PROJECT_DIR"}
+            prefect_cli(["deploy", "--all"], env)
+            locks = create_promotion_locks(env)
+            print(f"deployed prefect.yaml to {os.environ['PREFECT_API_URL']}; promotion locks: {', '.join(locks)}")
         elif args.action == "down":
             stopped = stack.down()
             print("stopped: " + (", ".join(stopped) if stopped else "nothing was running"))
         else:
             services = stack.load()
             for name, s in services.items():
-                print(f"{name:<15} {'up' if s.alive() else 'down':<5} pid {s.pid:<8} {s.url}  log {s.log}")
+                print(f"{name:<15} {'up' if s.alive() else 'down':<5} pid {s.pid:<8} {s.url}  log {s.log}"
+                      + (f"  data {s.database}" if name in DATABASES else ""))
             if not services:
                 print("no stack recorded under", stack.home)
     except StackError as e:

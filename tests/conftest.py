@@ -82,7 +82,7 @@ def _temporary_files_in_pytests_folder(tmp_path_factory: pytest.TempPathFactory)
 
 # Fixtures that read the shared data or start servers/processes: a test using any of them (directly or through
 # another fixture) must be marked integration (or slow).
-INTEGRATION_FIXTURES = ("shared_data", "tiny_stack", "mlflow_server", "stack", "chromium")
+INTEGRATION_FIXTURES = ("shared_data", "tiny_stack", "mlflow_server", "stack", "chromium", "postgres")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
@@ -332,3 +332,70 @@ def _install_chromium() -> str:
         if (exe := executable()) is not None:
             return exe
     pytest.skip(f"chromium could not be installed (apt-get install chromium): {why}")
+
+
+# ------------------------------------------------------------------------ a PostgreSQL server (integration)
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory):
+    """A throwaway PostgreSQL server on 127.0.0.1 (Debian's ``postgresql``, installed here when missing, as .ci/run
+    does): a cluster of its own in a temporary folder, a role with a password and CREATEDB, stopped and removed
+    afterwards. Yields its URL, ``postgresql://USER:PASSWORD@127.0.0.1:PORT``. The system's own cluster, if any, is
+    never touched."""
+    import fcntl
+    import secrets
+    import shutil
+
+    from ops.localstack import free_port
+
+    with open(tmp_path_factory.getbasetemp().parent / "postgresql-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        bindir = _postgres_bindir()
+    # initdb refuses to run as root: as root the cluster belongs to Debian's postgres user, in a folder under /tmp
+    # (pytest's own folders are root's, mode 700)
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    data = Path(tempfile.mkdtemp(prefix="aiayn-pg-", dir="/tmp"))
+    password, port = secrets.token_hex(8), free_port()
+    (data / "pw").write_text(password + "\n")
+    if as_user:
+        shutil.chown(data, "postgres")
+        shutil.chown(data / "pw", "postgres")
+    cluster = data / "cluster"
+
+    def pg(*cmd: str) -> subprocess.CompletedProcess:
+        res = subprocess.run([*as_user, *cmd], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert res.returncode == 0, f"{' '.join(cmd)}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
+        return res
+
+    pg(str(bindir / "initdb"), "-D", str(cluster), "-U", "aiayn", f"--pwfile={data / 'pw'}", "--auth=scram-sha-256",
+       "-E", "UTF8", "--locale=C.UTF-8")
+    pg(str(bindir / "pg_ctl"), "-D", str(cluster), "-l", str(data / "server.log"), "-w", "-o",
+       f"-c listen_addresses=127.0.0.1 -p {port} -k {data}", "start")
+    try:
+        yield f"postgresql://aiayn:{password}@127.0.0.1:{port}"
+    finally:
+        pg(str(bindir / "pg_ctl"), "-D", str(cluster), "-m", "fast", "-w", "stop")
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _postgres_bindir() -> Path:
+    """The folder of PostgreSQL's initdb and pg_ctl (``apt-get install postgresql`` first when there is none, as
+    root); a skip, with the reason, when it cannot be installed."""
+    import glob
+
+    def found() -> Path | None:
+        dirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(d.split("/")[-2]))
+        return Path(dirs[-1]) if dirs and Path(dirs[-1], "initdb").is_file() else None
+
+    if (bindir := found()) is not None:
+        return bindir
+    if os.geteuid() != 0:
+        pytest.skip("PostgreSQL is not installed and this user cannot install it: apt-get install postgresql")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for attempt in (["apt-get", "install", "-y", "-q", "postgresql"], ["apt-get", "update", "-q"],
+                    ["apt-get", "install", "-y", "-q", "postgresql"]):  # a stale package index: update, then again
+        res = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+        if (bindir := found()) is not None:
+            return bindir
+    pytest.skip(f"PostgreSQL could not be installed (apt-get install postgresql): {res.stderr.strip()[-500:]}")

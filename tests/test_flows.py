@@ -45,6 +45,27 @@ def test_stack_up_is_idempotent_and_binds_localhost(stack) -> None:
 
 @pytest.mark.slow
 @pytest.mark.integration
+def test_deploy_applies_prefect_yaml_to_a_server_and_leaves_the_project_dir_to_the_runs(stack) -> None:
+    """`ops.localstack deploy`, as a team runs it against its own server: every deployment and a promotion lock per
+    deployed model, and a pull step that each flow run's environment completes (an image's AIAYN_PROJECT_DIR), not
+    the path of the checkout it was deployed from."""
+    from ops.localstack import deployed_models
+    from pipeline.promotion import lock_name
+
+    env = {**stack["env"], "PREFECT_API_URL": stack["prefect"].api, "AIAYN_PROJECT_DIR": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "ops.localstack", "deploy"], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert all(lock_name(m) in res.stdout for m in deployed_models())
+    deployment = _api(stack["prefect"].api, "/deployments/name/train-en-de/multi30k-cpu")
+    assert deployment["pull_steps"] == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": "{{ $AIAYN_PROJECT_DIR }}"}}]
+    limits = _api(stack["prefect"].api, "/v2/concurrency_limits/filter", {})
+    assert {lock_name(m) for m in deployed_models()} <= {c["name"] for c in limits}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
 def test_up_after_the_worker_died_marks_its_runs_crashed(stack) -> None:
     """A stack whose worker died with its flow runs (machine restart): the server still shows them Running. The next
     ``up`` marks Crashed the ones whose process is gone, keeps a run whose process lives, and starts a new worker."""
