@@ -9,8 +9,9 @@ them), it saves one PNG per page, plus ``pages.json`` (each page's address and v
 - ``prefect-flow-run``: the run page, its graph of stages and their artifacts;
 - ``prefect-report`` and ``prefect-scores``: the markdown report and the score table artifacts;
 - ``prefect-run-form``: the deployment's run form (the typed parameters);
-- ``mlflow-run``, ``mlflow-attention``, ``mlflow-model``, ``mlflow-model-version``: the parent run, the first
-  attention heat-map of the evaluate run, the logged model's metrics per dataset, the registered version.
+- ``mlflow-run``, ``mlflow-runs-view``, ``mlflow-attention``, ``mlflow-model``, ``mlflow-model-version``: the
+  parent run, the experiment's runs view (its pipeline runs with their scores as columns), the first attention
+  heat-map of the evaluate run, the logged model's metrics per dataset, the registered version.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from pipeline import tracking
 from pipeline.fsutil import write_json
 
 # Window sizes that show each page's point without scrolling: the graph of the run page, a whole form.
-WINDOWS = {"prefect-run-form": (1400, 1500), "prefect-report": (1600, 1800), "prefect-scores": (1600, 1300)}
+WINDOWS = {"prefect-run-form": (1400, 1500), "prefect-report": (1600, 1800), "prefect-scores": (1600, 1300),
+           "mlflow-runs-view": (1900, 1100)}
 
 
 @dataclass(frozen=True)

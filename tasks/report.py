@@ -20,8 +20,9 @@ from pipeline.report import evidence_rows, render_report, score_rows
 def publish_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decision: dict | None,
                    parent_run_id: str, teachers: Sequence[str] = ()) -> str:
     """Publish the markdown report (key ``<config name>-report``), the scores table (``<config name>-scores``) and
-    links to the MLflow run (``<config name>-mlflow-run``) and model version (``<config name>-model-version``) as
-    Prefect artifacts; returns the report's text. ``teachers``: the names of a distillation's teachers."""
+    links to the MLflow run (``<config name>-mlflow-run``), the experiment's runs view (``<config name>-mlflow-runs``)
+    and model version (``<config name>-model-version``) as Prefect artifacts; returns the report's text.
+    ``teachers``: the names of a distillation's teachers."""
     run_url = tracking.run_url(parent_run_id)
     text = render_report(cfg, stages, decision, run_url, teachers)
     key = cfg.name.lower().replace("_", "-")
@@ -32,6 +33,11 @@ def publish_report(cfg: RunConfig, stages: dict[str, tuple[Path, bool]], decisio
     if run_url:
         create_link_artifact(run_url, link_text="MLflow run", key=f"{key}-mlflow-run",
                              description="the pipeline's parent run in MLflow (one child run per stage)")
+    runs_view = tracking.runs_view_url(cfg.tracking.experiment)
+    if runs_view:
+        create_link_artifact(runs_view, link_text=f"MLflow: compare the runs of {cfg.tracking.experiment}",
+                             key=f"{key}-mlflow-runs", description="every pipeline run of the experiment, a row "
+                             "each, with its scores, updates, training time and export as columns")
     version_url = decision and tracking.version_url(cfg.registered_model_name, decision["version"])
     if version_url:
         create_link_artifact(version_url, link_text=f"{cfg.registered_model_name} version {decision['version']}",

@@ -609,7 +609,8 @@ def test_the_run_pages_show_report_scores_form_and_heat_maps_in_a_browser(stack,
     folder = work / "screenshots" / name
     pages = json.loads((folder / "pages.json").read_text(encoding="utf-8"))
     assert sorted(pages) == ["mlflow-attention", "mlflow-model", "mlflow-model-version", "mlflow-run",
-                             "prefect-flow-run", "prefect-report", "prefect-run-form", "prefect-scores"]
+                             "mlflow-runs-view", "prefect-flow-run", "prefect-report", "prefect-run-form",
+                             "prefect-scores"]
     for key, page in pages.items():
         png = Path(page["png"])
         assert png.parent == folder and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", key
@@ -629,6 +630,47 @@ def test_the_run_pages_show_report_scores_form_and_heat_maps_in_a_browser(stack,
     # the logged model lists each score with the dataset it was measured on
     assert "test2016.sacrebleu" in text["mlflow-model"] and "corpus/test.test2016" in text["mlflow-model"]
     assert "transformer-en-de" in text["mlflow-model-version"] and "serving.engine" in text["mlflow-model-version"]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_runs_compare_in_the_mlflow_runs_view_and_compare_page_in_a_browser(stack, chromium, shared_data: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Two pipeline runs in an experiment of their own, as a user compares them: the runs view their link artifact
+    opens lists the two parent runs alone (no stage runs) with the score columns, and MLflow's compare page of the
+    two shows both runs' test2016 scores and updates side by side."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from ops.browser import render
+    from ops.localstack import free_port
+    from pipeline import tracking
+
+    experiment = f"compare-{free_port()}"
+    root = short_multi30k(shared_data, tmp_path / "data", train=2500, val=300, test2016=200, newstest2014=100)
+    prefect, client = stack["prefect"], MlflowClient(stack["mlflow"])
+    parents = []
+    for seed, steps in ((21, 10), (22, 12)):
+        params = {"data_root": str(root), "max_steps": steps, "register_model": False,
+                  "overrides": {**QUICK, "tracking.experiment": experiment, "train.seed": seed}}
+        status, out, run_id = prefect.run_deployment("train-en-de/multi30k-cpu", params)
+        assert status == 0, out[-4000:]
+        exp = client.get_experiment_by_name(experiment)
+        (parent,) = client.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{run_id}'")
+        parents.append(parent)
+        links = {a["key"]: a for a in prefect.artifacts(run_id)}
+        assert "viewStateShareKey=aiayn-pipeline-runs" in links["multi30k-cpu-hub-mlflow-runs"]["data"]
+    mlflow.set_tracking_uri(stack["mlflow"])
+    view = render(tracking.runs_view_url(experiment), window=(1900, 1100)).text
+    for needle in ("multi30k-val.sacrebleu", "test2016.sacrebleu", "test2016.chrf", "train.steps",
+                   "2 matching runs", *(p.info.run_name for p in parents)):
+        assert needle in view, (needle, view[:3000])
+    compare = render(tracking.compare_url([p.info.run_id for p in parents])).text
+    metrics = compare[compare.index("Metrics"):]
+    assert "test2016.sacrebleu" in metrics and all(p.info.run_name in compare for p in parents)
+    for parent in parents:  # each run's own figures, as the page prints numbers
+        for name in ("test2016.sacrebleu", "train.steps"):
+            assert f" {parent.data.metrics[name]:g} " in metrics, (name, metrics[:2000])
 
 
 def test_the_stack_s_api_calls_wait_out_a_busy_server_and_give_up_on_real_errors() -> None:

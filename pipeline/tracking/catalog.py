@@ -26,7 +26,9 @@ KINDS = ("metric", "param", "tag", "artifact")
 # model of the register run, and a sweep's runs. The value is one sentence for the docs.
 RUNS = {
     "pipeline": "The parent run of one pipeline run, named after its Prefect flow run: the resolved config, the "
-                "code version and the promotion decision; every stage run below is its child.",
+                "code version, the promotion decision and the headline figures of its stages (the columns of the "
+                "experiment's runs view, ``#/experiments/<id>/runs?viewStateShareKey=aiayn-pipeline-runs``); "
+                "every stage run below is its child.",
     "data": "Child run of the data stage: the cleaned corpus and what cleaning did.",
     "distill": "Child run of the distillation stage (configs with teachers only): the teachers by registered "
                "version, the distilled corpus their translations made and what its filters dropped.",

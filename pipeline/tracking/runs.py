@@ -165,7 +165,8 @@ HEADLINE: dict[str, tuple[tuple[str, ...] | None, dict[str, str]]] = {
 
 def log_headline(parent_run_id: str, stage: str, run_id: str) -> dict[str, float]:
     """Copy the headline figures of ``stage``'s finished child run ``run_id`` (:data:`HEADLINE`) onto the parent
-    run, under the same names; returns them."""
+    run, under the same names, and show them as columns of the experiment's runs view (:func:`runs_view_url`);
+    returns them."""
     if stage not in HEADLINE:
         return {}
     names, params = HEADLINE[stage]
@@ -178,7 +179,64 @@ def log_headline(parent_run_id: str, stage: str, run_id: str) -> dict[str, float
             pass
     if metrics:
         log_metrics(parent_run_id, metrics)
+        _show_in_runs_view(client().get_run(parent_run_id).info.experiment_id, stage, list(metrics))
     return metrics
+
+
+# The runs table that compares pipeline runs. MLflow 3.17's table shows run names and dates, with every metric
+# behind "Show more columns" (~350 of them: params included), so a comparison started there finds no scores. A
+# shared view (the UI's own mechanism: an experiment tag mlflow.sharedViewState.<key>, opened with
+# ?viewStateShareKey=<key>) lists only the pipelines' parent runs (the tag config_name is theirs alone), with their
+# headline metrics as columns, scores first, best test score on top. Its columns grow with the metrics runs log.
+RUNS_VIEW = "aiayn-pipeline-runs"
+RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW}"
+RUNS_VIEW_SHOWN = {"evaluate": ("sacrebleu", "chrf", "f1"), "train": ("train.steps", "train.wall_seconds"),
+                   "export": ("export.model_mb", "export.export_sentences_per_s")}
+
+
+def _show_in_runs_view(experiment_id: str, stage: str, names: list[str]) -> None:
+    shown = RUNS_VIEW_SHOWN.get(stage, ())
+    wanted = [f"metrics.`{n}`" for n in names if (n.rsplit(".", 1)[-1] if stage == "evaluate" else n) in shown]
+    if not wanted:
+        return
+    c = client()
+    try:
+        view = json.loads(c.get_experiment(experiment_id).tags.get(RUNS_VIEW_TAG, "{}"))
+    except ValueError:  # edited by hand into something else: start again
+        view = {}
+    columns = view.get("selectedColumns", [])
+    new = [w for w in wanted if w not in columns]
+    if not new:
+        return
+    # scores before the cost columns (train, export), whichever stage logged first
+    scores = [col for col in columns + new if any(col.endswith(f".{m}`") for m in RUNS_VIEW_SHOWN["evaluate"])]
+    columns = scores + [col for col in columns + new if col not in scores]
+    tests = [col.removeprefix("metrics.") for col in scores if "test" in col]  # the first test set, by sacreBLEU
+    order = next((col for col in tests if col.endswith(".sacrebleu`")), next(iter(tests), None))
+    view = {"searchFilter": "tags.config_name != ''", "selectedColumns": columns,
+            **({"orderByKey": f"metrics.{order}", "orderByAsc": False} if order else {})}
+    c.set_experiment_tag(experiment_id, RUNS_VIEW_TAG, json.dumps(view))
+
+
+def runs_view_url(experiment: str) -> str | None:
+    """The experiment's runs view in the MLflow UI: its pipeline runs, a row each, their scores and costs as columns
+    (http(s) tracking servers only; None before a run logged its headline figures)."""
+    if (ui := _ui()) is None:
+        return None
+    exp = client().get_experiment_by_name(experiment)
+    if exp is None or RUNS_VIEW_TAG not in exp.tags:
+        return None
+    return f"{ui}/#/experiments/{exp.experiment_id}/runs?viewStateShareKey={RUNS_VIEW}"
+
+
+def compare_url(run_ids: list[str]) -> str | None:
+    """MLflow's compare page of ``run_ids`` (pipeline parent runs: their params, headline metrics and tags side by
+    side; http(s) tracking servers only)."""
+    if (ui := _ui()) is None:
+        return None
+    experiments = sorted({client().get_run(r).info.experiment_id for r in run_ids})
+    return (f"{ui}/#/compare-runs?runs={quote(json.dumps(run_ids))}"
+            f"&experiments={quote(json.dumps(experiments))}")
 
 
 # Tags a child run copies from its parent, so that stage runs can be filtered on their own.
@@ -247,10 +305,10 @@ def version_url(name: str, version: str) -> str | None:
 
 def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
     """The MLflow UI pages of a Prefect flow run's pipeline run on the server ``uri``, by name: ``mlflow-run``
-    (the parent run), ``mlflow-attention`` (the evaluate run's first attention heat-map), ``mlflow-model`` (the
-    logged model with its metrics per dataset) and ``mlflow-model-version`` (its registered version); a page the
-    run did not produce is left out. Raises :class:`TrackingError` without an http(s) server or a run of that
-    flow run."""
+    (the parent run), ``mlflow-runs-view`` (the experiment's runs view, :func:`runs_view_url`), ``mlflow-attention``
+    (the evaluate run's first attention heat-map), ``mlflow-model`` (the logged model with its metrics per dataset)
+    and ``mlflow-model-version`` (its registered version); a page the run did not produce is left out. Raises
+    :class:`TrackingError` without an http(s) server or a run of that flow run."""
     if urlparse(uri).scheme not in ("http", "https"):
         raise TrackingError(f"{uri} is not an MLflow server: it has no UI to show")
     check_reachable(uri)
@@ -262,6 +320,8 @@ def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
     parent = parents[0].info
     base = f"{ui}/#/experiments/{parent.experiment_id}"
     pages = {"mlflow-run": f"{base}/runs/{parent.run_id}"}
+    if RUNS_VIEW_TAG in c.get_experiment(parent.experiment_id).tags:
+        pages["mlflow-runs-view"] = f"{base}/runs?viewStateShareKey={RUNS_VIEW}"
     children = {r.data.tags.get("stage"): r.info.run_id
                 for r in _search_all(c, [parent.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.run_id}'")}
     if "evaluate" in children:
