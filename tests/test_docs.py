@@ -42,6 +42,21 @@ def test_the_ledger_loads_and_every_cited_id_exists():
     assert cited, "nothing cites the ledger: the README's table should"
 
 
+def test_every_ledger_link_points_at_the_entry_it_names():
+    """A citation is a plain Markdown link (it works on GitHub and on the site): its path must reach the ledger page
+    from where the page lies, and its anchor must be the entry its text names."""
+    link = re.compile(r"\[(L\d+)\]\(([^)#\s]*ledger\.md)#([^)\s]*)\)")
+    wrong, found = [], 0
+    for page in _pages():
+        prose = re.sub(r"`[^`\n]*`", "", page.read_text(encoding="utf-8"))  # not the examples in code spans
+        for text, target, anchor in link.findall(prose):
+            found += 1
+            if (page.parent / target).resolve() != REPO / "docs" / "results" / "ledger.md" or anchor != text.lower():
+                wrong.append(f"{page.relative_to(REPO)}: [{text}]({target}#{anchor})")
+    assert found > 50, "the docs cite the ledger by fewer links than expected: is the pattern broken?"
+    assert not wrong, "ledger links that do not reach their entry:\n" + "\n".join(wrong)
+
+
 def test_the_ledger_refuses_what_it_cannot_trust(tmp_path):
     good = ("current_default: {x: L01}\nentries:\n- {id: L01, date: 2026-01-01, title: t, what: w, "
             "machine: {cpu: c}, commit: abc1234, command: c}\n")

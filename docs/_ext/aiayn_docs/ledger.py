@@ -164,7 +164,7 @@ def load(path: Path) -> Ledger:
         raise LedgerError(f"{path}: " + "; ".join(where)) from e
 
 
-# Citations: "L23" as a word in prose, {ledger}`L23` in the docs, (ledger L23) in config comments.
+# Citations: "L23" as a word in prose, [L23](../results/ledger.md#l23) in the docs, (ledger L23) in config comments.
 _CITE = re.compile(rf"(?<![A-Za-z0-9_#/-])({ID})(?![A-Za-z0-9_])")
 
 

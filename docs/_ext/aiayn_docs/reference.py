@@ -433,24 +433,46 @@ PAGES: dict[str, Callable[[], str]] = {
 }
 
 
+PLOTS = DOCS / "results" / "plots"
+
+
+def plot_files() -> dict[Path, str]:
+    """The results page's plots (SVG text, drawn deterministically from the ledger's result files), by the path
+    they are committed at: committed, so that they show where the docs are read as plain Markdown (GitHub)."""
+    import tempfile
+
+    from . import plots  # matplotlib: only when the plots are drawn
+
+    with tempfile.TemporaryDirectory(prefix="aiayn-plots-") as tmp:
+        made = plots.render_all(ledger_mod.load(LEDGER), REPO, Path(tmp))
+        return {PLOTS / p.name: p.read_text(encoding="utf-8") for p in made}
+
+
 def render_all() -> dict[Path, str]:
-    return {DOCS / rel: make() for rel, make in PAGES.items()}
+    return {**{DOCS / rel: make() for rel, make in PAGES.items()}, **plot_files()}
 
 
 def stale() -> list[str]:
-    """The generated pages whose committed text differs from what the code renders now."""
-    return [str(p.relative_to(REPO)) for p, text in render_all().items()
-            if not p.is_file() or p.read_text(encoding="utf-8") != text]
+    """The generated pages and plots whose committed text differs from what the code renders now, and plots that
+    the ledger no longer draws."""
+    rendered = render_all()
+    gone = [p for p in sorted(PLOTS.glob("*.svg")) if p not in rendered]
+    return [str(p.relative_to(REPO)) for p, text in rendered.items()
+            if not p.is_file() or p.read_text(encoding="utf-8") != text] + [str(p.relative_to(REPO)) for p in gone]
 
 
 def write_all() -> list[Path]:
-    """Write every generated page that changed (atomically); return those written."""
+    """Write every generated page and plot that changed (atomically), remove plots no longer drawn; return those
+    written."""
+    rendered = render_all()
+    for gone in (p for p in PLOTS.glob("*.svg") if p not in rendered):
+        gone.unlink()
     written = []
-    for path, text in render_all().items():
+    for path, text in rendered.items():
         if path.is_file() and path.read_text(encoding="utf-8") == text:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".md.tmp")
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
         written.append(path)
