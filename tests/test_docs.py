@@ -57,6 +57,30 @@ def test_every_ledger_link_points_at_the_entry_it_names():
     assert not wrong, "ledger links that do not reach their entry:\n" + "\n".join(wrong)
 
 
+# The repository's top-level folders: a code span starting with one of them is a claim that the path exists.
+REPO_DIRS = ("configs", "pipeline", "flows", "tasks", "model", "bench", "docs", "tests", "ops", "deploy", "scripts",
+             "requirements", ".ci")
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A path in a code span (`configs/presets/tiny.yaml`, `deploy/Dockerfile`) is a claim about the repository:
+    it must exist, so that a renamed or removed file cannot leave the docs pointing at nothing. Patterns (`<name>`,
+    `*`) and runtime paths (`runs/...`) are not claims of this kind."""
+    span = re.compile(r"`((?:%s)/[^`\s]*)`" % "|".join(re.escape(d) for d in REPO_DIRS))
+    checked, missing = 0, []
+    for page in _pages():
+        prose = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)  # commands are checked apart
+        for claim in span.findall(prose):
+            if any(c in claim for c in "<>*{}[]$"):
+                continue
+            path = claim.split("#")[0].split("::")[0].rstrip(".,:;")
+            checked += 1
+            if not (REPO / path).exists():
+                missing.append(f"{page.relative_to(REPO)}: `{claim}`")
+    assert checked > 100, "fewer repository paths than expected: is the pattern broken?"
+    assert not missing, "the docs name paths that do not exist:\n" + "\n".join(missing)
+
+
 def test_the_ledger_refuses_what_it_cannot_trust(tmp_path):
     good = ("current_default: {x: L01}\nentries:\n- {id: L01, date: 2026-01-01, title: t, what: w, "
             "machine: {cpu: c}, commit: abc1234, command: c}\n")
