@@ -11,6 +11,7 @@ pooled over the seeds, on dev (the choosing set) and test2016 (reported).
 
     python bench/schedule_at_compute.py runs --updates 780 --seeds 1 2 --work-dir /work/sched
     python bench/schedule_at_compute.py compare --updates 780 --seeds 1 2 --out bench/results/schedule_780.json
+    python bench/schedule_at_compute.py runs --updates 4400 --speed bf16 --seeds 1 --arms budget slim   # a bf16 CPU
 """
 
 from __future__ import annotations
@@ -38,32 +39,42 @@ from pipeline.workdir import build_inputs, run_dir  # noqa: E402
 
 CONFIG, TEST = "multi30k-cpu", "test.test2016"
 # the paper's warm-up (train.warmup_steps, the preset's 1,000) against the warm-up fitted to the budget, and recipes
-# that spend the same compute otherwise. An arm with smaller updates gets the updates its tokens buy in the time of
-# --updates updates of 4,096 tokens on an fp32 CPU (the class studied), at the throughput measured for its update
-# size and shape (FP32_SPEED).
+# that spend the same compute otherwise. An arm with smaller updates or a smaller model gets the updates its tokens
+# buy in the time of --updates updates of 4,096 tokens of the preset's shape on a CPU of the class studied (--speed:
+# fp32, an AVX2-only CPU; bf16, a CPU with bf16 matrix units), at the throughput measured for its update size and
+# shape (SPEED).
 MID = ["train.schedule=budget", "train.update_tokens=2048", "train.max_tokens=2048", "train.cooldown=0.3",
        "model.dropout=0.1"]
+NARROW = ["model.d_model=128", "model.d_ff=512"]  # a quarter of the preset's FLOPs per token in its matmuls
 ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         "small": ["train.schedule=budget", "train.update_tokens=1024", "train.max_tokens=1024", "train.cooldown=0.3",
                   "model.dropout=0.1"],
         "mid": MID,
         # the same cool-down and dropout at the preset's update size: what the update size adds
         "big": ["train.schedule=budget", "train.cooldown=0.3", "model.dropout=0.1"],
-        # mid at a quarter of the width's FLOPs per token (d_model 128, d_ff 512): more tokens for the same compute
-        "narrow": [*MID, "model.d_model=128", "model.d_ff=512"],
+        # mid at d_model 128, d_ff 512: more tokens for the same compute
+        "narrow": [*MID, *NARROW],
         # mid in the shape of Wu et al. (ACL 2021)'s Multi30k model: d_model 128, d_ff 256, 4+4 layers
-        "wu": [*MID, "model.d_model=128", "model.d_ff=256", "model.encoder_layers=4", "model.decoder_layers=4"]}
-# target tokens/s of our fp32 training against the preset's shape at updates of 4,096 tokens, side by side in one
-# run (bench/bench_train.py --precision fp32): by update size,
-# bench/results/train_speed_by_update_fp32_xeon-amx_2026-11-27.json; by shape (at 2,048, the lower of two rounds),
-# bench/results/train_speed_by_shape_fp32_xeon-amx_2026-11-28.json
-FP32_SPEED = {"small": 0.81, "narrow": 2.0, "wu": 1.74}
+        "wu": [*MID, "model.d_model=128", "model.d_ff=256", "model.encoder_layers=4", "model.decoder_layers=4"],
+        # the preset as written (the bf16 CPUs' default) at d_model 128, d_ff 512
+        "slim": ["train.schedule=budget", *NARROW]}
+# target tokens/s of our training against the preset's shape at updates of 4,096 tokens, side by side in one run
+# (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
+# 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
+# 11-28.json; bf16 by shape, bench/results/train_speed_by_shape_bf16_xeon-amx_2026-11-28.json. An arm without a
+# measured speed for the class is refused.
+SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74},
+         "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5}}
 
 
-def arm_steps(arm: str, updates: int) -> int:
-    """The updates ``arm`` trains in the time of ``updates`` updates of 4,096 target tokens of the preset's shape."""
+def arm_steps(arm: str, updates: int, speed: str = "fp32") -> int:
+    """The updates ``arm`` trains in the time of ``updates`` updates of 4,096 target tokens of the preset's shape
+    on a CPU that trains in ``speed`` (fp32 or bf16)."""
+    if arm not in SPEED[speed]:
+        raise SystemExit(f"arm {arm!r} has no measured {speed} throughput (SPEED[{speed!r}]); measure it first "
+                         f"(bench/bench_train.py --precision {speed})")
     tokens = next((int(o.split("=")[1]) for o in ARMS[arm] if o.startswith("train.update_tokens=")), 4096)
-    return round(updates * 4096 / tokens * FP32_SPEED.get(arm, 1.0))
+    return round(updates * 4096 / tokens * SPEED[speed][arm])
 
 
 # test2016 only: newstest2014 (news, out of the captions' domain) is the default's slowest evaluation and decides
@@ -71,9 +82,9 @@ def arm_steps(arm: str, updates: int) -> int:
 TESTS = "data.test=[{name: test2016, format: text, path: multi30k/test2016}]"
 
 
-def overrides(arm: str, updates: int, seed: int) -> list[str]:
-    return [*ARMS[arm], "train.max_minutes=null", f"train.max_steps={arm_steps(arm, updates)}", f"train.seed={seed}",
-            "export.engine=none", TESTS]
+def overrides(arm: str, updates: int, seed: int, speed: str = "fp32") -> list[str]:
+    return [*ARMS[arm], "train.max_minutes=null", f"train.max_steps={arm_steps(arm, updates, speed)}",
+            f"train.seed={seed}", "export.engine=none", TESTS]
 
 
 def record_path(args: argparse.Namespace, arm: str, seed: int) -> Path:
@@ -82,7 +93,7 @@ def record_path(args: argparse.Namespace, arm: str, seed: int) -> Path:
 
 def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
     """Train, choose and score one arm and seed (a finished run is reused), and write its record."""
-    sets = overrides(arm, args.updates, seed)
+    sets = overrides(arm, args.updates, seed, args.speed)
     cmd = [sys.executable, "-m", "pipeline", "run", "--config", CONFIG, "--work-dir", str(args.work_dir),
            *[a for o in sets for a in ("--set", o)]]
     print("+", " ".join(cmd), flush=True)
@@ -141,6 +152,8 @@ def main() -> None:
     p.add_argument("phase", choices=["runs", "compare"])
     p.add_argument("--updates", type=int, default=780, help="updates per run (the compute of the class studied)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--speed", choices=list(SPEED), default="fp32",
+                   help="the class whose compute --updates measures: fp32 (AVX2 only) or bf16 (bf16 matrix units)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "schedule-at-compute")
     p.add_argument("--records", type=Path, default=REPO / "bench" / "results" / "schedule_at_compute")

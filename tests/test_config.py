@@ -57,10 +57,11 @@ def test_the_embedded_defaults_take_the_measured_recipe_and_the_paper_presets_st
     for name in ("multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly"):
         cfg = load_config(name, ["recipe=none"])
         assert (cfg.model.dropout, cfg.average.choose_from, cfg.decode.length_penalty) == (0.2, [1, 5, 10, 20], 1.4)
-        # and on a CPU that trains fp32, the recipe measured at its compute (issue 53, ledger L34)
+        # and on a CPU that trains fp32, the recipe measured at its compute (issue 53, ledger L34, L36)
         fp32 = load_config(name, ["train.precision=fp32"])
         assert (fp32.recipe_applied, fp32.train.update_tokens, fp32.train.max_tokens, fp32.train.cooldown,
                 fp32.model.dropout, fp32.decode.length_penalty) == ("fp32", 2048, 2048, 0.3, 0.1, 1.4)
+        assert (fp32.model.d_model, fp32.model.d_ff, fp32.model.n_heads, fp32.model.encoder_layers) == (128, 512, 4, 3)
     # the parsing preset keeps its own measured settings on every machine
     assert load_config("ptb-sample-cpu", ["train.precision=fp32"]).recipe_applied == "none"
     for name in ("wmt14-en-de-base", "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big"):
