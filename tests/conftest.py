@@ -298,40 +298,39 @@ def stack(tmp_path_factory: pytest.TempPathFactory, shared_data: Path):
 def chromium(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Headless Chromium for the browser checks: Debian's ``chromium``, installed here when missing (apt-get, as
     root); a test that needs it is skipped, with the reason, when it cannot be installed."""
+    from ops.browser import executable
+
+    return _apt_install("chromium", executable, tmp_path_factory)
+
+
+def _apt_install(package: str, found, tmp_path_factory: pytest.TempPathFactory):
+    """What ``found()`` finds, after ``apt-get install package`` (and an index update if the first try fails) when
+    it finds nothing; a skip, with the reason, when the package cannot be installed."""
     import fcntl
 
-    from ops.browser import executable
-
-    if (exe := executable()) is not None:
-        return exe
+    if (hit := found()) is not None:
+        return hit
     if os.geteuid() != 0:
-        pytest.skip("chromium is not installed and this user cannot install it: apt-get install chromium")
-    # One installer at a time: under pytest-xdist each worker has this fixture, and a second apt-get would fail on
+        pytest.skip(f"{package} is not installed and this user cannot install it: apt-get install {package}")
+    # One installer at a time: under pytest-xdist each worker has the fixture, and a second apt-get would fail on
     # dpkg's lock. The lock file lies beside the workers' own temporary folders (their common parent).
-    with open(tmp_path_factory.getbasetemp().parent / "chromium-install.lock", "w") as lock:
+    with open(tmp_path_factory.getbasetemp().parent / "apt-install.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _install_chromium()
-
-
-def _install_chromium() -> str:
-    """``apt-get install chromium`` (after an index update if the first try fails); the executable, or a skip."""
-    from ops.browser import executable
-
-    if (exe := executable()) is not None:  # another worker installed it while this one waited
-        return exe
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    why = ""
-    for attempt in (["apt-get", "install", "-y", "-q", "chromium"], ["apt-get", "update", "-q"],
-                    ["apt-get", "install", "-y", "-q", "chromium"]):  # a stale package index: update, then again
-        try:
-            res = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=900,
-                                 stdin=subprocess.DEVNULL)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            pytest.skip(f"chromium could not be installed ({' '.join(attempt)}: {e})")
-        why = res.stderr.strip()[-500:]
-        if (exe := executable()) is not None:
-            return exe
-    pytest.skip(f"chromium could not be installed (apt-get install chromium): {why}")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        why = ""
+        for attempt in ([], ["apt-get", "update", "-q"], []):  # a stale package index: update, then again
+            if (hit := found()) is not None:  # another worker installed it while this one waited
+                return hit
+            cmd = attempt or ["apt-get", "install", "-y", "-q", package]
+            try:
+                res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
+                                     stdin=subprocess.DEVNULL)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                pytest.skip(f"{package} could not be installed ({' '.join(cmd)}: {e})")
+            why = res.stderr.strip()[-500:] or why
+        if (hit := found()) is not None:
+            return hit
+    pytest.skip(f"{package} could not be installed (apt-get install {package}): {why}")
 
 
 # ------------------------------------------------------------------------ a PostgreSQL server (integration)
@@ -343,15 +342,12 @@ def postgres(tmp_path_factory: pytest.TempPathFactory):
     does): a cluster of its own in a temporary folder, a role with a password and CREATEDB, stopped and removed
     afterwards. Yields its URL, ``postgresql://USER:PASSWORD@127.0.0.1:PORT``. The system's own cluster, if any, is
     never touched."""
-    import fcntl
     import secrets
     import shutil
 
     from ops.localstack import free_port
 
-    with open(tmp_path_factory.getbasetemp().parent / "postgresql-install.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        bindir = _postgres_bindir()
+    bindir = _apt_install("postgresql", _postgres_bindir, tmp_path_factory)
     # initdb refuses to run as root: as root the cluster belongs to Debian's postgres user, in a folder under /tmp
     # (pytest's own folders are root's, mode 700)
     as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
@@ -379,23 +375,9 @@ def postgres(tmp_path_factory: pytest.TempPathFactory):
         shutil.rmtree(data, ignore_errors=True)
 
 
-def _postgres_bindir() -> Path:
-    """The folder of PostgreSQL's initdb and pg_ctl (``apt-get install postgresql`` first when there is none, as
-    root); a skip, with the reason, when it cannot be installed."""
+def _postgres_bindir() -> Path | None:
+    """The folder of the newest installed PostgreSQL's initdb and pg_ctl, or None."""
     import glob
 
-    def found() -> Path | None:
-        dirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(d.split("/")[-2]))
-        return Path(dirs[-1]) if dirs and Path(dirs[-1], "initdb").is_file() else None
-
-    if (bindir := found()) is not None:
-        return bindir
-    if os.geteuid() != 0:
-        pytest.skip("PostgreSQL is not installed and this user cannot install it: apt-get install postgresql")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for attempt in (["apt-get", "install", "-y", "-q", "postgresql"], ["apt-get", "update", "-q"],
-                    ["apt-get", "install", "-y", "-q", "postgresql"]):  # a stale package index: update, then again
-        res = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
-        if (bindir := found()) is not None:
-            return bindir
-    pytest.skip(f"PostgreSQL could not be installed (apt-get install postgresql): {res.stderr.strip()[-500:]}")
+    dirs = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda d: int(d.split("/")[-2]))
+    return Path(dirs[-1]) if dirs and Path(dirs[-1], "initdb").is_file() else None

@@ -119,11 +119,16 @@ def test_up_names_a_database_it_cannot_create(postgres: str, tmp_path: Path) -> 
     import psycopg2
 
     db = PostgreSQL.parse(postgres)
-    with psycopg2.connect(dbname="postgres", user=db.user, password=db.password, host=db.host, port=db.port) as c:
+    c = psycopg2.connect(dbname="postgres", user=db.user, password=db.password, host=db.host, port=db.port)
+    try:  # a server without the stack's databases, whatever ran on it before (the fixture is the session's)
         c.autocommit = True
         with c.cursor() as cur:
+            for name in DATABASES.values():
+                cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             cur.execute("DROP ROLE IF EXISTS reader")
             cur.execute("CREATE ROLE reader LOGIN PASSWORD 'r3ader-pw'")
+    finally:
+        c.close()
     url = f"postgresql://reader:r3ader-pw@{db.host}:{db.port}"
     from ops.localstack import free_port
 

@@ -483,7 +483,13 @@ def _post(port: int, body: bytes) -> tuple[int, dict]:
 @pytest.mark.slow
 def test_models_serve_answers_invocations_and_refuses_bad_requests(tracked, tmp_path) -> None:
     """`mlflow models serve` of the champion: translations as the loaded model gives them, per-request params,
-    and for each bad request a 4xx with a clear message or a defined output; the server survives them all."""
+    and for each bad request a 4xx with a clear message or a defined output; the server survives them all. The
+    model comes through the tracking server's proxied artifact store (mlflow-artifacts:), as on a team's server
+    whose artifacts live in a bucket only the server can reach (docs/how-to/team-servers.md)."""
+    from mlflow.tracking import MlflowClient
+
+    location = MlflowClient(tracked["uri"]).get_experiment_by_name("test-tracking").artifact_location
+    assert location.startswith("mlflow-artifacts:"), location
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m",
