@@ -5,7 +5,7 @@
     python -m ops.localstack down                   # stops exactly the processes ``up`` started
     python -m ops.localstack deploy                 # prefect.yaml and the promotion locks to $PREFECT_API_URL
 
-``up`` starts a Prefect server (SQLite), an MLflow tracking server (SQLite + a local artifact folder), creates
+``up`` starts a Prefect server and an MLflow tracking server (SQLite by default, below; artifacts in a folder), creates
 the process work pool, deploys ``prefect.yaml`` and starts a worker; it prints the two UI addresses. It is safe
 to run twice: a service whose recorded process is alive and healthy is kept. Before it starts a worker it marks
 Crashed the runs of the pool whose process is gone (a machine restart leaves them Running). Every process is recorded in
