@@ -128,14 +128,14 @@ def _tail(path: Path, n: int = 30) -> str:
 
 
 def start_service(name: str, cmd: list[str], env: dict[str, str], health_url: str | None, url: str, log: Path,
-                  timeout_s: float = 120.0) -> Service:
+                  timeout_s: float = 120.0, database: str = "sqlite") -> Service:
     """Start ``cmd`` in its own session (so SIGTERM reaches it and its children), wait until ``health_url``
     answers 200, and return it; on failure stop it and raise :class:`StackError` with the log's tail."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=REPO, start_new_session=True)
-    service = Service(name, proc.pid, psutil.Process(proc.pid).create_time(), url, str(log))
+    service = Service(name, proc.pid, psutil.Process(proc.pid).create_time(), url, str(log), database)
     deadline = time.monotonic() + timeout_s
     while health_url is not None and not healthy(health_url):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -248,8 +248,7 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None) -> S
     cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", HOST, "--port", str(port),
            "--workers", "1", "--artifacts-destination", str(home / "artifacts")]
     url = f"http://{HOST}:{port}"
-    service = start_service("mlflow", cmd, env, f"{url}/health", url, home / "mlflow.log")
-    return Service(**{**asdict(service), "database": shown})
+    return start_service("mlflow", cmd, env, f"{url}/health", url, home / "mlflow.log", database=shown)
 
 
 def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
@@ -281,8 +280,7 @@ def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = No
     # server's. Seen as "Can't connect to Server API" on every page of a stack on another port (browser check).
     env["PREFECT_SERVER_UI_API_URL"] = f"{url}/api"
     cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", HOST, "--port", str(port)]
-    service = start_service("prefect-server", cmd, env, f"{url}/api/health", url, home / "server.log")
-    return Service(**{**asdict(service), "database": shown})
+    return start_service("prefect-server", cmd, env, f"{url}/api/health", url, home / "server.log", database=shown)
 
 
 def prefect_cli(args: list[str], env: dict[str, str]) -> None:
@@ -412,11 +410,11 @@ class Stack:
            database: PostgreSQL | None = None) -> dict[str, Service]:
         """Start what is not running, deploy prefect.yaml, and return the services (safe to call twice)."""
         services = {k: s for k, s in self.load().items() if s.alive()}
-        for name, service in services.items():  # a running server keeps its data where it is: never switched
-            wanted = "sqlite" if database is None else database.shown(DATABASES.get(name, ""))
-            if name in DATABASES and service.database != wanted:
-                raise StackError(f"{name} of the stack under {self.home} runs on {service.database}, not {wanted}: "
-                                 f"stop it first (python -m ops.localstack down --home {self.home}) or use "
+        for name, db in DATABASES.items():  # a running server keeps its data where it is: never switched
+            wanted = "sqlite" if database is None else database.shown(db)
+            if name in services and services[name].database != wanted:
+                raise StackError(f"{name} of the stack under {self.home} runs on {services[name].database}, not "
+                                 f"{wanted}: stop it first (python -m ops.localstack down --home {self.home}) or use "
                                  "another --home")
         if "mlflow" not in services:
             services["mlflow"] = start_mlflow(self.home / "mlflow", mlflow_port, database)

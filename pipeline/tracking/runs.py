@@ -170,7 +170,8 @@ def log_headline(parent_run_id: str, stage: str, run_id: str) -> dict[str, float
     if stage not in HEADLINE:
         return {}
     names, params = HEADLINE[stage]
-    data = client().get_run(run_id).data
+    run = client().get_run(run_id)  # a stage run lies in its parent's experiment
+    data = run.data
     metrics = {k: v for k, v in data.metrics.items() if names is None or k in names}
     for param, metric in params.items():
         try:
@@ -179,7 +180,7 @@ def log_headline(parent_run_id: str, stage: str, run_id: str) -> dict[str, float
             pass
     if metrics:
         log_metrics(parent_run_id, metrics)
-        _show_in_runs_view(client().get_run(parent_run_id).info.experiment_id, stage, list(metrics))
+        _show_in_runs_view(run.info.experiment_id, stage, list(metrics))
     return metrics
 
 
@@ -224,19 +225,13 @@ def runs_view_url(experiment: str) -> str | None:
     if (ui := _ui()) is None:
         return None
     exp = client().get_experiment_by_name(experiment)
-    if exp is None or RUNS_VIEW_TAG not in exp.tags:
-        return None
-    return f"{ui}/#/experiments/{exp.experiment_id}/runs?viewStateShareKey={RUNS_VIEW}"
+    return _runs_view(ui, exp) if exp is not None else None
 
 
-def compare_url(run_ids: list[str]) -> str | None:
-    """MLflow's compare page of ``run_ids`` (pipeline parent runs: their params, headline metrics and tags side by
-    side; http(s) tracking servers only)."""
-    if (ui := _ui()) is None:
+def _runs_view(ui: str, experiment) -> str | None:
+    if RUNS_VIEW_TAG not in experiment.tags:
         return None
-    experiments = sorted({client().get_run(r).info.experiment_id for r in run_ids})
-    return (f"{ui}/#/compare-runs?runs={quote(json.dumps(run_ids))}"
-            f"&experiments={quote(json.dumps(experiments))}")
+    return f"{ui}/#/experiments/{experiment.experiment_id}/runs?viewStateShareKey={RUNS_VIEW}"
 
 
 # Tags a child run copies from its parent, so that stage runs can be filtered on their own.
@@ -320,8 +315,8 @@ def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
     parent = parents[0].info
     base = f"{ui}/#/experiments/{parent.experiment_id}"
     pages = {"mlflow-run": f"{base}/runs/{parent.run_id}"}
-    if RUNS_VIEW_TAG in c.get_experiment(parent.experiment_id).tags:
-        pages["mlflow-runs-view"] = f"{base}/runs?viewStateShareKey={RUNS_VIEW}"
+    if view := _runs_view(ui, c.get_experiment(parent.experiment_id)):
+        pages["mlflow-runs-view"] = view
     children = {r.data.tags.get("stage"): r.info.run_id
                 for r in _search_all(c, [parent.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.run_id}'")}
     if "evaluate" in children:

@@ -456,16 +456,21 @@ def stale() -> list[str]:
     """The generated pages and plots whose committed text differs from what the code renders now, and plots that
     the ledger no longer draws."""
     rendered = render_all()
-    gone = [p for p in sorted(PLOTS.glob("*.svg")) if p not in rendered]
     return [str(p.relative_to(REPO)) for p, text in rendered.items()
-            if not p.is_file() or p.read_text(encoding="utf-8") != text] + [str(p.relative_to(REPO)) for p in gone]
+            if not p.is_file() or p.read_text(encoding="utf-8") != text] + [str(p.relative_to(REPO))
+                                                                              for p in _undrawn(rendered)]
+
+
+def _undrawn(rendered: dict[Path, str]) -> list[Path]:
+    """Committed plots that the ledger no longer draws."""
+    return [p for p in sorted(PLOTS.glob("*.svg")) if p not in rendered]
 
 
 def write_all() -> list[Path]:
     """Write every generated page and plot that changed (atomically), remove plots no longer drawn; return those
     written."""
     rendered = render_all()
-    for gone in (p for p in PLOTS.glob("*.svg") if p not in rendered):
+    for gone in _undrawn(rendered):
         gone.unlink()
     written = []
     for path, text in rendered.items():
