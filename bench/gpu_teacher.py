@@ -4,7 +4,8 @@ translations of the training sources come back as text for the student that trai
 In one call, each step bounded by the call's clock:
 
 1. ``--teachers`` runs of ``--config`` (default ``multi30k-teacher-gpu``: the paper's base width), seeds 1..k, train
-   side by side on the one GPU (``python -m pipeline run`` each: training on the config's clock, N chosen on dev,
+   side by side on the one GPU, each with ``--set`` and its own ``--teacher-set`` overrides (one call screens
+   several recipes) (``python -m pipeline run`` each: training on the config's clock, N chosen on dev,
    dev and test sets scored; no export);
 2. their ensemble is scored too, and the teacher that translates (the best single run or the ensemble) is chosen on
    dev (Multi30k val), never on test2016;
@@ -82,7 +83,7 @@ def train_teachers(args: argparse.Namespace, deadline: float) -> list[dict]:
     if torch.cuda.is_available():  # the runs share the host's cores: each takes its share for its CPU threads
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.teachers))
     for seed in range(1, args.teachers + 1):
-        overrides = [*args.set, f"train.seed={seed}"]
+        overrides = [*args.set, *args.teacher_set.get(seed, []), f"train.seed={seed}"]
         logfile = open(args.work_dir / f"teacher-{seed}.log", "w", encoding="utf-8")  # noqa: SIM115 (closed below)
         cmd = [sys.executable, "-m", "pipeline", "run", *pipeline_args(args.config, args, overrides)]
         log(" ".join(cmd))
@@ -104,12 +105,24 @@ def train_teachers(args: argparse.Namespace, deadline: float) -> list[dict]:
         averaged = averaged_path(cfg, run)
         summary = json.loads((run / "train_summary.json").read_text(encoding="utf-8"))
         choice = averaged.parent / "choice.json"
-        rows.append({"seed": seed, "checkpoint": str(averaged), "updates": summary["steps"],
+        rows.append({"seed": seed, "overrides": args.teacher_set.get(seed, []), "checkpoint": str(averaged),
+                     "updates": summary["steps"],
                      "train_seconds": round(summary["train_seconds"], 1), "tgt_tokens": summary["tokens"]["tgt"],
                      "chosen_n": json.loads(choice.read_text())["chosen_n"] if choice.is_file() else None,
                      "scores": scores_of(eval_dir(cfg, averaged) / "scores.json")})
         log(f"teacher seed {seed}: {rows[-1]['updates']} updates, dev {rows[-1]['scores']['dev']['sacrebleu']:.2f}")
     return rows
+
+
+def teacher_sets(items: list[str], teachers: int) -> dict[int, list[str]]:
+    """``SEED:KEY=VALUE`` items as each seed's overrides; a seed outside 1..teachers is refused."""
+    out: dict[int, list[str]] = {}
+    for item in items:
+        seed, sep, override = item.partition(":")
+        if not sep or not seed.isdigit() or not 1 <= int(seed) <= teachers or "=" not in override:
+            raise SystemExit(f"--teacher-set {item!r}: expected SEED:KEY=VALUE with SEED in 1..{teachers}")
+        out.setdefault(int(seed), []).append(override)
+    return out
 
 
 def tail(path: Path, lines: int) -> str:
@@ -124,6 +137,8 @@ def main() -> None:
     p.add_argument("--teachers", type=int, default=3, help="teacher runs (seeds 1..k), trained side by side")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="an override of every teacher run (e.g. train.max_minutes=3, or a small model to rehearse)")
+    p.add_argument("--teacher-set", action="append", default=[], metavar="SEED:KEY=VALUE",
+                   help="an override of one teacher run (e.g. 2:train.rdrop_alpha=1): a screen of recipes in one call")
     p.add_argument("--distill-set", action="append",
                    default=["decode.search=static", "decode.precision=bf16", "decode.batch_sentences=256"],
                    metavar="KEY=VALUE", help="overrides of the translating run's distill section")
@@ -133,6 +148,7 @@ def main() -> None:
     p.add_argument("--commit", default=os.environ.get("AIAYN_COMMIT"), help="the commit this runs at (recorded)")
     p.add_argument("--budget-s", type=float, default=480, help="the whole call's seconds; training stops in time")
     args = p.parse_args()
+    args.teacher_set = teacher_sets(args.teacher_set, args.teachers)
     started = time.time()
     deadline = started + args.budget_s
     args.work_dir = args.work_dir.resolve()
@@ -173,7 +189,8 @@ def main() -> None:
     student = resolved(args.student_config, args, ["distill.teachers=[]",
                                                    *[f"distill.{o}" for o in args.distill_set]])
     lineage = {"commit": args.commit, "device": gpu or cpu_name(), "torch": torch.__version__,
-               "teacher_config": args.config, "teacher_overrides": args.set, "chosen": chosen,
+               "teacher_config": args.config, "teacher_overrides": args.set,
+               "teacher_sets": {str(k): v for k, v in args.teacher_set.items()}, "chosen": chosen,
                "chosen_on": "dev sacreBLEU", "scores": chosen_scores}
     translations = write_translations(inputs.corpus, members, inputs.tokenizer, student.distill,
                                       args.out / "translations", args.work_dir, device=device, lineage=lineage)
@@ -183,7 +200,8 @@ def main() -> None:
 
     evaluated = eval_dir(first, members)
     result = {"device": gpu or cpu_name(), "torch": torch.__version__, "commit": args.commit, "config": args.config,
-              "overrides": args.set, "teachers": rows,
+              "overrides": args.set,
+              "teacher_sets": {str(k): v for k, v in args.teacher_set.items()}, "teachers": rows,
               "ensemble": {"name": ensemble, "scores": candidates[ensemble][1]} if ensemble else None,
               "chosen": chosen, "chosen_scores": chosen_scores,
               "outputs": {split: (evaluated / f"{split}.hyp").read_text(encoding="utf-8").splitlines()
