@@ -556,6 +556,14 @@ class ExportConfig(_Strict):
         "Sentences per CTranslate2 batch when serving (decode.batch_sentences is PyTorch's). The default was "
         "chosen by measurement (see the results ledger)."))
     # why larger than decode.batch_sentences: CTranslate2 runs larger batches faster on a CPU
+    shortlist: int = Field(default=0, ge=0, description=(
+        "Vocabulary shortlist (pipeline/shortlist.py): above 0, the export ships a CTranslate2 vocabulary map "
+        "(vmap.txt) that gives each source piece this many candidate target pieces, its most probable under IBM "
+        "Model 1 estimated on the training split, and decodes with it (translate_batch's use_vmap, also in "
+        "export.json's options): a batch scores only its sources' candidates and the shortlist_frequent most "
+        "frequent target pieces, not the whole vocabulary. 0 = the whole vocabulary. Not in the paper."))
+    shortlist_frequent: int = Field(default=100, ge=0, description=(
+        "With shortlist > 0: how many of the training targets' most frequent pieces are candidates of every batch."))
 
 
 class TrackingConfig(_Strict):

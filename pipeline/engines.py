@@ -37,6 +37,7 @@ log = logging.getLogger("aiayn.engines")
 
 EXPORT_META = "export.json"  # what an export folder says about itself (pipeline.export)
 GATE = "gate.json"  # the export's quality gate result (pipeline.export.gate)
+VMAP_FILE = "vmap.txt"  # a vocabulary map's name in a model folder (ctranslate2 ModelSpec.register_vocabulary_mapping)
 
 
 def max_output_length(source_len: int, max_len_a: float, max_len_b: int, limit: int) -> int:
@@ -45,11 +46,13 @@ def max_output_length(source_len: int, max_len_a: float, max_len_b: int, limit: 
     return min(max(1, math.floor(max_len_a * source_len + max_len_b)), limit)
 
 
-def translate_options(decode: DecodeConfig, max_positions: int, special: dict[str, str]) -> dict:
+def translate_options(decode: DecodeConfig, max_positions: int, special: dict[str, str],
+                      shortlist: bool = False) -> dict:
     """``Translator.translate_batch`` options that decode an export as our beam search with ``decode`` (up to the
     differences in the module docstring), for sources given as bare sentencepiece pieces: what ``export.json``
-    offers any client, and what :class:`CTranslate2Engine` starts from. ``special``: the pad and bos pieces."""
-    return {
+    offers any client, and what :class:`CTranslate2Engine` starts from. ``special``: the pad and bos pieces;
+    ``shortlist``: decode with the export's vocabulary map (:mod:`pipeline.shortlist`)."""
+    return {"use_vmap": shortlist} | {
         "beam_size": decode.beam_size, "length_penalty": decode.length_penalty,
         # CTranslate2 keeps max_positions - 1 pieces and appends eos: encode_sources' cut
         "max_input_length": max_positions,
@@ -100,7 +103,8 @@ class CTranslate2Engine:
 
     Sentences are tokenized by our tokenizer and cut to the model's positions as the PyTorch engine does, then
     handed to CTranslate2 as pieces, eos included only where the export's ``config.json`` does not add it.
-    ``threads`` (0: the cores this process may use) run batches side by side, one thread each, and a request is
+    ``shortlist`` (None: as the export says) decodes with its vocabulary map or without. ``threads`` (0: the cores
+    this process may use) run batches side by side, one thread each, and a request is
     split into at least that many batches (of at most the export's ``batch_sentences``): on 2 cores, beam 4, 2
     parallel single-threaded batches decoded 1.66x the sentences/s of one batch on 2 threads (319 against 192,
     int8, tiny model).
@@ -108,7 +112,7 @@ class CTranslate2Engine:
 
     name = "ctranslate2"
 
-    def __init__(self, model_dir: Path, tokenizer: Tokenizer, threads: int = 0):
+    def __init__(self, model_dir: Path, tokenizer: Tokenizer, threads: int = 0, shortlist: bool | None = None):
         import ctranslate2
 
         self.dir = Path(model_dir)
@@ -125,6 +129,12 @@ class CTranslate2Engine:
         self.special = {"pad": self.pieces[tokenizer.pad_id], "bos": self.pieces[tokenizer.bos_id]}
         config = json.loads((self.dir / "config.json").read_text(encoding="utf-8"))
         self.adds_eos = bool(config.get("add_source_eos", False))  # false in exports written before it was set
+        # None: as the export was made to decode (a vocabulary map ships with use_vmap in its options)
+        shipped = bool(meta["translate_batch"].get("use_vmap", False))
+        if shortlist and not (self.dir / VMAP_FILE).is_file():
+            raise ValueError(f"{self.dir} has no vocabulary map ({VMAP_FILE}): export it with export.shortlist > 0 to "
+                             "decode with a shortlist")
+        self.shortlist = shipped if shortlist is None else shortlist
         self.translator = ctranslate2.Translator(str(self.dir), device="cpu", compute_type="default",
                                                  inter_threads=self.workers, intra_threads=1)
 
@@ -141,7 +151,7 @@ class CTranslate2Engine:
         limits = [max_output_length(len(r), decode.max_len_a, decode.max_len_b, self.max_positions - 1) for r in rows]
         # rows are cut already (with eos, which an older export needs as input); the longest output this
         # request's sentences allow
-        options = translate_options(decode, self.max_positions, self.special) | {
+        options = translate_options(decode, self.max_positions, self.special, self.shortlist) | {
             "max_input_length": 0, "max_decoding_length": max(limits) - 1}
         results = self.translator.translate_batch(
             [[self.pieces[i] for i in (row[:-1] if self.adds_eos else row)] for row in rows],

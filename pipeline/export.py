@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -41,11 +42,12 @@ from model.positional import sinusoid_table
 from pipeline.checkpoint import check_tokenizer, load_checkpoint
 from pipeline.config import DecodeConfig, ExportConfig, RunConfig
 from pipeline.data import read_manifest
-from pipeline.engines import EXPORT_META, GATE, CTranslate2Engine, translate_options, vocabulary_pieces
+from pipeline.engines import EXPORT_META, GATE, VMAP_FILE, CTranslate2Engine, translate_options, vocabulary_pieces
 from pipeline.errors import UserError
 from pipeline.evalsets import read_split
 from pipeline.fsutil import atomic_dir, sha256_file, write_json
 from pipeline.promotion import paired_bootstrap
+from pipeline.shortlist import write_vocabulary_map
 from pipeline.tokenize import Tokenizer
 
 log = logging.getLogger("aiayn.export")
@@ -53,8 +55,9 @@ log = logging.getLogger("aiayn.export")
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which model/ uses
 SENTENCEPIECE_FILE = "spm.model"  # the tokenizer's model, shipped in the export folder for any client
 # Part of the export folder's name: bumped when the same inputs export differently, so that a re-run does not reuse
-# an older folder (2: config.json adds the source eos, spm.model and translate_batch options ship with it).
-EXPORT_FORMAT = 2
+# an older folder (2: config.json adds the source eos, spm.model and translate_batch options ship with it; 3: the
+# options say use_vmap, and a vocabulary map may ship, pipeline.shortlist).
+EXPORT_FORMAT = 3
 
 
 class ExportError(UserError, ValueError):
@@ -151,11 +154,13 @@ def vocabulary(tokenizer: Tokenizer) -> tuple[list[str], dict[str, str]]:
 
 def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, out_dir: Path,
                       batch_sentences: int = ExportConfig().batch_sentences,
-                      decode: DecodeConfig = DecodeConfig()) -> Path:
+                      decode: DecodeConfig = DecodeConfig(), shortlist: dict | None = None) -> Path:
     """Write ``checkpoint`` as a CTranslate2 model folder ``out_dir`` (``model.bin``, ``config.json``, the
     vocabulary, the tokenizer's ``spm.model`` and ``export.json``: quantization, the checkpoint's and tokenizer's
     sha256, the model's positions, the serving batch size, the ``translate_batch`` options of ``decode``),
-    atomically: a reader sees the whole folder or none."""
+    atomically: a reader sees the whole folder or none. ``shortlist`` (``{"file": <a vocabulary map>, ...}``,
+    :mod:`pipeline.shortlist`): the map ships as ``vmap.txt`` and the options decode with it; the rest of the
+    dict is recorded in ``export.json``."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     state = load_checkpoint(checkpoint)
     tokenizer = Tokenizer(tokenizer_dir)
@@ -166,6 +171,8 @@ def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, 
     pieces, special = vocabulary(tokenizer)
     spec = transformer_spec(state, pieces, special)
     spec.register_file(str(tokenizer.model_path), SENTENCEPIECE_FILE)
+    if shortlist is not None:
+        spec.register_vocabulary_mapping(str(shortlist["file"]))
     spec.validate()
     spec.optimize(quantization=quantization)
     with atomic_dir(out_dir) as tmp:
@@ -175,7 +182,10 @@ def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, 
             "checkpoint_sha256": sha256_file(checkpoint), "tokenizer_sha256": tokenizer.sha256,
             "max_positions": state["model_config"]["max_positions"], "special": special,
             "batch_sentences": batch_sentences, "sentencepiece": SENTENCEPIECE_FILE,
-            "translate_batch": translate_options(decode, state["model_config"]["max_positions"], special)})
+            "shortlist": shortlist and {k: v for k, v in shortlist.items() if k != "file"} | {
+                "vocabulary_map": VMAP_FILE, "sha256": sha256_file(Path(shortlist["file"]))},
+            "translate_batch": translate_options(decode, state["model_config"]["max_positions"], special,
+                                                 shortlist is not None)})
     return out_dir
 
 
@@ -226,8 +236,17 @@ def export_model(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: 
     in ``gate.json``; returns the export folder. Re-running with the same inputs reuses a finished export."""
     out = export_dir(cfg, checkpoint)
     if not (out / EXPORT_META).is_file():
-        export_checkpoint(checkpoint, tokenizer_dir, cfg.export.quantization, out, cfg.export.batch_sentences,
-                          cfg.decode)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=".shortlist-") as tmp:
+            shortlist = None
+            if cfg.export.shortlist:
+                shortlist = {"top_k": cfg.export.shortlist, "frequent": cfg.export.shortlist_frequent,
+                             "estimated_on": "train"}
+                corpus_manifest = read_manifest(corpus)
+                shortlist["file"] = write_vocabulary_map(
+                    corpus, corpus_manifest["splits"]["train"]["file"], Tokenizer(tokenizer_dir), cfg.export.shortlist,
+                    cfg.export.shortlist_frequent, Path(tmp) / VMAP_FILE)
+            export_checkpoint(checkpoint, tokenizer_dir, cfg.export.quantization, out, cfg.export.batch_sentences,
+                              cfg.decode, shortlist)
     if not (out / GATE).is_file():
         engine = CTranslate2Engine(out, Tokenizer(tokenizer_dir))
         result = gate(cfg.export, engine, cfg, corpus, scores_json)

@@ -290,6 +290,46 @@ def test_a_plain_client_translates_the_export_as_we_do(tiny_stack, tmp_path) -> 
 
 
 @pytest.mark.integration
+def test_a_shortlist_ships_in_the_export_and_decodes(trained, tiny_stack, shared_data, tmp_path) -> None:
+    """export.shortlist > 0: the export stage estimates a vocabulary map on the training split, ships it as
+    vmap.txt and decodes with it, our engine and a plain client alike (export.json's options say use_vmap). A map
+    of 20 candidates a piece keeps the dev translations of the whole vocabulary's decoding; a map of one
+    candidate and no frequent pieces changes most of them, so the map is what decodes."""
+    from pipeline.config import ExportConfig
+    from pipeline.engines import EXPORT_META, CTranslate2Engine
+    from pipeline.export import export_model
+    from pipeline.tokenize import Tokenizer
+    from pipeline.translation.evaluate import evaluate_translation
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(shared_data)
+    scores = evaluate_translation(trained, tiny_stack.tokenizer, tiny_stack.corpus, cfg.decode, tmp_path / "eval",
+                                  splits=["dev"])
+    tokenizer = Tokenizer(tiny_stack.tokenizer)
+    src, ref = _dev(tiny_stack.corpus)
+    outputs = {}
+    for k, frequent in ((20, 100), (1, 0)):
+        c = cfg.model_copy(update={"export": ExportConfig(quantization="float32", shortlist=k,
+                                                           shortlist_frequent=frequent, max_bleu_drop=100)})
+        out = export_model(c, trained, tiny_stack.tokenizer, tiny_stack.corpus, scores)
+        meta = json.loads((out / EXPORT_META).read_text(encoding="utf-8"))
+        assert meta["translate_batch"]["use_vmap"] is True and meta["shortlist"]["top_k"] == k
+        rules = (out / "vmap.txt").read_text(encoding="utf-8").splitlines()
+        assert len(rules[0].split("\t")[1].split()) == frequent and max(len(r.split(" ")) for r in rules[1:]) <= k
+        with_map, without = CTranslate2Engine(out, tokenizer), CTranslate2Engine(out, tokenizer, shortlist=False)
+        outputs[k] = ([n[0] for n in with_map.translate(src, cfg.decode)],
+                      [n[0] for n in without.translate(src, cfg.decode)])
+        assert plain_client(out, src[:100], ref[:100])["translations"] == outputs[k][0][:100]
+    kept, whole = outputs[20]
+    assert outputs[1][1] == whole  # the same model without its map
+    assert sum(a == b for a, b in zip(kept, whole)) / len(src) >= 0.9
+    assert sum(a != b for a, b in zip(outputs[1][0], whole)) / len(src) >= 0.5
+    with pytest.raises(ValueError, match="no vocabulary map"):
+        CTranslate2Engine(export_model(cfg, trained, tiny_stack.tokenizer, tiny_stack.corpus, scores), tokenizer,
+                          shortlist=True)
+
+
+@pytest.mark.integration
 def test_export_stage_gates_on_dev_bleu(trained, tiny_stack, shared_data, tmp_path) -> None:
     """The export serves only within export.max_bleu_drop of the PyTorch model's dev BLEU; the verdict and its
     numbers are in gate.json either way, and a second run reuses the export."""
