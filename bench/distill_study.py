@@ -169,14 +169,24 @@ def run_row(cfg: RunConfig, averaged: Path, seed: int) -> tuple[dict, dict[str, 
 
 def write_record(study: Study, arm: str, seed: int) -> Path:
     """One finished run's evidence as a small file under ``--records`` (commit it): its row, its outputs of dev
-    and test2016 (what the pooled bootstrap reads), the machine and the commit it ran at. A record
+    and test2016 (what the pooled bootstrap reads), the same model's row and outputs with each other search of
+    ``SEARCHES`` (greedy), the machine and the commit it ran at. Run again on a finished run, it decodes what an
+    older record lacks. A record
     outlives the run folder, so a study whose machine is lost keeps every run it finished (the ``quality`` phase
     reads them)."""
     config = study.students[arm]
     cfg = study.config(config, study.arm_overrides(arm, seed))
-    row, outputs = run_row(cfg, study.averaged(cfg), seed)
+    averaged = study.averaged(cfg)
+    row, outputs = run_row(cfg, averaged, seed)
+    searches = {}
+    for search, extra in SEARCHES.items():
+        if extra:  # the chosen model decoded again with this search (the run evaluated with its config's)
+            overrides = [*study.arm_overrides(arm, seed), *extra]
+            pipeline("evaluate", *study.flags(config, overrides), "--checkpoint", str(averaged))
+            search_row, search_outputs = run_row(study.config(config, overrides), averaged, seed)
+            searches[search] = {"run": search_row, "outputs": search_outputs}
     record = {"pair": study.pair, "arm": arm, "config": config, "machine": cpu_name(), "cpus": os.cpu_count(),
-              "commit": short_commit(), "run": row, "outputs": outputs}
+              "commit": short_commit(), "run": row, "outputs": outputs, "searches": searches}
     path = record_path(study, arm, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(record, ensure_ascii=False) + "\n")
@@ -298,7 +308,8 @@ def references(study: Study) -> dict[str, list[str]]:
 
 def quality_result(records: list[dict], refs: dict[str, list[str]]) -> dict:
     """The quality half of a study from its runs' records (``write_record``): every arm's runs in the seeds'
-    order, and the pooled paired bootstrap against the original arm; no teachers, speed or size (those need the
+    order (greedy too where every seed's record holds it), and the pooled paired bootstrap against the original
+    arm; no teachers, speed or size (those need the
     runs themselves: the ``measure`` phase). Every arm needs a record for every seed the original arm has."""
     by_arm: dict[str, dict[int, dict]] = {}
     for r in records:
@@ -314,6 +325,11 @@ def quality_result(records: list[dict], refs: dict[str, list[str]]) -> dict:
     for arm, runs in by_arm.items():
         result["arms"][arm] = {"config": runs[seeds[0]]["config"], "beam": {"runs": [runs[s]["run"] for s in seeds]}}
         outputs[arm] = {split: [runs[s]["outputs"][split] for s in seeds] for split in ("dev", TEST)}
+        for search in SEARCHES:  # a search every seed's record holds (records before greedy have none)
+            held = [runs[s].get("searches", {}).get(search) for s in seeds]
+            if all(held):
+                result["arms"][arm][search] = {"runs": [h["run"] for h in held]}
+                outputs[f"{arm}.{search}"] = {split: [h["outputs"][split] for h in held] for split in ("dev", TEST)}
     result["significance"] = significance(outputs, refs)
     return result
 
@@ -365,8 +381,8 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
             "sacreBLEU; every arm against original by the paired bootstrap pooled over the seeds")
     what += ("; decoding speed on test2016 (PyTorch fp32, CTranslate2 int8; 1 and 2 threads) and size on disk for "
              "seed 1 of each arm; each arm with its config's beam search and greedy." if measured else
-             "; each run with its config's beam search, from the runs' records (the quality phase): no teacher "
-             "ensemble scores, speed or size.")
+             "; each run with its config's beam search (and greedy, where every record holds it), from the runs' "
+             "records (the quality phase): no teacher ensemble scores, speed or size.")
     tables = [{"name": "distill_per_seed",
                "caption": "Every run and search (beam: its config's; greedy: beam 1): dev and test2016 sacreBLEU, "
                           "test2016 chrF, training hours",

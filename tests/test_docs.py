@@ -253,8 +253,9 @@ def test_a_distillation_study_becomes_a_ledger_entry_and_its_plot(tmp_path):
 
 def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
     """The quality phase pairs the runs' records by seed, tests every arm against the original arm by the pooled
-    paired bootstrap on dev and test2016, and its ledger entry holds the per-seed table and the claims but no
-    serving table; an arm missing a seed is refused, naming it."""
+    paired bootstrap on dev and test2016 (its greedy search too where every seed's record holds one), and its
+    ledger entry holds the per-seed table and the claims but no serving table; an arm missing a seed is refused,
+    naming it."""
     import yaml
 
     study = _bench_module("distill_study")
@@ -268,6 +269,13 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
         "run": {"seed": seed, "dev.sacrebleu": 40.0 + seed, "test2016.sacrebleu": 39.0 + seed, "test2016.chrf": 60.0,
                 "checkpoint": "gone", "updates": 4400, "train_hours": 0.5}}
     records = [record(arm, seed) for seed in (2, 1) for arm in ("distilled", "original")]
+    greedy = [r | {"searches": {"greedy": {"run": r["run"], "outputs": r["outputs"]}}} for r in records]
+    claimed = {c["claim"] for c in study.quality_result(greedy, refs)["significance"]}
+    assert claimed == {"distilled against original", "distilled (greedy) against original",
+                       "original (greedy) against original"}
+    # a record written before greedy was decoded: the arm's greedy search is left out, not half-paired
+    claimed = {c["claim"] for c in study.quality_result([*greedy[:3], records[3]], refs)["significance"]}
+    assert claimed == {"distilled against original", "distilled (greedy) against original"}
     result = study.quality_result(records, refs)
     assert result["seeds"] == [1, 2]
     assert [r["seed"] for r in result["arms"]["distilled"]["beam"]["runs"]] == [1, 2]
