@@ -171,9 +171,8 @@ def write_record(study: Study, arm: str, seed: int) -> Path:
     """One finished run's evidence as a small file under ``--records`` (commit it): its row, its outputs of dev
     and test2016 (what the pooled bootstrap reads), the same model's row and outputs with each other search of
     ``SEARCHES`` (greedy), the machine and the commit it ran at. Run again on a finished run, it decodes what an
-    older record lacks. A record
-    outlives the run folder, so a study whose machine is lost keeps every run it finished (the ``quality`` phase
-    reads them)."""
+    older record lacks. A record outlives the run folder, so a study whose machine is lost keeps every run it
+    finished (the ``quality`` phase reads them)."""
     config = study.students[arm]
     cfg = study.config(config, study.arm_overrides(arm, seed))
     averaged = study.averaged(cfg)
@@ -309,8 +308,8 @@ def references(study: Study) -> dict[str, list[str]]:
 def quality_result(records: list[dict], refs: dict[str, list[str]]) -> dict:
     """The quality half of a study from its runs' records (``write_record``): every arm's runs in the seeds'
     order (greedy too where every seed's record holds it), and the pooled paired bootstrap against the original
-    arm; no teachers, speed or size (those need the
-    runs themselves: the ``measure`` phase). Every arm needs a record for every seed the original arm has."""
+    arm; no teachers, speed or size (those need the runs themselves: the ``measure`` phase). Every arm needs a
+    record for every seed the original arm has."""
     by_arm: dict[str, dict[int, dict]] = {}
     for r in records:
         by_arm.setdefault(r["arm"], {})[r["run"]["seed"]] = r

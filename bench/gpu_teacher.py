@@ -4,8 +4,8 @@ translations of the training sources come back as text for the student that trai
 In one call, each step bounded by the call's clock:
 
 1. ``--teachers`` runs of ``--config`` (default ``multi30k-teacher-gpu``: the paper's base width), seeds 1..k, train
-   side by side on the one GPU, each with ``--set`` and its own ``--teacher-set`` overrides (one call screens
-   several recipes) (``python -m pipeline run`` each: training on the config's clock, N chosen on dev,
+   side by side on the one GPU, each with ``--set`` and its own ``--teacher-set`` overrides, so that one call can
+   screen several recipes (``python -m pipeline run`` each: training on the config's clock, N chosen on dev,
    dev and test sets scored; no export);
 2. their ensemble is scored too, and the teacher that translates (the best single run or the ensemble) is chosen on
    dev (Multi30k val), never on test2016;
@@ -188,9 +188,10 @@ def main() -> None:
     t = time.time()
     student = resolved(args.student_config, args, ["distill.teachers=[]",
                                                    *[f"distill.{o}" for o in args.distill_set]])
+    per_teacher = {str(k): v for k, v in args.teacher_set.items()}
     lineage = {"commit": args.commit, "device": gpu or cpu_name(), "torch": torch.__version__,
                "teacher_config": args.config, "teacher_overrides": args.set,
-               "teacher_sets": {str(k): v for k, v in args.teacher_set.items()}, "chosen": chosen,
+               "teacher_sets": per_teacher, "chosen": chosen,
                "chosen_on": "dev sacreBLEU", "scores": chosen_scores}
     translations = write_translations(inputs.corpus, members, inputs.tokenizer, student.distill,
                                       args.out / "translations", args.work_dir, device=device, lineage=lineage)
@@ -201,7 +202,7 @@ def main() -> None:
     evaluated = eval_dir(first, members)
     result = {"device": gpu or cpu_name(), "torch": torch.__version__, "commit": args.commit, "config": args.config,
               "overrides": args.set,
-              "teacher_sets": {str(k): v for k, v in args.teacher_set.items()}, "teachers": rows,
+              "teacher_sets": per_teacher, "teachers": rows,
               "ensemble": {"name": ensemble, "scores": candidates[ensemble][1]} if ensemble else None,
               "chosen": chosen, "chosen_scores": chosen_scores,
               "outputs": {split: (evaluated / f"{split}.hyp").read_text(encoding="utf-8").splitlines()

@@ -52,8 +52,8 @@ def translate_options(decode: DecodeConfig, max_positions: int, special: dict[st
     differences in the module docstring), for sources given as bare sentencepiece pieces: what ``export.json``
     offers any client, and what :class:`CTranslate2Engine` starts from. ``special``: the pad and bos pieces;
     ``shortlist``: decode with the export's vocabulary map (:mod:`pipeline.shortlist`)."""
-    return {"use_vmap": shortlist} | {
-        "beam_size": decode.beam_size, "length_penalty": decode.length_penalty,
+    return {
+        "use_vmap": shortlist, "beam_size": decode.beam_size, "length_penalty": decode.length_penalty,
         # CTranslate2 keeps max_positions - 1 pieces and appends eos: encode_sources' cut
         "max_input_length": max_positions,
         # one maximum for all sentences, the longest source's (ours is per sentence); ours counts eos, theirs not
@@ -104,10 +104,9 @@ class CTranslate2Engine:
     Sentences are tokenized by our tokenizer and cut to the model's positions as the PyTorch engine does, then
     handed to CTranslate2 as pieces, eos included only where the export's ``config.json`` does not add it.
     ``shortlist`` (None: as the export says) decodes with its vocabulary map or without. ``threads`` (0: the cores
-    this process may use) run batches side by side, one thread each, and a request is
-    split into at least that many batches (of at most the export's ``batch_sentences``): on 2 cores, beam 4, 2
-    parallel single-threaded batches decoded 1.66x the sentences/s of one batch on 2 threads (319 against 192,
-    int8, tiny model).
+    this process may use) run batches side by side, one thread each, and a request is split into at least that many
+    batches (of at most the export's ``batch_sentences``): on 2 cores, beam 4, 2 parallel single-threaded batches
+    decoded 1.66x the sentences/s of one batch on 2 threads (319 against 192, int8, tiny model).
     """
 
     name = "ctranslate2"
