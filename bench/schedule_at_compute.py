@@ -57,14 +57,17 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         # mid in the shape of Wu et al. (ACL 2021)'s Multi30k model: d_model 128, d_ff 256, 4+4 layers
         "wu": [*MID, "model.d_model=128", "model.d_ff=256", "model.encoder_layers=4", "model.decoder_layers=4"],
         # the preset as written (the bf16 CPUs' default) at d_model 128, d_ff 512
-        "slim": ["train.schedule=budget", *NARROW]}
+        "slim": ["train.schedule=budget", *NARROW],
+        # the preset as written with Muon for the layers' weight matrices (Adam for the rest)
+        "muon": ["train.schedule=budget", "train.optimizer=muon"]}
 # target tokens/s of our training against the preset's shape at updates of 4,096 tokens, side by side in one run
 # (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
 # 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
-# 11-28.json; bf16 by shape, bench/results/train_speed_by_shape_bf16_xeon-amx_2026-11-28.json. An arm without a
-# measured speed for the class is refused.
+# 11-28.json; bf16 by shape, bench/results/train_speed_by_shape_bf16_xeon-amx_2026-11-28.json, and by optimizer,
+# bench/results/train_speed_by_optimizer_bf16_epyc-zen4_2026-11-28.json. An arm without a measured speed for the
+# class is refused.
 SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74},
-         "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5}}
+         "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81}}
 
 
 def arm_steps(arm: str, updates: int, speed: str = "fp32") -> int:
@@ -82,9 +85,10 @@ def arm_steps(arm: str, updates: int, speed: str = "fp32") -> int:
 TESTS = "data.test=[{name: test2016, format: text, path: multi30k/test2016}]"
 
 
-def overrides(arm: str, updates: int, seed: int, speed: str = "fp32") -> list[str]:
+def overrides(arm: str, updates: int, seed: int, speed: str = "fp32", keep: int | None = None) -> list[str]:
+    keeping = [f"train.keep_last_checkpoints={keep}"] if keep else []
     return [*ARMS[arm], "train.max_minutes=null", f"train.max_steps={arm_steps(arm, updates, speed)}",
-            f"train.seed={seed}", "export.engine=none", TESTS]
+            f"train.seed={seed}", "export.engine=none", TESTS, *keeping]
 
 
 def record_path(args: argparse.Namespace, arm: str, seed: int) -> Path:
@@ -93,7 +97,7 @@ def record_path(args: argparse.Namespace, arm: str, seed: int) -> Path:
 
 def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
     """Train, choose and score one arm and seed (a finished run is reused), and write its record."""
-    sets = overrides(arm, args.updates, seed, args.speed)
+    sets = overrides(arm, args.updates, seed, args.speed, args.keep_checkpoints)
     cmd = [sys.executable, "-m", "pipeline", "run", "--config", CONFIG, "--work-dir", str(args.work_dir),
            *[a for o in sets for a in ("--set", o)]]
     print("+", " ".join(cmd), flush=True)
@@ -155,6 +159,9 @@ def main() -> None:
     p.add_argument("--speed", choices=list(SPEED), default="fp32",
                    help="the class whose compute --updates measures: fp32 (AVX2 only) or bf16 (bf16 matrix units)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
+                   help="runs: keep the last N checkpoints (every 100 updates) for bench/learning_curve.py; the "
+                        "choice of N averaged still takes the last 1/5/10/20")
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "schedule-at-compute")
     p.add_argument("--records", type=Path, default=REPO / "bench" / "results" / "schedule_at_compute")
     p.add_argument("--out", type=Path, default=None, help="compare: the result JSON")

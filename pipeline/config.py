@@ -387,6 +387,15 @@ class TrainConfig(_Strict):
     adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="Adam's beta1. Paper: 0.9.")
     adam_beta2: float = Field(default=0.98, ge=0, lt=1, description="Adam's beta2. Paper: 0.98.")
     adam_eps: float = Field(default=1e-9, gt=0, description="Adam's epsilon. Paper: 1e-9.")
+    optimizer: Literal["adam", "muon"] = Field(default="adam", description=(
+        "adam: Adam over every parameter (the paper). muon: Muon (torch.optim.Muon: momentum orthogonalised by a "
+        "Newton-Schulz iteration) over the encoder and decoder layers' weight matrices, Adam over the rest "
+        "(embeddings and the tied pre-softmax projection, biases, layer norms), both at the schedule's rate, Muon's "
+        "matched to Adam's update size per matrix and times muon_lr_scale. Not in the paper."))
+    muon_momentum: float = Field(default=0.95, ge=0, lt=1, description=(
+        "With optimizer muon: Muon's (Nesterov) momentum. 0.95: Muon's own default."))
+    muon_lr_scale: float = Field(default=1.0, gt=0, description=(
+        "With optimizer muon: Muon's rate is this times the schedule's (which Adam steps at)."))
     label_smoothing: float = Field(default=0.1, ge=0, lt=1, description=(
         "Label smoothing of the cross-entropy loss (hurts perplexity, helps BLEU). Paper: 0.1."))
     rdrop_alpha: float = Field(default=0.0, ge=0, description=(

@@ -20,6 +20,7 @@ from pipeline.checkpoint import check_compatible, find_latest, load_checkpoint, 
 from pipeline.fsutil import sha256_file
 
 from .distributed import DistInfo, broadcast_object, seed_everything, set_rng_state
+from .optim import load_optimizer
 
 log = logging.getLogger("aiayn.train")
 
@@ -89,23 +90,6 @@ def _restore(state: dict, path: Path, model: Transformer, optimizer: torch.optim
                  dev=state["dev"], init=state.get("init_checkpoint"), resumed=True,
                  train_seconds=float(state.get("train_seconds", 0.0)),  # 0: written before either was recorded
                  skipped_updates=int(state.get("skipped_updates", 0)))
-
-
-def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
-    """Load Adam's ``saved`` state (moments, step counts, rates) into ``optimizer``, keeping this run's kernel.
-
-    The saved parameter groups carry the writer's ``foreach``/``fused`` flags, which ``load_state_dict`` would
-    restore: a run resumed with ``train.fused_adam`` switched (the same run folder) would silently keep the old
-    kernel. The step counts move to where this kernel reads them: the parameter's device for fused Adam, the CPU
-    for the grouped one (on a GPU, its bias correction would otherwise read each step back to the host).
-    """
-    kernel = [{k: g[k] for k in ("foreach", "fused")} for g in optimizer.param_groups]
-    optimizer.load_state_dict({**saved, "param_groups": [{**g, **k} for g, k in zip(saved["param_groups"], kernel)]})
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            entry = optimizer.state.get(p)
-            if entry and torch.is_tensor(entry.get("step")):
-                entry["step"] = entry["step"].to(device=p.device if group["fused"] else "cpu", dtype=torch.float32)
 
 
 def _init_from(path: Path, model: Transformer, tokenizer_sha256: str) -> Start:

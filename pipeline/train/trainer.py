@@ -58,6 +58,7 @@ from pipeline.shards import ShardDataset, token_batches, train_splits
 from .budget import BudgetWarmup
 from .distributed import DistInfo, all_gather_object, all_reduce_sum, rng_state, seed_everything, setup
 from .metrics import ConsoleSink, JsonlSink, MetricsSink, matmul_roofline, peak_flops, peak_memory_mb, perplexity
+from .optim import build_optimizer
 from .resume import resume
 
 log = logging.getLogger("aiayn.train")
@@ -140,9 +141,7 @@ class TrainStep:
         self.rdrop_alpha = t.rdrop_alpha
         self.passes = 2 if t.rdrop_alpha > 0 else 1  # R-Drop: each batch twice, under independent dropout
         self.fused_loss = t.fused_output_loss  # the config refuses it with R-Drop
-        # fused: one kernel for every parameter; foreach: a few grouped kernels (torch refuses both at once)
-        self.optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(t.adam_beta1, t.adam_beta2),
-                                          eps=t.adam_eps, foreach=not t.fused_adam, fused=t.fused_adam)
+        self.optimizer = build_optimizer(model, t)
         self.scheduler = transformer_lr_scheduler(self.optimizer, cfg.model.d_model, t.warmup_steps, t.lr_scale)
         self.clip_norm = t.clip_norm
 
