@@ -12,6 +12,7 @@ pooled over the seeds, on dev (the choosing set) and test2016 (reported).
     python bench/schedule_at_compute.py runs --updates 780 --seeds 1 2 --work-dir /work/sched
     python bench/schedule_at_compute.py compare --updates 780 --seeds 1 2 --out bench/results/schedule_780.json
     python bench/schedule_at_compute.py runs --updates 4400 --speed bf16 --seeds 1 --arms budget slim   # a bf16 CPU
+    python bench/schedule_at_compute.py compare --updates 4400 --seeds 1 --arms default muon --baseline default
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pipeline.tracking.runs import short_commit  # noqa: E402
 from pipeline.workdir import build_inputs, run_dir  # noqa: E402
 
 CONFIG, TEST = "multi30k-cpu", "test.test2016"
+DEFAULT = "default"  # compare only: the default's own runs at the bf16 CPUs' compute (see load_record)
 # the paper's warm-up (train.warmup_steps, the preset's 1,000) against the warm-up fitted to the budget, and recipes
 # that spend the same compute otherwise. An arm with smaller updates or a smaller model gets the updates its tokens
 # buy in the time of --updates updates of 4,096 tokens of the preset's shape on a CPU of the class studied (--speed:
@@ -59,7 +61,9 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         # the preset as written (the bf16 CPUs' default) at d_model 128, d_ff 512
         "slim": ["train.schedule=budget", *NARROW],
         # the preset as written with Muon for the layers' weight matrices (Adam for the rest)
-        "muon": ["train.schedule=budget", "train.optimizer=muon"]}
+        "muon": ["train.schedule=budget", "train.optimizer=muon"],
+        # Muon learns faster per token (L41): room for the stronger dropout that was too slow with Adam (L14)
+        "muon-d3": ["train.schedule=budget", "train.optimizer=muon", "model.dropout=0.3"]}
 # target tokens/s of our training against the preset's shape at updates of 4,096 tokens, side by side in one run
 # (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
 # 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
@@ -67,7 +71,7 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
 # bench/results/train_speed_by_optimizer_bf16_epyc-zen4_2026-11-28.json. An arm without a measured speed for the
 # class is refused.
 SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74},
-         "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81}}
+         "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81}}
 
 
 def arm_steps(arm: str, updates: int, speed: str = "fp32") -> int:
@@ -122,10 +126,25 @@ def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
     return path
 
 
+def load_record(args: argparse.Namespace, arm: str, seed: int) -> dict:
+    """The record of ``arm`` and ``seed``; ``default``: the distillation study's original arm (the default's model
+    and recipe at the bf16 CPUs' 4,400 updates, ``bench/distill_study.py students``) under ``--default-records``,
+    in this study's keys."""
+    if arm != DEFAULT:
+        return json.loads(record_path(args, arm, seed).read_text(encoding="utf-8"))
+    path = args.default_records / f"original-seed{seed}.json"
+    r = json.loads(path.read_text(encoding="utf-8"))
+    run = r["run"]
+    return {"arm": DEFAULT, "seed": seed, "record": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else
+            str(path), "updates": run["updates"], "machine": r["machine"], "commit": r["commit"],
+            "train_seconds": round(run["train_hours"] * 3600), "dev.sacrebleu": run["dev.sacrebleu"],
+            "test2016.sacrebleu": run["test2016.sacrebleu"], "test2016.chrf": run["test2016.chrf"],
+            "outputs": r["outputs"]}
+
+
 def compare(args: argparse.Namespace) -> dict:
     """Every arm against ``--baseline`` from the records: per-seed scores and the pooled paired bootstrap."""
-    records = {(a, s): json.loads(record_path(args, a, s).read_text(encoding="utf-8"))
-               for a in args.arms for s in args.seeds}
+    records = {(a, s): load_record(args, a, s) for a in args.arms for s in args.seeds}
     cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), TESTS])
     corpus = build_inputs(cfg).corpus
     refs = {split: read_split(corpus, read_manifest(corpus), split)[1] for split in ("dev", TEST)}
@@ -158,19 +177,24 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--speed", choices=list(SPEED), default="fp32",
                    help="the class whose compute --updates measures: fp32 (AVX2 only) or bf16 (bf16 matrix units)")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=[*ARMS, DEFAULT],
+                   help=f"{DEFAULT} (compare only): the default's runs at 4,400 updates, from --default-records")
     p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
                    help="runs: keep the last N checkpoints (every 100 updates) for bench/learning_curve.py; the "
                         "choice of N averaged still takes the last 1/5/10/20")
     p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "schedule-at-compute")
     p.add_argument("--records", type=Path, default=REPO / "bench" / "results" / "schedule_at_compute")
     p.add_argument("--out", type=Path, default=None, help="compare: the result JSON")
-    p.add_argument("--baseline", default="paper", choices=list(ARMS), help="compare: the arm the others face")
+    p.add_argument("--baseline", default="paper", choices=[*ARMS, DEFAULT], help="compare: the arm the others face")
+    p.add_argument("--default-records", type=Path, default=REPO / "bench" / "results" / "distill_study" / "en-de",
+                   help="compare: where the default's runs at 4,400 updates are (original-seed<N>.json)")
     args = p.parse_args()
     args.work_dir = args.work_dir.resolve()
     if args.phase == "compare":
         compare(args)
         return
+    if DEFAULT in args.arms:
+        p.error(f"{DEFAULT} is not run here: its records come from bench/distill_study.py students --arms original")
     for seed in args.seeds:  # seed by seed: an interrupted study leaves paired arms
         for arm in args.arms:
             print(f"record: {run(args, arm, seed)}", flush=True)
