@@ -685,15 +685,21 @@ def test_cooldown_takes_the_learning_rate_linearly_to_zero_at_the_end_of_the_bud
     assert factors == sorted(factors, reverse=True) and factors[-1] < 0.5, factors
 
 
-@pytest.mark.integration
-def test_accumulation_equals_one_big_batch(shared_data, shards):
-    cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")  # exact to float32 rounding
+def lever_setup(cfg, shards: Path) -> tuple[ShardDataset, object, Transformer, list]:
+    """The lever tests' start: the training split, this process, a model of ``cfg``'s shape from seed 0, and the
+    split's batches of 512 tokens in epoch 0's order (index arrays)."""
     ds = ShardDataset(shards, "train")
     info = setup()
     torch.manual_seed(0)
     model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
-    batches = usable_batches(ds, 512, 1024, seed=1, epoch=0)
-    a, b = batches[0], batches[1]
+    return ds, info, model, usable_batches(ds, 512, 1024, seed=1, epoch=0)
+
+
+@pytest.mark.integration
+def test_accumulation_equals_one_big_batch(shared_data, shards):
+    cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")  # exact to float32 rounding
+    ds, info, model, ids = lever_setup(cfg, shards)
+    a, b = ids[:2]
 
     def grads(micro) -> dict:
         step = TrainStep(copy.deepcopy(model), cfg, info, ds.special.pad)
@@ -726,11 +732,8 @@ def test_the_fused_output_loss_trains_as_the_logits_loss(shared_data, shards, pr
     """train.fused_output_loss: the same sums and gradients as the loss over the whole logits (fp32: to float32
     rounding; bf16, the CPU's bf16 copy: to bf16 rounding), the shared embedding's gradient included."""
     cfg = config(shared_data, "model.dropout=0.0", f"train.precision={precision}")
-    ds = ShardDataset(shards, "train")
-    info = setup()
-    torch.manual_seed(0)
-    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
-    micro = [make_batch(ds, b, info.device) for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:2]]
+    ds, info, model, ids = lever_setup(cfg, shards)
+    micro = [make_batch(ds, b, info.device) for b in ids[:2]]
     out = {}
     for fused in (False, True):
         step = lever_step(cfg, model, info, ds.special.pad, fused_output_loss=fused)
@@ -767,11 +770,8 @@ def test_fused_adam_updates_as_the_grouped_adam_and_resumes_its_state(shared_dat
     and since it leaves the run folder as it is, a run resumed with it switched on continues from the grouped
     Adam's state (and back) as the run would have."""
     cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")
-    ds = ShardDataset(shards, "train")
-    info = setup()
-    torch.manual_seed(0)
-    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
-    batches = [[make_batch(ds, b, info.device)] for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:3]]
+    ds, info, model, ids = lever_setup(cfg, shards)
+    batches = [[make_batch(ds, b, info.device)] for b in ids[:3]]
 
     def step_of(fused: bool, weights: Transformer) -> TrainStep:
         return lever_step(cfg, weights, info, ds.special.pad, fused_adam=fused)
@@ -806,11 +806,8 @@ def test_muon_steps_the_layers_matrices_orthogonalised_and_adam_the_rest(shared_
     at Adam's rate matched to its shape, times muon_lr_scale; the embedding and the biases take Adam's first step
     (every entry with a gradient moves by the rate); a checkpoint of one optimizer is refused by the other."""
     cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")
-    ds = ShardDataset(shards, "train")
-    info = setup()
-    torch.manual_seed(0)
-    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
-    batch = [make_batch(ds, usable_batches(ds, 512, 1024, seed=1, epoch=0)[0], info.device)]
+    ds, info, model, ids = lever_setup(cfg, shards)
+    batch = [make_batch(ds, ids[0], info.device)]
     moved = {}
     for scale in (1.0, 2.0):
         step = lever_step(cfg, model, info, ds.special.pad, optimizer="muon", muon_lr_scale=scale)
@@ -837,11 +834,8 @@ def test_muon_steps_the_layers_matrices_orthogonalised_and_adam_the_rest(shared_
 @pytest.mark.integration
 def test_rdrop_runs_each_batch_twice_under_its_own_dropout_and_adds_their_symmetric_kl(shared_data, shards):
     cfg = config(shared_data, "model.dropout=0.3", "train.precision=fp32", "train.rdrop_alpha=2.0")
-    ds = ShardDataset(shards, "train")
-    info = setup()
-    torch.manual_seed(0)
-    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
-    batch = make_batch(ds, usable_batches(ds, 512, 1024, seed=1, epoch=0)[0], info.device)
+    ds, info, model, ids = lever_setup(cfg, shards)
+    batch = make_batch(ds, ids[0], info.device)
     step = TrainStep(copy.deepcopy(model), cfg, info, ds.special.pad)
     torch.manual_seed(5)  # the dropout masks
     sums, counts = step.accumulate([batch])
@@ -882,11 +876,8 @@ def test_rdrop_mfu_counts_both_passes(shared_data, shards, tmp_path):
 @pytest.mark.integration
 def test_bf16_on_a_cpu_runs_a_bf16_copy_and_adam_updates_the_fp32_weights(shared_data, shards):
     cfg = config(shared_data, "model.dropout=0.0", "train.precision=bf16")
-    ds = ShardDataset(shards, "train")
-    info = setup()
-    torch.manual_seed(0)
-    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
-    a, b = usable_batches(ds, 512, 1024, seed=1, epoch=0)[:2]
+    ds, info, model, ids = lever_setup(cfg, shards)
+    a, b = ids[:2]
     micro = [make_batch(ds, a, info.device), make_batch(ds, b, info.device)]
     step = TrainStep(copy.deepcopy(model), cfg, info, ds.special.pad)
     work = step.work
@@ -926,11 +917,8 @@ def test_bf16_copy_or_autocast_both_train_and_keep_fp32_weights(shared_data, sha
     """train.bf16_copy: on, forward and backward run a bf16 copy and Adam the fp32 weights; off, autocast runs the
     fp32 model. Both train to about the same loss from the same weights and batches (bf16 rounding apart)."""
     cfg = config(shared_data, "model.dropout=0.0", "train.precision=bf16")
-    ds = ShardDataset(shards, "train")
-    info = setup()
-    torch.manual_seed(0)
-    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
-    batches = [[make_batch(ds, b, info.device)] for b in usable_batches(ds, 512, 1024, seed=1, epoch=0)[:3]]
+    ds, info, model, ids = lever_setup(cfg, shards)
+    batches = [[make_batch(ds, b, info.device)] for b in ids[:3]]
     losses = {}
     for mode in ("on", "off"):
         step = lever_step(cfg, model, info, ds.special.pad, bf16_copy=mode)
@@ -948,11 +936,8 @@ def test_compiling_the_layers_computes_the_eager_loss_and_gradients(shared_data,
     """train.compile=layers: each encoder and decoder layer compiled on its own (torch.compile, inductor), the rest
     eager; the same loss and gradients as eager to float32 rounding (one batch shape: one compilation)."""
     cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")
-    ds = ShardDataset(shards, "train")
-    info = setup()
-    torch.manual_seed(0)
-    model = Transformer(1000, ds.special.pad, **cfg.model.model_dump())
-    micro = [make_batch(ds, usable_batches(ds, 512, 1024, seed=1, epoch=0)[0], info.device)]
+    ds, info, model, ids = lever_setup(cfg, shards)
+    micro = [make_batch(ds, ids[0], info.device)]
     out = {}
     for mode in (False, "layers"):
         step = lever_step(cfg, model, info, ds.special.pad, compile=mode)
