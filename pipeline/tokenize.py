@@ -148,8 +148,8 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
                       "sentences": sentences, "used": used},
             "versions": {"sentencepiece": spm.__version__},
         })
-    log.info("tokenizer (%s, %d pieces) trained in %.1f s: %s", cfg.model_type, cfg.vocab_size,
-             time.perf_counter() - started, out)
+    log.info("tokenizer (%s, %d pieces) trained on %d of the split's %d sentences (seed %d) in %.1f s: %s",
+             cfg.model_type, cfg.vocab_size, used, sentences, cfg.seed, time.perf_counter() - started, out)
     return out
 
 

@@ -348,6 +348,34 @@ def test_each_cleaning_rule_is_applied_and_counted(root: Path, tmp_path: Path) -
     assert [r["line"] for r in rows(corpus, "train")] == [1, 2, 8, 9]
 
 
+def test_dedup_keeps_each_first_copy_across_batches_in_8_bytes_a_pair(root: Path, tmp_path: Path) -> None:
+    """Exact dedup batch by batch (data.write_batch_rows pairs) keeps the same pairs as one pass over a Python set,
+    within a batch and across batches, and holds each kept pair's key in 8 bytes."""
+    import numpy as np
+
+    from pipeline.data.clean import SeenKeys
+
+    rng = np.random.default_rng(0)
+    keys = rng.integers(0, 400, 3000).astype(np.uint64)  # many repeats, within and across batches
+    seen, expected, got = set(), [], []
+    for k in keys.tolist():
+        expected.append(k not in seen)
+        seen.add(k)
+    keyset = SeenKeys()
+    for start in range(0, len(keys), 64):
+        got += keyset.add_batch(keys[start:start + 64]).tolist()
+    assert got == expected and len(keyset) == len(seen)
+    assert sum(r.nbytes for r in keyset.runs) == 8 * len(seen) and len(keyset.runs) <= 6  # log2(47 batches) + 1
+    assert all((np.diff(r.astype(np.int64)) > 0).all() for r in keyset.runs)  # each run sorted, no repeats
+
+    en = [f"pair {i % 7} here" for i in range(40)]  # 7 distinct pairs, 33 later copies
+    write_pair(root, "train", en, [f"Paar {i % 7} hier" for i in range(40)])
+    cfg = data_cfg(root, [{"name": "t", "format": "text", "path": "train"}])
+    corpus = prepare_corpus(cfg.model_copy(update={"write_batch_rows": 3}), tmp_path)
+    assert read_manifest(corpus)["splits"]["train"]["cleaning"]["removed"]["duplicate"] == 33
+    assert [r["line"] for r in rows(corpus, "train")] == list(range(1, 8))
+
+
 @pytest.mark.parametrize("mode, removed", [("off", 0), ("pair", 1), ("source", 2), ("either", 3)])
 def test_decontamination_modes(root: Path, tmp_path: Path, mode: str, removed: int) -> None:
     # dev is ("Dev sentence one." -> "Dev Satz eins."), ("Dev two." -> "Dev zwei.")

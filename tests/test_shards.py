@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +21,7 @@ from pipeline.fsutil import sha256_file
 from pipeline.shards import (CHUNK_ROWS, ShardDataset, ShardError, build_shards, read_shard_manifest, shard_schema,
                              token_batches, train_splits)
 from pipeline.tokenize import Tokenizer, train_tokenizer
+from tests.conftest import REPO_ROOT
 from tests.test_tokenize import multi30k_corpus
 
 # 20k rows per shard: Multi30k's 28,997 training pairs span two shards, the first of two record batches.
@@ -78,6 +83,58 @@ def test_byte_identical_whatever_the_workers_and_a_rerun_is_a_noop(corpus: Path,
     assert {p.name: p.stat().st_mtime_ns for p in shards.iterdir()} == mtimes
     other = build_shards(corpus, tok.dir, CFG.model_copy(update={"shard_rows": 50_000}), tmp_path)
     assert other.name != shards.name
+
+
+KILLED = """
+import sys, time
+from pathlib import Path
+from pipeline.config import TokenizerConfig
+from pipeline.shards import build_shards
+
+corpus, tokenizer, work, stuck, cfg, after = sys.argv[1:]
+
+def progress(done, total):
+    if done > int(after):  # a chunk of the fourth training shard is written: wait here to be killed
+        Path(stuck).touch()
+        time.sleep(600)
+
+build_shards(Path(corpus), Path(tokenizer), TokenizerConfig.model_validate_json(cfg), Path(work), progress=progress)
+"""
+
+
+@pytest.mark.integration
+def test_kill_9_during_encoding_resumes_with_the_first_shard_not_finished(corpus: Path, tok: Tokenizer,
+                                                                         tmp_path: Path, caplog) -> None:
+    cfg = CFG.model_copy(update={"shard_rows": 5_000, "num_workers": 1})  # train: 6 shards of one chunk each
+    splits = json.loads((corpus / "manifest.json").read_text())["splits"]
+    before_train = sum(s["rows"] for k, s in splits.items() if k != "train")  # splits are encoded in key order
+    work, stuck = tmp_path / "work", tmp_path / "stuck"
+    child = subprocess.Popen([sys.executable, "-c", KILLED, str(corpus), str(tok.dir), str(work), str(stuck),
+                              cfg.model_dump_json(), str(before_train + 3 * 5_000)], cwd=REPO_ROOT,
+                             stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not stuck.exists():
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "the child never reached its fourth training shard"
+            time.sleep(0.1)
+    finally:
+        child.kill()  # SIGKILL: nothing of the child's runs after it
+        child.wait()
+    partial = next((work / "shards").glob(".*.partial"))
+    finished = sorted(p.name for p in partial.glob("train-*.json"))
+    assert finished == ["train-00000.json", "train-00001.json", "train-00002.json"]
+    inodes = {f"train-{i:05d}.arrow": (partial / f"train-{i:05d}.arrow").stat().st_ino for i in range(3)}
+    with caplog.at_level(logging.INFO, logger="aiayn.shards"):
+        heard: list[int] = []
+        out = build_shards(corpus, tok.dir, cfg, work, progress=lambda done, total: heard.append(done))
+    assert f"resuming the shard writing in {partial}: {len(splits) - 1 + 3} shards ({before_train + 15_000} of " \
+           f"{before_train + splits['train']['rows']} pairs) already written" in caplog.messages
+    assert heard[0] == before_train + 20_000  # the first chunk encoded is the fourth training shard's
+    assert {name: (out / name).stat().st_ino for name in inodes} == inodes  # moved into place, not rewritten
+    assert not partial.exists()
+    whole = build_shards(corpus, tok.dir, cfg, tmp_path / "uninterrupted")
+    assert whole.name == out.name and files(whole) == files(out)
 
 
 @pytest.mark.integration

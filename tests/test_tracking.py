@@ -203,6 +203,11 @@ def test_data_lineage_inputs_with_source_and_digest(started, tiny_stack) -> None
             == corpus["splits"]["train"]["cleaning"]["removed"]["duplicate"])
     assert {"tokenizer/spm.model", "tokenizer/spm.vocab", "data/shards/manifest.json"} <= _artifacts(
         c, started["runs"]["tokenizer"])
+    # the tokenizer's training sample is logged: how many of the split's sentences it trained on
+    trained_on = json.loads((tiny_stack.tokenizer / "manifest.json").read_text())["train"]
+    tok = c.get_run(started["runs"]["tokenizer"]).data.metrics
+    assert tok["tokenizer.train_sentences"] == 2 * corpus["splits"]["train"]["rows"] == trained_on["sentences"]
+    assert tok["tokenizer.sample_sentences"] == trained_on["used"] <= trained_on["sentences"]
     assert "data/corpus/manifest.json" in _artifacts(c, started["runs"]["data"])
 
 

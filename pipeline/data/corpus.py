@@ -185,14 +185,26 @@ def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, in
         read: Counter = Counter()
         symbols: set[str] = set()  # parsing: the closed target vocabulary of the kept training trees
         reading = _TrainProgress(train, progress)
+        passed: list[tuple[Source, int, str, str, bytes]] = []  # pairs through every rule but dedup, in order
+
+        def write_fresh() -> None:  # dedup one batch and write what is kept
+            for (source, line, s, t, _), fresh in zip(passed, keep.fresh([p[4] for p in passed])):
+                if fresh:
+                    writer.add(source.spec.name, line, s, t, None)
+                    symbols.update(source.target_symbols(t))
+            passed.clear()
+
         for source in train:
             name = source.spec.name
             for line, src, tgt in reading.pairs(source):
                 read[name] += 1
                 s, t = normalize(src), normalize(source.model_target(tgt, data.tree_leaves))
-                if keep.keep(s, t):
-                    writer.add(name, line, s, t, None)
-                    symbols.update(source.target_symbols(t))
+                key = keep.check(s, t)
+                if key is not None:
+                    passed.append((source, line, s, t, key))
+                    if len(passed) >= data.write_batch_rows:
+                        write_fresh()
+        write_fresh()
         entry = writer.close()
         report = _cleaning_report(sum(read.values()), counts, entry["rows"])
         if not entry["rows"]:

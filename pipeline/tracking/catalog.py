@@ -244,6 +244,9 @@ _add("distill", "artifact", ("data/distilled/manifest.json", "The distilled corp
 # --- tokenize
 _add("tokenize", "metric",
      ("tokenizer.vocab_size", "Pieces in the shared subword vocabulary, special pieces included (count)."),
+     ("tokenizer.train_sentences", "Sentences of the training split, both sides (count)."),
+     ("tokenizer.sample_sentences", "Of those, the sentences the tokenizer trained on: all, or the seeded uniform "
+                                    "sample of tokenizer.input_sentence_size (count)."),
      ("shards.<split>.rows", "Sentence pairs in this split's token shards (count)."),
      ("shards.<split>.<side>.tokens", "Tokens of this side (src or tgt) of the split (count)."),
      ("shards.<split>.<side>.mean_len", "Mean sentence length of this side of the split (tokens)."),

@@ -125,7 +125,10 @@ def log_tokenizer(run_id: str, tokenizer_dir: Path, shards_dir: Path) -> dict:
         c.log_artifact(run_id, str(tokenizer_dir / name), "tokenizer")
     c.log_artifact(run_id, str(shards_dir / MANIFEST), "data/shards")
 
-    metrics: dict[str, float] = {"tokenizer.vocab_size": tok.vocab_size}
+    trained_on = tok.manifest["train"]
+    metrics: dict[str, float] = {"tokenizer.vocab_size": tok.vocab_size,
+                                 "tokenizer.train_sentences": trained_on["sentences"],
+                                 "tokenizer.sample_sentences": trained_on["used"]}
     inputs = []
     for key, split in shards["splits"].items():
         metrics[f"shards.{key}.rows"] = split["rows"]

@@ -247,9 +247,34 @@ def student_cost(led: Ledger, repo: Path, out: Path) -> Path | None:
     return _save(fig, out / "student-cost.svg")
 
 
+def data_scale(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """The data side against corpus size: time per pair and peak memory of each stage, one line per stage and
+    entry; tables named ``data_scale`` (columns: pairs, stage, us_per_pair, peak_rss_mb, ...)."""
+    rows = _table_rows(led, "data_scale")
+    if not rows:
+        return None
+    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for (eid, stage) in sorted({(e.id, r["stage"]) for e, r in rows}):
+        sel = sorted((r["pairs"], r) for e, r in rows if e.id == eid and r["stage"] == stage)
+        label = f"{stage} ({eid})"
+        time_ax.plot([p for p, _ in sel], [r["us_per_pair"] for _, r in sel], marker="o", label=label)
+        mem_ax.plot([p for p, _ in sel], [r["peak_rss_mb"] / 1024 for _, r in sel], marker="o", label=label)
+    mem_ax.axhline(6, color="#c44e52", ls="--", lw=1, label="6 GB (issue 56's bound)")
+    for ax in (time_ax, mem_ax):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v / 1e6:g}M"))
+        ax.set_xlabel("training pairs")
+    time_ax.set(ylabel="microseconds per pair", title="Time per training pair")
+    mem_ax.set(ylabel="peak RSS (GB)", title="Peak memory of the stage's processes")
+    mem_ax.legend(fontsize=7)
+    fig.suptitle(f"The data side at WMT scale, {_cpu(rows[0][0])}", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, out / "data-scale.svg")
+
+
 PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
     learning_curve, speed_vs_baselines, gpu_throughput, recipe_deltas, quality_vs_speed, distillation,
-    student_cost]
+    student_cost, data_scale]
 
 
 def _save(fig, path: Path) -> Path:
