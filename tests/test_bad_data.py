@@ -146,7 +146,8 @@ def _pool_workers(parent: psutil.Process) -> list[psutil.Process]:
 def test_tokenize_killed_while_encoding_takes_its_workers_down_and_the_rerun_cleans_up(shared_data: Path,
                                                                                        tmp_path: Path) -> None:
     """kill -9 of ``python -m pipeline tokenize`` while its pool encodes the shards: every worker exits within
-    seconds (parent-death signal), and the same command run again succeeds, leaving no temporary shard folder."""
+    seconds (parent-death signal), and the same command run again succeeds, leaving no temporary or partial shard
+    folder."""
     root, work = tmp_path / "data", tmp_path / "work"
     (root / "c").mkdir(parents=True)
     for lang in ("en", "de"):
@@ -179,10 +180,11 @@ def test_tokenize_killed_while_encoding_takes_its_workers_down_and_the_rerun_cle
             proc.wait()
     assert len(workers) >= 2
     assert not left, f"still running 5 s after their parent was killed: {left}"
-    assert leftovers(work / "shards"), "the kill left no temporary shard folder: it came too late to test the rerun"
+    assert list((work / "shards").glob(".*.partial")), "the kill left no partial shard folder: it came too late"
 
     rerun = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     shards = Path(rerun.stdout.split("shards:")[1].strip())
     assert (shards / "manifest.json").is_file()
     assert not leftovers(work), leftovers(work)
+    assert not list((work / "shards").glob(".*.partial"))  # resumed, then removed once the output was whole
