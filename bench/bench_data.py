@@ -43,6 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pipeline.fsutil import disk_mb  # noqa: E402
+
 NEWS = ["news-test2008", "newssyscomb2009", "newstest2009", "newstest2010", "newstest2011", "newstest2012"]
 STAGES = ("data", "tokenizer", "shards", "reader")
 READER_TOKENS = 25_000  # the paper's batch: ~25,000 target tokens
@@ -266,13 +268,8 @@ def measured(kind: str, *args, rss_cap_gb: float, parallel: int = 1) -> dict:
         result["pairs_per_s"] = round(result["pairs"] / result["seconds"])
         result["us_per_pair"] = round(1e6 * result["seconds"] / result["pairs"], 2)
     if "out" in result:
-        result["disk_mb"] = _disk_mb(Path(result["out"]))
+        result["disk_mb"] = disk_mb(Path(result["out"]))
     return result
-
-
-def _disk_mb(path: Path) -> float:
-    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-    return round(sum(f.stat().st_size for f in files) / 2**20, 1)
 
 
 def synthetic_text(shared: Path, root: Path, n_pairs: int) -> None:
@@ -312,7 +309,7 @@ def scale(args, n_pairs: int, results: dict) -> None:
         root.mkdir(parents=True)
         t = time.perf_counter()
         synthetic_text(args.data_root, root, n_pairs)
-        runs["text"] = {"seconds": round(time.perf_counter() - t, 1), "disk_mb": _disk_mb(root)}
+        runs["text"] = {"seconds": round(time.perf_counter() - t, 1), "disk_mb": disk_mb(root)}
         print(f"{n_pairs:,} pairs: synthetic text {runs['text']['disk_mb']:,.0f} MB in {runs['text']['seconds']} s",
               flush=True)
 

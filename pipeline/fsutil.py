@@ -163,16 +163,21 @@ def identity_fingerprint(identity: dict) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def stage_folder(work_dir: Path, stage: str, identity: dict) -> tuple[Path, str, bool]:
+def stage_folder(work_dir: Path, stage: str, identity: dict, restarts: str | None = None) -> tuple[Path, str, bool]:
     """``(folder, fingerprint, done)`` for a stage output named by the hash of everything that determines it.
 
     ``identity`` holds the stage's format, code hash, settings and input hashes. ``done`` is True when an earlier
     run finished the folder (its manifest exists): the caller returns it as is. A folder without a manifest is an
-    interrupted run's leftover and is removed, so the caller always writes from scratch.
+    interrupted run's leftover and is removed, so the caller always writes from scratch; where an interrupted run
+    of this very output left its temporary folder, the log says so, and why the stage cannot continue it
+    (``restarts``).
     """
     fingerprint = identity_fingerprint(identity)
     out = Path(work_dir).resolve() / stage / fingerprint[:16]
-    remove_stale_temps(out.parent)
+    removed = remove_stale_temps(out.parent)
+    if restarts and any(p.name.startswith(f".{out.name}.tmp-") for p in removed):
+        log.warning("%s %s: an interrupted run's partial output was removed; this stage starts again from the "
+                    "beginning: %s", stage, out.name, restarts)
     if (out / MANIFEST).is_file():
         log.info("%s unchanged, reusing %s", stage, out)
         return out, fingerprint, True

@@ -114,7 +114,8 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
     symbols = corpus.get("target_symbols", []) + (word_classes() if cfg.unknown_word_classes else [])
     identity = {"format": TOKENIZER_FORMAT, "code": code_hash(Path(__file__)), "settings": model_settings(cfg),
                 "trainer": TRAINER_OPTIONS, "train_sha256": train["sha256"], "user_defined_symbols": symbols}
-    out, fingerprint, done = stage_folder(work_dir, "tokenizer", identity)
+    out, fingerprint, done = stage_folder(work_dir, "tokenizer", identity, restarts=(
+        "sentencepiece trains a model in one call and cannot continue an interrupted one"))
     if done:
         return out
     path = corpus_dir / train["file"]

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,6 +170,20 @@ def tiny_stack(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> S
     corpus = prepare_corpus(cfg.data, work)
     tokenizer = train_tokenizer(corpus, cfg.tokenizer, work)
     return Stack(work, corpus, tokenizer, build_shards(corpus, tokenizer, cfg.tokenizer, work))
+
+
+def kill_when_stuck(child: subprocess.Popen, stuck: Path, what: str, timeout: float = 120) -> None:
+    """Wait until ``child`` creates ``stuck`` (it then waits to be killed), then SIGKILL it: nothing of the child
+    runs after that. Fails naming ``what`` it never reached, or with its stderr if it exited first."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not stuck.exists():
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, f"the child never reached {what}"
+            time.sleep(0.1)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def copy_lines(src: Path, dst: Path, stop: int | None, start: int = 0) -> None:

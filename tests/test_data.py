@@ -415,6 +415,28 @@ def test_same_input_gives_byte_identical_output_and_rerun_is_a_noop(root: Path, 
     assert c != a and (a / "manifest.json").is_file()
 
 
+def test_a_killed_runs_partial_corpus_is_removed_and_the_log_says_why_it_starts_over(root: Path, tmp_path: Path,
+                                                                                     caplog) -> None:
+    """What a run killed mid-write (kill -9) leaves, a temporary folder named for its process, goes on the next
+    run, which says it starts again and why (a Parquet file cut short cannot be continued)."""
+    import logging
+    import socket
+
+    write_pair(root, "train", EN * 3, DE * 3)
+    cfg = data_cfg(root, [{"name": "t", "format": "text", "path": "train"}])
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # a process that has exited: the writer that was killed
+    name = corpus_fingerprint(cfg)[:16]
+    partial = tmp_path / "corpus" / f".{name}.tmp-{socket.gethostname()}-{dead}.x1y2"
+    partial.mkdir(parents=True)
+    (partial / "train.parquet").write_bytes(b"PAR1 cut short")
+    with caplog.at_level(logging.INFO):
+        corpus = prepare_corpus(cfg, tmp_path)
+    assert not partial.exists() and corpus.name == name and (corpus / "manifest.json").is_file()
+    assert any(f"corpus {name}: an interrupted run's partial output was removed; this stage starts again from the "
+               "beginning: it writes each split as one Parquet file" in m for m in caplog.messages), caplog.messages
+
+
 def test_manifest_hashes_match_the_files(root: Path, tmp_path: Path) -> None:
     import hashlib
 

@@ -14,7 +14,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -33,6 +32,7 @@ from pipeline.fsutil import MANIFEST, sha256_file
 from pipeline.inference import load_models, translate, translate_nbest
 from pipeline.tokenize import Tokenizer, train_tokenizer
 from pipeline.workdir import build_inputs
+from tests.conftest import kill_when_stuck
 
 REPO = Path(__file__).resolve().parents[1]
 EN = "a man woman dog cat red blue big small runs walks sees eats the green house car tree bike street".split()
@@ -432,15 +432,7 @@ def test_kill_9_during_decoding_resumes_with_the_first_chunk_not_on_disk(toy: To
     work, stuck, teacher = tmp_path / "work", tmp_path / "stuck", toy.teachers[0]
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(toy.corpus), str(teacher), str(toy.tokenizer_dir),
                               str(work), str(stuck), str(config)], cwd=REPO, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not stuck.exists():
-            assert child.poll() is None, child.stderr.read().decode()
-            assert time.monotonic() < deadline, "the child never reached its third chunk"
-            time.sleep(0.1)
-    finally:
-        child.kill()  # SIGKILL: nothing of the child's runs after it
-        child.wait()
+    kill_when_stuck(child, stuck, "its third chunk")
     partial = next((work / "distilled").glob(".*.partial"))
     chunks = sorted(partial.glob("chunk-*.parquet"))
     assert [c.name for c in chunks] == ["chunk-000000.parquet", "chunk-000001.parquet"]

@@ -8,7 +8,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from pipeline.fsutil import sha256_file
 from pipeline.shards import (CHUNK_ROWS, ShardDataset, ShardError, build_shards, read_shard_manifest, shard_schema,
                              token_batches, train_splits)
 from pipeline.tokenize import Tokenizer, train_tokenizer
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, kill_when_stuck
 from tests.test_tokenize import multi30k_corpus
 
 # 20k rows per shard: Multi30k's 28,997 training pairs span two shards, the first of two record batches.
@@ -112,15 +111,7 @@ def test_kill_9_during_encoding_resumes_with_the_first_shard_not_finished(corpus
     child = subprocess.Popen([sys.executable, "-c", KILLED, str(corpus), str(tok.dir), str(work), str(stuck),
                               cfg.model_dump_json(), str(before_train + 3 * 5_000)], cwd=REPO_ROOT,
                              stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not stuck.exists():
-            assert child.poll() is None, child.stderr.read().decode()
-            assert time.monotonic() < deadline, "the child never reached its fourth training shard"
-            time.sleep(0.1)
-    finally:
-        child.kill()  # SIGKILL: nothing of the child's runs after it
-        child.wait()
+    kill_when_stuck(child, stuck, "its fourth training shard")
     partial = next((work / "shards").glob(".*.partial"))
     finished = sorted(p.name for p in partial.glob("train-*.json"))
     assert finished == ["train-00000.json", "train-00001.json", "train-00002.json"]

@@ -160,7 +160,8 @@ def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, in
     hears (training pairs read, pairs in the training sources) as they are read (see :class:`_TrainProgress`).
     """
     dev, tests, train, identity = _open_sources(data)
-    out, fingerprint, done = stage_folder(work_dir, "corpus", identity)
+    out, fingerprint, done = stage_folder(work_dir, "corpus", identity, restarts=(
+        "it writes each split as one Parquet file, and a Parquet file cut short cannot be continued"))
     if done:
         return out
     groups = {"dev": [dev], "test": tests, "train": train}
@@ -188,10 +189,10 @@ def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, in
         passed: list[tuple[Source, int, str, str, bytes]] = []  # pairs through every rule but dedup, in order
 
         def write_fresh() -> None:  # dedup one batch and write what is kept
-            for (source, line, s, t, _), fresh in zip(passed, keep.fresh([p[4] for p in passed])):
+            for (origin, line, s, t, _), fresh in zip(passed, keep.fresh([p[4] for p in passed])):
                 if fresh:
-                    writer.add(source.spec.name, line, s, t, None)
-                    symbols.update(source.target_symbols(t))
+                    writer.add(origin.spec.name, line, s, t, None)
+                    symbols.update(origin.target_symbols(t))
             passed.clear()
 
         for source in train:
