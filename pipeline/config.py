@@ -202,7 +202,7 @@ class DataConfig(_Strict):
     # why ``words`` exists: copying each word teaches the decoder the word-by-word alignment to the source in far
     # fewer updates (configs/presets/parsing-cpu.yaml)
     write_batch_rows: int = Field(default=65_536, ge=1, description=(
-        "Rows held in memory per write of the data stage; bounds its peak memory."))
+        "Pairs the data stage reads, cleans and writes at a time (a Parquet row group); bounds its peak memory."))
 
     def dev_domain_mismatch(self) -> str | None:
         """Why the dev set looks out of the training data's domain (its origin differs from every training

@@ -348,6 +348,51 @@ def test_each_cleaning_rule_is_applied_and_counted(root: Path, tmp_path: Path) -
     assert [r["line"] for r in rows(corpus, "train")] == [1, 2, 8, 9]
 
 
+def test_batch_normalisation_equals_one_text_at_a_time() -> None:
+    """The data stage normalises a batch at once (an ASCII check, one regular expression over the batch); it gives
+    the texts and counts of str.split() and unicodedata one text at a time, for every space Python knows."""
+    import sys
+    from collections import Counter
+
+    from pipeline.config import CleaningConfig
+    from pipeline.data.clean import _OTHER_SPACES, Normalizer
+
+    assert _OTHER_SPACES == "".join(chr(c) for c in range(sys.maxunicode + 1) if chr(c).isspace() and c != 0x20)
+    below = [chr(c) for c in range(0x300)]  # what the NFC shortcut takes as normalised whatever surrounds it
+    assert all(unicodedata.combining(c) == 0 and unicodedata.is_normalized("NFC", x + c) for c in below for x in below)
+    nfd = unicodedata.normalize("NFD", "Grüße")
+    texts = ["plain ascii", "", " lead", "trail ", "two  spaces", "Grüße", nfd, f"{nfd}  x", "a\nb", "x\u200by", "",
+             *(f"a{c}b" for c in _OTHER_SPACES), *(f"{c}" for c in _OTHER_SPACES), "\u212b ok", "ok \u00a0"]
+    for cfg in (CleaningConfig(), CleaningConfig(nfc=False), CleaningConfig(normalize_whitespace=False)):
+        one, batch = Counter(), Counter()
+        expected = [Normalizer(cfg, one)(t) for t in texts]
+        assert Normalizer(cfg, batch).array(pa.array(texts)).to_pylist() == expected
+        assert batch == one and one["nfc_changed"] + one["whitespace_changed"] > 0
+        assert Normalizer(cfg, Counter()).array(pa.array(texts).slice(3, 5)).to_pylist() == expected[3:8]
+
+
+def test_text_read_a_block_at_a_time_keeps_lines_ends_and_errors(root: Path, tmp_path: Path, monkeypatch) -> None:
+    """Text sources are decoded and split a block of bytes at a time: with blocks of a few bytes, a line that
+    spans blocks, a character cut by a block's end, CRLF ends, a byte order mark and a last line without its
+    newline read as whole lines, and a bad byte or a missing line is still placed exactly."""
+    from pipeline.data import sources
+
+    monkeypatch.setattr(sources, "_BLOCK_BYTES", 7)
+    en = ["A dog runs.", "Grüße aus Köln, ein längerer Satz über zwei Blöcke.", "x y", "Ünïcödé ende"]
+    de = ["Ein Hund rennt.", "Greetings from Cologne.", "u v", "last one"]
+    (root / "b.en").write_bytes(BOM + "\r\n".join(en).encode() + b"\r\n")
+    (root / "b.de").write_bytes("\n".join(de).encode())  # no newline after the last line
+    corpus = prepare_corpus(data_cfg(root, [{"name": "b", "format": "text", "path": "b"}], max_ratio=9.0),
+                            tmp_path / "a")
+    assert pairs(corpus) == list(zip(en, de)) and [r["line"] for r in rows(corpus, "train")] == [1, 2, 3, 4]
+    (root / "b.de").write_bytes("\n".join(de[:3]).encode() + b"\n\xfcber\n")
+    with pytest.raises(DataError, match=r"b\.de: line 4: invalid UTF-8 at byte offset 44 \(byte 0xfc\)"):
+        prepare_corpus(data_cfg(root, [{"name": "b", "format": "text", "path": "b"}]), tmp_path / "b")
+    (root / "b.de").write_bytes("\n".join(de[:2]).encode())
+    with pytest.raises(DataError, match=r"b\.en has 4 lines but .*b\.de has 2: .*first unmatched line 3"):
+        prepare_corpus(data_cfg(root, [{"name": "b", "format": "text", "path": "b"}]), tmp_path / "c")
+
+
 def test_dedup_keeps_each_first_copy_across_batches_in_8_bytes_a_pair(root: Path, tmp_path: Path) -> None:
     """Exact dedup batch by batch (data.write_batch_rows pairs) keeps the same pairs as one pass over a Python set,
     within a batch and across batches, and holds each kept pair's key in 8 bytes."""

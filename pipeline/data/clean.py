@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import unicodedata
 from collections import Counter
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.config import CleaningConfig
 
@@ -19,6 +21,14 @@ def pair_key(src: str, tgt: str) -> bytes:
 
 def side_key(text: str) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+# The whitespace str.split() splits on besides the plain space (a test checks it against str.isspace(), so the batch
+# check agrees with split() exactly), and a regular expression (RE2, run by Arrow) matching any text that
+# " ".join(t.split()) would change: a space at an end, a run of spaces, any other whitespace.
+_OTHER_SPACES = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
+                 "\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
+_UNNORMAL_SPACE = "^ | $|  |[" + "".join(f"\\x{{{ord(c):x}}}" for c in _OTHER_SPACES) + "]"
 
 
 class Normalizer:
@@ -40,6 +50,41 @@ class Normalizer:
                 self.counts["whitespace_changed"] += 1
                 text = collapsed
         return text
+
+    def array(self, texts: pa.StringArray) -> pa.StringArray:
+        """``[self(t) for t in texts]``, the same texts and counts, with the checks made over the whole array: a text
+        whose characters all lie below U+0300 is NFC already (each is a starter that composes with none of the
+        others), and a regular expression finds the texts whose whitespace would change; only the texts these
+        leave go through :meth:`__call__`."""
+        suspect = np.zeros(len(texts), dtype=bool)  # [n]
+        if self.nfc:  # UTF-8 lead bytes from 0xCC on start the characters from U+0300 on
+            suspect |= _texts_with(texts, lambda b: b >= 0xCC)
+        if self.ws:
+            suspect |= pc.match_substring_regex(texts, _UNNORMAL_SPACE).to_numpy(zero_copy_only=False)
+        if not suspect.any():
+            return texts
+        fixed = [self(t) for t in texts.filter(suspect).to_pylist()]
+        return pc.replace_with_mask(texts, pa.array(suspect), pa.array(fixed, pa.string()))
+
+
+def utf8_of(texts: pa.StringArray) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 [bytes]: the UTF-8 of ``texts`` back to back, Arrow's own buffer, not copied; int64 [n + 1]: where each
+    text starts in it, and the end)."""
+    if not len(texts):
+        return np.zeros(0, dtype=np.uint8), np.zeros(1, dtype=np.int64)
+    _, offsets, data = texts.buffers()
+    offsets = np.frombuffer(offsets, dtype=np.int32, count=len(texts) + 1, offset=4 * texts.offset)
+    data = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, dtype=np.uint8)
+    return data[offsets[0]:offsets[-1]], offsets.astype(np.int64) - offsets[0]
+
+
+def _texts_with(texts: pa.StringArray, byte: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """bool [n]: which texts hold a byte for which ``byte`` (over the UTF-8 bytes, uint8 [bytes] -> bool) is
+    True."""
+    data, offsets = utf8_of(texts)
+    out = np.zeros(len(texts), dtype=bool)
+    out[np.searchsorted(offsets, np.flatnonzero(byte(data)), side="right") - 1] = True
+    return out
 
 
 class SeenKeys:
@@ -76,12 +121,12 @@ class SeenKeys:
 
 
 class TrainFilter:
-    """The training-split filters, applied in order; ``counts[rule]`` is how many pairs each removed.
+    """The training-split filters, applied in order: empty side -> length -> length ratio -> contamination (pair
+    also in dev/test) -> exact duplicate; ``counts[rule]`` is how many pairs each removed.
 
-    Order: empty side -> length -> length ratio -> contamination (pair also in dev/test) -> exact duplicate.
-    Contamination is checked before dedup so that its count is every contaminated pair, not only first copies.
-    :meth:`check` applies the rules before dedup to one pair; :meth:`fresh` dedups a batch of the pairs that
-    passed, in order (the first copy of a pair is kept, in its batch or an earlier one).
+    :meth:`batch` applies them to a batch of pairs; dedup keeps the first copy of each pair, in its batch or an
+    earlier one (batches come in corpus order). Contamination is checked before dedup so that its count is every
+    contaminated pair, not only first copies.
     """
 
     RULES = ("empty", "too_short", "too_long", "ratio", "contaminated", "duplicate")
@@ -96,48 +141,61 @@ class TrainFilter:
         for rule in self.RULES:
             counts[rule] += 0  # every rule appears in the report, also when it removed nothing
 
-    def _contaminated(self, src: str, tgt: str, key: bytes) -> bool:
+    def _words(self, texts: pa.StringArray) -> np.ndarray:
+        """int64 [n]: words per text, as ``str.split()`` counts them."""
+        if self.cfg.normalize_whitespace:  # single spaces, no ends: count the spaces (empty texts go first anyway)
+            data, offsets = utf8_of(texts)
+            spaces = np.flatnonzero(data == 0x20)  # [s]: where they are
+            return np.diff(np.searchsorted(spaces, offsets)) + 1
+        return np.array([len(t.split()) for t in texts.to_pylist()], dtype=np.int64)
+
+    def _contaminated(self, src: pa.StringArray, tgt: pa.StringArray, keys: list[bytes]) -> np.ndarray:
+        """bool [n]: which pairs (their :func:`pair_key` ``keys``) are also in dev or test, as ``decontaminate``
+        says."""
         mode = self.cfg.decontaminate
         if mode == "pair":
-            return key in self.eval_pair_keys
-        if mode == "source":
-            return side_key(src) in self.eval_src_keys
-        if mode == "either":
-            return side_key(src) in self.eval_src_keys or side_key(tgt) in self.eval_tgt_keys
-        return False
-
-    def check(self, src: str, tgt: str) -> bytes | None:
-        """The pair's key if the (already normalised) pair survives every rule before dedup; else None, counted
-        under the first rule that drops it."""
-        cfg, counts = self.cfg, self.counts
-        if not src or not tgt:
-            counts["empty"] += 1
-            return None
-        if cfg.normalize_whitespace:  # single spaces, no ends: counting them is 3x cheaper than splitting
-            ns, nt = src.count(" ") + 1, tgt.count(" ") + 1
+            hits = [k in self.eval_pair_keys for k in keys]
+        elif mode == "source":
+            hits = [side_key(s) in self.eval_src_keys for s in src.to_pylist()]
+        elif mode == "either":
+            hits = [side_key(s) in self.eval_src_keys or side_key(t) in self.eval_tgt_keys
+                    for s, t in zip(src.to_pylist(), tgt.to_pylist())]
         else:
-            ns, nt = len(src.split()), len(tgt.split())
-        if ns < cfg.min_words or nt < cfg.min_words:
-            counts["too_short"] += 1
-            return None
-        if ns > cfg.max_words or nt > cfg.max_words:
-            counts["too_long"] += 1
-            return None
-        if ns > cfg.max_ratio * nt or nt > cfg.max_ratio * ns:
-            counts["ratio"] += 1
-            return None
-        key = pair_key(src, tgt)
-        if self._contaminated(src, tgt, key):
-            counts["contaminated"] += 1
-            return None
-        return key
+            return np.zeros(len(keys), dtype=bool)
+        return np.array(hits, dtype=bool)
 
-    def fresh(self, keys: list[bytes]) -> np.ndarray:
-        """bool [n]: which of these pairs (keys from :meth:`check`, in corpus order) are kept: all without dedup,
-        else the first copy of each; the rest are counted as duplicates."""
-        if not self.cfg.dedup:
-            return np.ones(len(keys), dtype=bool)
-        first64 = np.frombuffer(b"".join(k[:8] for k in keys), dtype=np.uint64)  # [n]
-        kept = self.seen.add_batch(first64)
-        self.counts["duplicate"] += len(keys) - int(kept.sum())
+    def batch(self, src: pa.StringArray, tgt: pa.StringArray) -> np.ndarray:
+        """bool [n]: which of these (normalised) pairs every rule keeps; each one dropped is counted under the
+        first rule that drops it. The length rules run over the whole batch at once; the pairs they leave are
+        hashed for contamination and dedup."""
+        cfg, n = self.cfg, len(src)
+        kept = np.ones(n, dtype=bool)
+
+        def drop(rule: str, hit: np.ndarray) -> None:
+            hit &= kept
+            self.counts[rule] += int(hit.sum())
+            kept[hit] = False
+
+        drop("empty", (pc.binary_length(src).to_numpy(zero_copy_only=False) == 0)
+             | (pc.binary_length(tgt).to_numpy(zero_copy_only=False) == 0))
+        ns, nt = self._words(src), self._words(tgt)  # int64 [n] each
+        drop("too_short", (ns < cfg.min_words) | (nt < cfg.min_words))
+        drop("too_long", (ns > cfg.max_words) | (nt > cfg.max_words))
+        drop("ratio", (ns > cfg.max_ratio * nt) | (nt > cfg.max_ratio * ns))
+        at = np.flatnonzero(kept)  # [m]: the pairs left
+        src, tgt = src.take(at), tgt.take(at)
+        joined = pc.binary_join_element_wise(src, tgt, "\x00").cast(pa.binary()).to_pylist()  # what pair_key hashes
+        digests = [hashlib.blake2b(b, digest_size=16).digest() for b in joined]
+        drop("contaminated", _spread(at, n, self._contaminated(src, tgt, digests)))
+        if cfg.dedup:
+            left = np.flatnonzero(kept[at])  # [k]: of the m, those not contaminated
+            first64 = np.frombuffer(b"".join(digests[i][:8] for i in left.tolist()), dtype=np.uint64)  # [k]
+            drop("duplicate", _spread(at[left], n, ~self.seen.add_batch(first64)))
         return kept
+
+
+def _spread(at: np.ndarray, n: int, values: np.ndarray) -> np.ndarray:
+    """bool [n]: ``values`` at the positions ``at``, False elsewhere."""
+    out = np.zeros(n, dtype=bool)
+    out[at] = values
+    return out

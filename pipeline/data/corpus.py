@@ -13,16 +13,18 @@ import platform
 import time
 import unicodedata
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.codegraph import code_closure
 from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
-from pipeline.data.sources import TASK_READERS, DataError, Source, open_source, resolve_root
+from pipeline.data.sources import TASK_READERS, Batch, DataError, Source, open_source, resolve_root
 from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, read_stage_manifest, sha256_file,
                              stage_folder, write_json)
 
@@ -52,14 +54,20 @@ def _code_hash() -> str:
 
 
 class CorpusSplitWriter:
-    """Streams rows of one split into a Parquet file in this format, ``batch_rows`` rows at a time (also the
-    writer of a distilled corpus's training split, ``pipeline.distill``)."""
+    """Streams rows of one split into a Parquet file in this format, in row groups of ``batch_rows`` rows (also the
+    writer of a distilled corpus's training split, ``pipeline.distill``). Rows come one at a time (:meth:`add`) or
+    a batch at a time (:meth:`add_batch`), in order."""
 
     def __init__(self, path: Path, split: str, batch_rows: int):
         self.path, self.split, self.batch_rows = path, split, batch_rows
         # Fixed writer options: the same rows always give the same bytes (no timestamps in Parquet metadata).
         self.writer = pq.ParquetWriter(path, SCHEMA, compression="zstd", use_dictionary=["split", "origin"])
-        self.cols: tuple[list, ...] = ([], [], [], [], [])
+        self.cols: tuple[list, ...] = ([], [], [], [], [])  # rows added one at a time, not yet in a batch
+        self.held: list[pa.RecordBatch] = []  # batches not yet written
+        self.held_rows = 0
+        # Compressing and writing a row group releases the GIL: a thread does it while this one reads and cleans.
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="corpus-writer")
+        self.writing: Future | None = None
         self.rows = 0
         self.origins: Counter = Counter()
 
@@ -71,23 +79,48 @@ class CorpusSplitWriter:
         t.append(tgt)
         r.append(tgt_raw)
         self.origins[origin] += 1
-        if len(self.cols[0]) >= self.batch_rows:
-            self._flush()
+        if len(o) >= self.batch_rows:
+            self._hold_rows()
 
-    def _flush(self) -> None:
-        n = len(self.cols[0])
-        if not n:
+    def add_batch(self, origin: str, lines: np.ndarray, src: pa.StringArray, tgt: pa.StringArray) -> None:
+        """Training rows of one origin (no raw target): lines int64 [n], src and tgt [n]."""
+        self._hold_rows()
+        n = len(src)
+        self._hold(pa.RecordBatch.from_arrays(
+            [pa.repeat(self.split, n), pa.repeat(origin, n), pa.array(lines, pa.int64()), src, tgt,
+             pa.nulls(n, pa.string())], schema=SCHEMA))
+        self.origins[origin] += n
+
+    def _hold_rows(self) -> None:
+        if self.cols[0]:
+            self._hold(pa.RecordBatch.from_arrays(
+                [pa.repeat(self.split, len(self.cols[0]))]
+                + [pa.array(col, type=field.type) for col, field in zip(self.cols, list(SCHEMA)[1:])], schema=SCHEMA))
+            for col in self.cols:
+                col.clear()
+
+    def _hold(self, batch: pa.RecordBatch, final: bool = False) -> None:
+        """Keep ``batch``; write every whole row group held (and, ``final``, the rest)."""
+        self.held.append(batch)
+        self.held_rows += batch.num_rows
+        if self.held_rows < self.batch_rows and not final:
             return
-        arrays = [pa.array([self.split] * n, pa.string())] + [
-            pa.array(col, type=field.type) for col, field in zip(self.cols, list(SCHEMA)[1:])
-        ]
-        self.writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=SCHEMA))
-        self.rows += n
-        for col in self.cols:
-            col.clear()
+        table = pa.Table.from_batches(self.held, schema=SCHEMA)
+        whole = table.num_rows if final else table.num_rows - table.num_rows % self.batch_rows
+        if whole:
+            if self.writing is not None:  # one write in flight at a time: memory stays bounded
+                self.writing.result()
+            self.writing = self.thread.submit(self.writer.write_table, table.slice(0, whole),
+                                              row_group_size=self.batch_rows)
+        rest = table.slice(whole)
+        self.held, self.held_rows, self.rows = rest.to_batches(), rest.num_rows, self.rows + whole
 
     def close(self) -> dict:
-        self._flush()
+        self._hold_rows()
+        self._hold(pa.RecordBatch.from_pylist([], schema=SCHEMA), final=True)
+        self.thread.shutdown()  # after the last write
+        if self.writing is not None:
+            self.writing.result()
         self.writer.close()
         return {"file": self.path.name, "rows": self.rows, "sha256": sha256_file(self.path),
                 "origins": dict(sorted(self.origins.items()))}
@@ -111,22 +144,24 @@ def _write_eval_split(source: Source, role: str, out: Path, batch_rows: int, nor
 
 
 class _TrainProgress:
-    """Pairs read from the training sources, logged every ``_LOG_EVERY`` and told to ``report`` as (pairs read,
-    pairs expected) every ``_REPORT_EVERY``; without a count of every source ahead, as (sources read, sources)."""
+    """Pairs read from the training sources, a batch at a time: logged every ``_LOG_EVERY`` and told to ``report``
+    as (pairs read, pairs expected) every ``_REPORT_EVERY`` (at the end of the batch that passes it); without a
+    count of every source ahead, as (sources read, sources)."""
 
     def __init__(self, train: list[Source], report: Callable[[int, int], None] | None):
         self.report, self.sources, self.done = report, len(train), 0
         counts = [s.expected_rows() for s in train] if report else []  # a pass over text files: only when asked
         self.expected = 0 if None in counts else sum(counts)
 
-    def pairs(self, source: Source) -> Iterator:
-        start, name = time.perf_counter(), source.spec.name
-        for i, item in enumerate(source.pairs(), start=1):
-            if i % _LOG_EVERY == 0:
-                log.info("%s: %d pairs read (%.0f pairs/s)", name, i, i / (time.perf_counter() - start))
-            if self.report and self.expected and i % _REPORT_EVERY == 0:
-                self.report(min(self.done + i, self.expected), self.expected)
-            yield item
+    def batches(self, source: Source, rows: int) -> Iterator[Batch]:
+        start, name, read = time.perf_counter(), source.spec.name, 0
+        for batch in source.pair_batches(rows):
+            yield batch
+            before, read = read, read + len(batch[1])
+            if read // _LOG_EVERY > before // _LOG_EVERY:
+                log.info("%s: %d pairs read (%.0f pairs/s)", name, read, read / (time.perf_counter() - start))
+            if self.report and self.expected and read // _REPORT_EVERY > before // _REPORT_EVERY:
+                self.report(min(self.done + read, self.expected), self.expected)
         self.done += source.info.rows_read if self.expected else 1
         if self.report:
             total = self.expected or self.sources
@@ -186,26 +221,18 @@ def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, in
         read: Counter = Counter()
         symbols: set[str] = set()  # parsing: the closed target vocabulary of the kept training trees
         reading = _TrainProgress(train, progress)
-        passed: list[tuple[Source, int, str, str, bytes]] = []  # pairs through every rule but dedup, in order
-
-        def write_fresh() -> None:  # dedup one batch and write what is kept
-            for (origin, line, s, t, _), fresh in zip(passed, keep.fresh([p[4] for p in passed])):
-                if fresh:
-                    writer.add(origin.spec.name, line, s, t, None)
-                    symbols.update(origin.target_symbols(t))
-            passed.clear()
-
         for source in train:
             name = source.spec.name
-            for line, src, tgt in reading.pairs(source):
-                read[name] += 1
-                s, t = normalize(src), normalize(source.model_target(tgt, data.tree_leaves))
-                key = keep.check(s, t)
-                if key is not None:
-                    passed.append((source, line, s, t, key))
-                    if len(passed) >= data.write_batch_rows:
-                        write_fresh()
-        write_fresh()
+            # a batch at a time: normalisation, the rules and dedup run over whole columns (clean.py)
+            for lines, src, tgt in reading.batches(source, data.write_batch_rows):
+                read[name] += len(lines)
+                src = normalize.array(src)
+                tgt = normalize.array(source.model_targets(tgt, data.tree_leaves))
+                kept = keep.batch(src, tgt)  # bool [n]
+                if kept.any():
+                    tgt = tgt.filter(kept)
+                    writer.add_batch(name, lines[kept], src.filter(kept), tgt)
+                    symbols |= source.target_symbols(tgt)
         entry = writer.close()
         report = _cleaning_report(sum(read.values()), counts, entry["rows"])
         if not entry["rows"]:

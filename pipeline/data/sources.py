@@ -20,12 +20,13 @@ import re
 import socket
 import zlib
 from dataclasses import dataclass, field
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from urllib.parse import urlparse
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import SourceSpec
@@ -33,6 +34,9 @@ from pipeline.errors import UserError
 from pipeline.fsutil import sha256_file
 
 Pair = tuple[int, str, str]  # (1-based line in the source, source sentence, target sentence)
+# pairs at a time: (their 1-based lines in the source, int64 [n]; source sentences [n]; target sentences [n])
+Batch = tuple[np.ndarray, pa.StringArray, pa.StringArray]
+_BATCH_PAIRS = 65_536  # pairs() of a source read in batches
 
 # What to tell a user whose hub download cannot work; the shared data README names these folders.
 LOCAL_ALTERNATIVE = (
@@ -118,6 +122,8 @@ def _open_binary(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
+_BLOCK_BYTES = 1 << 22  # read, decoded and split at a time
+
 # What gzip raises for damaged data: a cut-off stream, a bad header or CRC, an invalid deflate block.
 _GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
 
@@ -136,9 +142,9 @@ def _damaged_gzip(path: Path, last_line: int, error: Exception) -> _DamagedGzip:
 
 class _Lines:
     """``with _Lines(path, on_bom) as lines``: the file's lines as ``(line number, text)``, decoded from UTF-8 with
-    the line end dropped (``.gz`` decompressed as read). A UTF-8 byte order mark opening the file is no text (editors
-    on Windows write one): it is dropped and told to ``on_bom``; bad UTF-8 is a :class:`DataError` naming the line
-    and the byte offset in the file.
+    the line end dropped (``.gz`` decompressed as read); :meth:`blocks` gives the same lines a block at a time. A
+    UTF-8 byte order mark opening the file is no text (editors on Windows write one): it is dropped and told to
+    ``on_bom``; bad UTF-8 is a :class:`DataError` naming the line and the byte offset in the file.
 
     Damaged gzip data is a :class:`DataError` naming the file and the last line read intact, also when it shows
     first as a bad line: a flipped byte often decompresses to garbage (bad UTF-8, a stray tab) well before the CRC
@@ -146,25 +152,66 @@ class _Lines:
     """
 
     def __init__(self, path: Path, on_bom: Callable[[Path], None]):
-        self.path, self.line, self.on_bom = path, 0, on_bom
+        self.path, self.line, self.on_bom = path, 0, on_bom  # line: the lines given so far
 
-    def __enter__(self) -> Iterator[tuple[int, str]]:
-        return self._read()
+    def __enter__(self) -> _Lines:
+        return self
 
-    def _read(self) -> Iterator[tuple[int, str]]:
-        offset = 0
+    def __iter__(self) -> Iterator[tuple[int, str]]:
+        for first, texts in self.blocks():
+            for self.line, text in enumerate(texts.to_pylist(), start=first):  # an error on this line: intact before
+                yield self.line, text
+
+    def blocks(self) -> Iterator[tuple[int, pa.StringArray]]:
+        """The lines about ``_BLOCK_BYTES`` at a time, as (the first one's line number, the lines): found, checked
+        and trimmed by a few whole-block operations, no Python object per line."""
+        offset, pending = 0, b""  # the file offset of pending's first byte; a line not yet ended
         with _open_binary(self.path) as f:
+            while True:
+                try:
+                    # read1: what gzip decompressed before a damaged spot comes back in earlier calls, not lost
+                    chunk = f.read1(_BLOCK_BYTES)
+                except _GZIP_ERRORS as e:
+                    raise _damaged_gzip(self.path, self.line, e) from None
+                if offset == 0 and not pending and chunk.startswith(codecs.BOM_UTF8):
+                    chunk, offset = chunk[len(codecs.BOM_UTF8):], len(codecs.BOM_UTF8)
+                    self.on_bom(self.path)
+                if not chunk:
+                    if pending:  # a last line without its newline
+                        yield self._decoded(pending + b"\n", offset)
+                    return
+                cut = chunk.rfind(b"\n") + 1
+                if not cut:  # a line longer than a block: read on
+                    pending += chunk
+                    continue
+                block, pending = pending + chunk[:cut], chunk[cut:]
+                yield self._decoded(block, offset)
+                offset += len(block)
+
+    def _decoded(self, block: bytes, offset: int) -> tuple[int, pa.StringArray]:
+        """``block`` (whole lines, each ending in a newline; it starts at byte ``offset`` of the file) as text."""
+        ends = np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 0x0A)  # [k] each line's newline
+        offsets = np.zeros(len(ends) + 1, dtype=np.int32)  # [k + 1] where each line starts, the newlines taken out
+        offsets[1:] = ends - np.arange(len(ends))
+        # not splitlines(): U+2028, U+0085 and friends occur inside sentences
+        lines = pa.Array.from_buffers(pa.binary(), len(ends), [
+            None, pa.py_buffer(offsets), pa.py_buffer(block.replace(b"\n", b""))])
+        try:
+            text = lines.cast(pa.string())  # the UTF-8 check
+        except pa.ArrowInvalid:  # Python finds the first bad byte, in the first bad line: name both
             try:
-                for raw in f:
-                    self.line += 1
-                    start = 0
-                    if self.line == 1 and raw.startswith(codecs.BOM_UTF8):
-                        start = len(codecs.BOM_UTF8)
-                        self.on_bom(self.path)
-                    yield self.line, _decode(_strip_eol(raw[start:]), self.path, self.line, offset + start)
-                    offset += len(raw)
-            except _GZIP_ERRORS as e:
-                raise _damaged_gzip(self.path, self.line, e) from None
+                block.decode("utf-8")
+            except UnicodeDecodeError as e:
+                self.line += block.count(b"\n", 0, e.start) + 1
+                raise DataError(
+                    f"{self.path}: line {self.line}: invalid UTF-8 at byte offset {offset + e.start} "
+                    f"(byte 0x{block[e.start]:02x}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            raise
+        if b"\r" in block:  # CRLF ends (and stray CRs before them: no sentence ends in one)
+            text = pc.utf8_rtrim(text, characters="\r")
+        first, self.line = self.line + 1, self.line + len(text)
+        return first, text
 
     def __exit__(self, kind, error, tb) -> None:
         if (isinstance(error, DataError) and not isinstance(error, _DamagedGzip) and self.path.suffix == ".gz"
@@ -206,25 +253,10 @@ def _sum_known(counts: Iterator[int | None]) -> int | None:
     return total
 
 
-def _decode(raw: bytes, path: Path, line: int, offset: int) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{path}: line {line}: invalid UTF-8 at byte offset {offset + e.start} "
-            f"(byte 0x{raw[e.start]:02x}); re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-        ) from None
-
-
 def has_bom(path: Path) -> bool:
     """Whether ``path`` opens with a UTF-8 byte order mark."""
     with open(path, "rb") as f:
         return f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
-
-
-def _strip_eol(raw: bytes) -> bytes:
-    """Drop the line end (LF or CRLF; stray CRs before it go too, as no sentence ends in one)."""
-    return raw.rstrip(b"\r\n")
 
 
 # ----------------------------------------------------------------------------------------------- readers
@@ -268,6 +300,21 @@ class Source(abc.ABC):
     def pairs(self) -> Iterator[Pair]:
         """Stream ``(line, src, tgt)``; sets ``info.rows_read`` when exhausted."""
 
+    def pair_batches(self, rows: int) -> Iterator[Batch]:
+        """:meth:`pairs` up to ``rows`` at a time (a reader that can read a batch at once overrides it)."""
+        lines: list[int] = []
+        srcs: list[str] = []
+        tgts: list[str] = []
+        for line, src, tgt in self.pairs():
+            lines.append(line)
+            srcs.append(src)
+            tgts.append(tgt)
+            if len(lines) == rows:
+                yield np.array(lines, dtype=np.int64), pa.array(srcs, pa.string()), pa.array(tgts, pa.string())
+                lines, srcs, tgts = [], [], []
+        if lines:
+            yield np.array(lines, dtype=np.int64), pa.array(srcs, pa.string()), pa.array(tgts, pa.string())
+
     def expected_rows(self) -> int | None:
         """How many pairs :meth:`pairs` will yield, counted ahead cheaply (for progress); None when unknown."""
         return None
@@ -277,9 +324,15 @@ class Source(abc.ABC):
         (a treebank source linearises the tree, writing preterminals as ``tree_leaves``: ``data.tree_leaves``)."""
         return tgt
 
-    def target_symbols(self, target: str) -> set[str]:
-        """The symbols of a closed target vocabulary in one model target (a treebank's brackets and labels, which
-        the tokenizer must keep whole); none for text."""
+    def model_targets(self, tgts: pa.StringArray, tree_leaves: str) -> pa.StringArray:
+        """:meth:`model_target` of each of ``tgts`` (``tgts`` itself where the reader learns the text as read)."""
+        if type(self).model_target is Source.model_target:
+            return tgts
+        return pa.array([self.model_target(t, tree_leaves) for t in tgts.to_pylist()], pa.string())
+
+    def target_symbols(self, targets: pa.StringArray) -> set[str]:
+        """The symbols of a closed target vocabulary in these model targets (a treebank's brackets and labels,
+        which the tokenizer must keep whole); none for text."""
         return set()
 
 
@@ -363,27 +416,72 @@ class TextSource(Source):
     def expected_rows(self) -> int | None:
         return _sum_known(_count_lines(sp) for sp, _ in self.file_pairs)
 
-    def pairs(self) -> Iterator[Pair]:
+    def pair_batches(self, rows: int) -> Iterator[Batch]:
         total = 0
         for sp, tp in self.file_pairs:
-            for _, s, t in _aligned_lines(sp, tp, self._bom):
-                total += 1
-                yield total, s, t
+            for srcs, tgts in _aligned_batches(sp, tp, self._bom, rows):
+                yield np.arange(total + 1, total + 1 + len(srcs), dtype=np.int64), srcs, tgts
+                total += len(srcs)
         self.info.rows_read = total
 
+    def pairs(self) -> Iterator[Pair]:
+        for lines, srcs, tgts in self.pair_batches(_BATCH_PAIRS):
+            yield from zip(lines.tolist(), srcs.to_pylist(), tgts.to_pylist())
 
-def _aligned_lines(sp: Path, tp: Path, on_bom: Callable[[Path], None]) -> Iterator[Pair]:
-    """Stream a line-aligned file pair; unequal line counts are an error naming both files."""
+
+class _Held:
+    """Lines read from one file of a pair and not yet paired: Arrow arrays, taken from the front."""
+
+    def __init__(self, blocks: Iterator[tuple[int, pa.StringArray]]):
+        self.blocks, self.arrays, self.rows, self.done = blocks, [], 0, False
+
+    def fill(self, rows: int) -> None:
+        """Read blocks until ``rows`` lines are held or the file has ended (``done``)."""
+        while self.rows < rows and not self.done:
+            block = next(self.blocks, None)
+            self.done = block is None
+            if block is not None:
+                self.arrays.append(block[1])
+                self.rows += len(block[1])
+
+    def take(self, n: int) -> pa.StringArray:
+        """The first ``n`` lines held, copied once into buffers of their own (a slice would carry, and pickle, its
+        whole block)."""
+        taken, need = [], n
+        while need:
+            head = self.arrays[0]
+            if len(head) <= need:
+                taken.append(self.arrays.pop(0))
+            else:
+                taken.append(head.slice(0, need))
+                self.arrays[0] = head.slice(need)
+            need -= len(taken[-1])
+        self.rows -= n
+        return pa.concat_arrays(taken)
+
+
+def _aligned_batches(sp: Path, tp: Path, on_bom: Callable[[Path], None], rows: int
+                     ) -> Iterator[tuple[pa.StringArray, pa.StringArray]]:
+    """A line-aligned file pair, up to ``rows`` pairs at a time as (sources, targets); unequal line counts are an
+    error naming both files."""
     with _Lines(sp, on_bom) as fs, _Lines(tp, on_bom) as ft:
-        for line, (a, b) in enumerate(zip_longest(fs, ft), start=1):
-            if a is None or b is None:
-                longer, shorter, rest = (sp, tp, fs) if b is None else (tp, sp, ft)
-                total = line + sum(1 for _ in rest)
+        held = (_Held(fs.blocks()), _Held(ft.blocks()))
+        paired = 0
+        while True:
+            for side in held:
+                side.fill(rows)
+            if n := min(held[0].rows, held[1].rows, rows):
+                yield held[0].take(n), held[1].take(n)
+                paired += n
+                continue
+            if held[0].rows or held[1].rows:  # one file ran out first
+                longer, shorter, rest = (sp, tp, held[0]) if held[0].rows else (tp, sp, held[1])
+                total = paired + rest.rows + sum(len(lines) for _, lines in rest.blocks)
                 raise DataError(
-                    f"{longer} has {total} lines but {shorter} has {line - 1}: parallel files must be "
-                    f"line-aligned (first unmatched line {line}); fix or re-export the pair"
+                    f"{longer} has {total} lines but {shorter} has {paired}: parallel files must be "
+                    f"line-aligned (first unmatched line {paired + 1}); fix or re-export the pair"
                 )
-            yield line, a[1], b[1]
+            return
 
 
 class TsvSource(Source):

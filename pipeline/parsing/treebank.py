@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import pyarrow as pa
+
 from pipeline.data.sources import DataError, Pair, Source, existing_file, has_bom
 from pipeline.parsing.trees import TreeError, clean, linearize, parse_tree, read_trees, target_symbols
 
@@ -65,5 +67,5 @@ class PtbSource(Source):
     def model_target(self, tgt: str, tree_leaves: str) -> str:
         return linearize(clean(parse_tree(tgt)), tree_leaves)
 
-    def target_symbols(self, target: str) -> set[str]:
-        return target_symbols(target)
+    def target_symbols(self, targets: pa.StringArray) -> set[str]:
+        return set().union(*map(target_symbols, targets.to_pylist()))
