@@ -445,8 +445,7 @@ class _Held:
                 self.rows += len(block[1])
 
     def take(self, n: int) -> pa.StringArray:
-        """The first ``n`` lines held, copied once into buffers of their own (a slice would carry, and pickle, its
-        whole block)."""
+        """The first ``n`` lines held (copied only where they span blocks)."""
         taken, need = [], n
         while need:
             head = self.arrays[0]
@@ -457,7 +456,7 @@ class _Held:
                 self.arrays[0] = head.slice(need)
             need -= len(taken[-1])
         self.rows -= n
-        return pa.concat_arrays(taken)
+        return taken[0] if len(taken) == 1 else pa.concat_arrays(taken)
 
 
 def _aligned_batches(sp: Path, tp: Path, on_bom: Callable[[Path], None], rows: int
