@@ -112,6 +112,11 @@ def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
     scores = eval_dir(cfg, averaged) / "scores.json"
     splits = json.loads(scores.read_text(encoding="utf-8"))["splits"]
     summary = json.loads((run_folder / "train_summary.json").read_text(encoding="utf-8"))
+    # the step budget is not part of a run's identity (a longer one extends the run): a finished run of this arm at
+    # another budget in the same work dir would be taken for this one
+    if summary["steps"] != (steps := arm_steps(arm, args.updates, args.speed)):
+        raise SystemExit(f"{run_folder} holds a run of {summary['steps']} updates, not the {steps} asked for: the same "
+                         "arm at another --updates in this --work-dir; give each budget its own --work-dir")
     record = {"arm": arm, "seed": seed, "updates": summary["steps"], "overrides": sets, "machine": cpu_name(),
               "cpus": os.cpu_count(), "commit": short_commit(), "schedule": summary["schedule"],
               "train_seconds": summary["train_seconds"], "chosen_checkpoint": averaged.name,
