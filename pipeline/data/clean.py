@@ -14,13 +14,17 @@ import pyarrow.compute as pc
 from pipeline.config import CleaningConfig
 
 
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
 def pair_key(src: str, tgt: str) -> bytes:
     """128-bit digest of a pair (the contamination sets' key; dedup keeps its first 64 bits)."""
-    return hashlib.blake2b(f"{src}\x00{tgt}".encode(), digest_size=16).digest()
+    return _digest(f"{src}\x00{tgt}".encode())
 
 
 def side_key(text: str) -> bytes:
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+    return _digest(text.encode())
 
 
 # The whitespace str.split() splits on besides the plain space (a test checks it against str.isspace(), so the batch
@@ -185,7 +189,7 @@ class TrainFilter:
         at = np.flatnonzero(kept)  # [m]: the pairs left
         src, tgt = src.take(at), tgt.take(at)
         joined = pc.binary_join_element_wise(src, tgt, "\x00").cast(pa.binary()).to_pylist()  # what pair_key hashes
-        digests = [hashlib.blake2b(b, digest_size=16).digest() for b in joined]
+        digests = [_digest(b) for b in joined]
         drop("contaminated", _spread(at, n, self._contaminated(src, tgt, digests)))
         if cfg.dedup:
             left = np.flatnonzero(kept[at])  # [k]: of the m, those not contaminated

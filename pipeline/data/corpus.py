@@ -99,12 +99,15 @@ class CorpusSplitWriter:
             for col in self.cols:
                 col.clear()
 
-    def _hold(self, batch: pa.RecordBatch, final: bool = False) -> None:
-        """Keep ``batch``; write every whole row group held (and, ``final``, the rest)."""
+    def _hold(self, batch: pa.RecordBatch) -> None:
+        """Keep ``batch``; write every whole row group held."""
         self.held.append(batch)
         self.held_rows += batch.num_rows
-        if self.held_rows < self.batch_rows and not final:
-            return
+        if self.held_rows >= self.batch_rows:
+            self._write(final=False)
+
+    def _write(self, final: bool) -> None:
+        """Write every whole row group held (and, ``final``, the rest) on the writer thread."""
         table = pa.Table.from_batches(self.held, schema=SCHEMA)
         whole = table.num_rows if final else table.num_rows - table.num_rows % self.batch_rows
         if whole:
@@ -117,7 +120,7 @@ class CorpusSplitWriter:
 
     def close(self) -> dict:
         self._hold_rows()
-        self._hold(pa.RecordBatch.from_pylist([], schema=SCHEMA), final=True)
+        self._write(final=True)
         self.thread.shutdown()  # after the last write
         if self.writing is not None:
             self.writing.result()
