@@ -63,7 +63,15 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         # the preset as written with Muon for the layers' weight matrices (Adam for the rest)
         "muon": ["train.schedule=budget", "train.optimizer=muon"],
         # Muon learns faster per token (L41): room for the stronger dropout that was too slow with Adam (L14)
-        "muon-d3": ["train.schedule=budget", "train.optimizer=muon", "model.dropout=0.3"]}
+        "muon-d3": ["train.schedule=budget", "train.optimizer=muon", "model.dropout=0.3"],
+        # the time-to-target table's levers on narrow (--tokens): Muon, learning faster per token (L41); twice the
+        # peak learning rate, which a short budget may bear where a long one did not (L14 at x1.5)
+        "narrow-muon": [*MID, *NARROW, "train.optimizer=muon"],
+        "narrow-lr2": [*MID, *NARROW, "train.lr_scale=2"],
+        # Muon at the preset's width (more learnt per token than narrow?) and with a tenth of the budget as warm-up
+        # (the speedrun's Muon runs have none): more updates at the peak
+        "mid-muon": [*MID, "train.optimizer=muon"],
+        "narrow-muon-w10": [*MID, *NARROW, "train.optimizer=muon", "train.budget_warmup=0.1"]}
 # target tokens/s of our training against the preset's shape at updates of 4,096 tokens, side by side in one run
 # (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
 # 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
@@ -74,14 +82,17 @@ SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 
          "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81}}
 
 
-def arm_steps(arm: str, updates: int, speed: str = "fp32") -> int:
+def arm_steps(arm: str, updates: int, speed: str = "fp32", tokens: float | None = None) -> int:
     """The updates ``arm`` trains in the time of ``updates`` updates of 4,096 target tokens of the preset's shape
-    on a CPU that trains in ``speed`` (fp32 or bf16)."""
+    on a CPU that trains in ``speed`` (fp32 or bf16); with ``tokens`` (millions of target tokens, the time-to-target
+    table's measure, which needs no throughput), the updates of the arm's size that hold them."""
+    size = next((int(o.split("=")[1]) for o in ARMS[arm] if o.startswith("train.update_tokens=")), 4096)
+    if tokens is not None:
+        return round(tokens * 1e6 / size)
     if arm not in SPEED[speed]:
         raise SystemExit(f"arm {arm!r} has no measured {speed} throughput (SPEED[{speed!r}]); measure it first "
                          f"(bench/bench_train.py --precision {speed})")
-    tokens = next((int(o.split("=")[1]) for o in ARMS[arm] if o.startswith("train.update_tokens=")), 4096)
-    return round(updates * 4096 / tokens * SPEED[speed][arm])
+    return round(updates * 4096 / size * SPEED[speed][arm])
 
 
 # test2016 only: newstest2014 (news, out of the captions' domain) is the default's slowest evaluation and decides
@@ -89,19 +100,25 @@ def arm_steps(arm: str, updates: int, speed: str = "fp32") -> int:
 TESTS = "data.test=[{name: test2016, format: text, path: multi30k/test2016}]"
 
 
-def overrides(arm: str, updates: int, seed: int, speed: str = "fp32", keep: int | None = None) -> list[str]:
+def overrides(arm: str, steps: int, seed: int, keep: int | None = None) -> list[str]:
     keeping = [f"train.keep_last_checkpoints={keep}"] if keep else []
-    return [*ARMS[arm], "train.max_minutes=null", f"train.max_steps={arm_steps(arm, updates, speed)}",
+    return [*ARMS[arm], "train.max_minutes=null", f"train.max_steps={steps}",
             f"train.seed={seed}", "export.engine=none", TESTS, *keeping]
 
 
+def budget(args: argparse.Namespace) -> str:
+    """The budget's tag in record names: u<updates> (a class's compute) or t<millions>M (target tokens)."""
+    return f"t{args.tokens:g}M" if args.tokens is not None else f"u{args.updates}"
+
+
 def record_path(args: argparse.Namespace, arm: str, seed: int) -> Path:
-    return args.records / f"{arm}-u{args.updates}-seed{seed}.json"
+    return args.records / f"{arm}-{budget(args)}-seed{seed}.json"
 
 
 def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
     """Train, choose and score one arm and seed (a finished run is reused), and write its record."""
-    sets = overrides(arm, args.updates, seed, args.speed, args.keep_checkpoints)
+    steps = arm_steps(arm, args.updates, args.speed, args.tokens)
+    sets = overrides(arm, steps, seed, args.keep_checkpoints)
     cmd = [sys.executable, "-m", "pipeline", "run", "--config", CONFIG, "--work-dir", str(args.work_dir),
            *[a for o in sets for a in ("--set", o)]]
     print("+", " ".join(cmd), flush=True)
@@ -114,9 +131,9 @@ def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
     summary = json.loads((run_folder / "train_summary.json").read_text(encoding="utf-8"))
     # the step budget is not part of a run's identity (a longer one extends the run): a finished run of this arm at
     # another budget in the same work dir would be taken for this one
-    if summary["steps"] != (steps := arm_steps(arm, args.updates, args.speed)):
+    if summary["steps"] != steps:
         raise SystemExit(f"{run_folder} holds a run of {summary['steps']} updates, not the {steps} asked for: the same "
-                         "arm at another --updates in this --work-dir; give each budget its own --work-dir")
+                         "arm at another budget in this --work-dir; give each budget its own --work-dir")
     record = {"arm": arm, "seed": seed, "updates": summary["steps"], "overrides": sets, "machine": cpu_name(),
               "cpus": os.cpu_count(), "commit": short_commit(), "schedule": summary["schedule"],
               "train_seconds": summary["train_seconds"], "chosen_checkpoint": averaged.name,
@@ -153,7 +170,7 @@ def compare(args: argparse.Namespace) -> dict:
     cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), TESTS])
     corpus = build_inputs(cfg).corpus
     refs = {split: read_split(corpus, read_manifest(corpus), split)[1] for split in ("dev", TEST)}
-    out = {"updates": args.updates, "seeds": args.seeds,
+    out = {"budget": budget(args), "seeds": args.seeds,
            "machine": "; ".join(sorted({r["machine"] for r in records.values()})),
            "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in records.values()], "significance": []}
     keys = ("dev.sacrebleu", "test2016.sacrebleu", "test2016.chrf", "updates", "train_seconds")
@@ -179,6 +196,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("phase", choices=["runs", "compare"])
     p.add_argument("--updates", type=int, default=780, help="updates per run (the compute of the class studied)")
+    p.add_argument("--tokens", type=float, default=None, metavar="M",
+                   help="instead of --updates' compute: M million target tokens per run, whatever each arm's speed "
+                        "(the time-to-target table's budget)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--speed", choices=list(SPEED), default="fp32",
                    help="the class whose compute --updates measures: fp32 (AVX2 only) or bf16 (bf16 matrix units)")
