@@ -76,9 +76,11 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
 # (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
 # 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
 # 11-28.json; bf16 by shape, bench/results/train_speed_by_shape_bf16_xeon-amx_2026-11-28.json, and by optimizer,
-# bench/results/train_speed_by_optimizer_bf16_epyc-zen4_2026-11-28.json. An arm without a measured speed for the
-# class is refused.
-SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74},
+# bench/results/train_speed_by_optimizer_bf16_epyc-zen4_2026-11-28.json; fp32 by optimizer at narrow's shape (Muon
+# 0.955 of Adam), bench/results/train_speed_by_optimizer_fp32-narrow_epyc-zen4_2026-11-28.json. An arm without a
+# measured speed for the class is refused.
+SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74,
+                  "narrow-muon": 1.91},
          "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81}}
 
 
