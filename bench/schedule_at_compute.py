@@ -87,7 +87,7 @@ SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 
 def arm_steps(arm: str, updates: int, speed: str = "fp32", tokens: float | None = None) -> int:
     """The updates ``arm`` trains in the time of ``updates`` updates of 4,096 target tokens of the preset's shape
     on a CPU that trains in ``speed`` (fp32 or bf16); with ``tokens`` (millions of target tokens, the time-to-target
-    table's measure, which needs no throughput), the updates of the arm's size that hold them."""
+    table's measure, which needs no throughput), the updates of the arm's update size that make them (nominally)."""
     size = next((int(o.split("=")[1]) for o in ARMS[arm] if o.startswith("train.update_tokens=")), 4096)
     if tokens is not None:
         return round(tokens * 1e6 / size)
@@ -199,8 +199,9 @@ def main() -> None:
     p.add_argument("phase", choices=["runs", "compare"])
     p.add_argument("--updates", type=int, default=780, help="updates per run (the compute of the class studied)")
     p.add_argument("--tokens", type=float, default=None, metavar="M",
-                   help="instead of --updates' compute: M million target tokens per run, whatever each arm's speed "
-                        "(the time-to-target table's budget)")
+                   help="instead of --updates' compute: the updates of each arm's train.update_tokens that make M "
+                        "million target tokens, whatever its speed (the time-to-target table's budget; batches hold "
+                        "a few percent fewer: the run's metrics count the real tokens)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--speed", choices=list(SPEED), default="fp32",
                    help="the class whose compute --updates measures: fp32 (AVX2 only) or bf16 (bf16 matrix units)")
