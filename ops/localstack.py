@@ -300,23 +300,27 @@ def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str,
     return start_service("prefect-worker", cmd, env, None, api_url, home / "worker.log")
 
 
-def prefect_api(base: str, path: str, body: dict | None = None, attempts: int = 5):
+def prefect_api(base: str, path: str, body: dict | None = None, attempts: int = 5, timeout: float = 30.0):
     """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer.
 
-    A busy server (its SQLite database locked by another writer) answers 503 or 429 for a moment; like Prefect's
-    own client, the call is retried then, a few times with a growing pause (every call made here is safe to
-    repeat: reads, filters, forced state changes, deployment upserts)."""
+    A busy server (its SQLite database locked by another writer) answers 503 or 429 for a moment, or not within
+    ``timeout`` seconds; like Prefect's own client, the call is retried then, a few times with a growing pause
+    (every call made here is safe to repeat: reads, filters, forced state changes, deployment upserts)."""
     req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
     for attempt in range(attempts):
         try:
-            with urllib.request.urlopen(req, timeout=30) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             if e.code not in (429, 503) or attempt == attempts - 1:
                 raise
             wait = e.headers.get("Retry-After", "")
             time.sleep(min(float(wait) if wait.isdigit() else 2.0 ** attempt, 10.0))
+        except TimeoutError:  # the answer did not come in time (a server stalled on its database)
+            if attempt == attempts - 1:
+                raise
+            time.sleep(min(2.0 ** attempt, 10.0))
 
 
 def crash_orphaned_runs(api_url: str) -> list[str]:

@@ -688,6 +688,9 @@ def test_the_stack_s_api_calls_wait_out_a_busy_server_and_give_up_on_real_errors
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             code = answers.pop(0)
+            if code == -1:  # a stalled server: no answer within the client's timeout
+                time.sleep(1.0)
+                return
             self.send_response(code)
             self.send_header("Retry-After", "0")
             self.end_headers()
@@ -696,13 +699,19 @@ def test_the_stack_s_api_calls_wait_out_a_busy_server_and_give_up_on_real_errors
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_port}"
     try:
         assert prefect_api(base, "/x", {}) == {"ok": 200}
         with pytest.raises(urllib.error.HTTPError, match="404"):
             prefect_api(base, "/x", {})
+        assert answers == []
+        # an answer that does not come in time is asked again; one that never comes is an error at the last try
+        answers.extend([-1, 200, -1, -1])
+        assert prefect_api(base, "/x", {}, timeout=0.5) == {"ok": 200}
+        with pytest.raises(TimeoutError):
+            prefect_api(base, "/x", {}, attempts=2, timeout=0.5)
         assert answers == []
     finally:
         server.shutdown()
