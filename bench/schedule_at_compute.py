@@ -13,6 +13,7 @@ pooled over the seeds, on dev (the choosing set) and test2016 (reported).
     python bench/schedule_at_compute.py compare --updates 780 --seeds 1 2 --out bench/results/schedule_780.json
     python bench/schedule_at_compute.py runs --updates 4400 --speed bf16 --seeds 1 --arms budget slim   # a bf16 CPU
     python bench/schedule_at_compute.py compare --updates 4400 --seeds 1 --arms default muon --baseline default
+    python bench/schedule_at_compute.py runs --tokens 3 --seeds 1 --arms mid-muon    # a budget of target tokens
 """
 
 from __future__ import annotations

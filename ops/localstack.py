@@ -316,11 +316,12 @@ def prefect_api(base: str, path: str, body: dict | None = None, attempts: int = 
             if e.code not in (429, 503) or attempt == attempts - 1:
                 raise
             wait = e.headers.get("Retry-After", "")
-            time.sleep(min(float(wait) if wait.isdigit() else 2.0 ** attempt, 10.0))
+            pause = float(wait) if wait.isdigit() else 2.0 ** attempt
         except TimeoutError:  # the answer did not come in time (a server stalled on its database)
             if attempt == attempts - 1:
                 raise
-            time.sleep(min(2.0 ** attempt, 10.0))
+            pause = 2.0 ** attempt
+        time.sleep(min(pause, 10.0))
 
 
 def crash_orphaned_runs(api_url: str) -> list[str]:
