@@ -624,7 +624,7 @@ def test_the_budget_schedule_fits_the_warm_up_to_the_updates_the_clock_buys():
     assert schedule.ramp_steps == ramp
 
 
-def test_auto_fits_a_clock_budget_and_budget_asked_for_fits_a_step_budget_too():
+def test_auto_fits_a_clock_budget_and_budget_asked_for_fits_a_step_budget_too(caplog):
     from model import TransformerLRLambda
     from pipeline.config import load_config
     from pipeline.train.budget import BudgetWarmup
@@ -635,8 +635,11 @@ def test_auto_fits_a_clock_budget_and_budget_asked_for_fits_a_step_budget_too():
     assert load_config("multi30k-cpu", ["train.max_minutes=null", "train.schedule=budget"]).train.budget_schedule
     # a budget of 780 updates (an AVX2 machine's 30 minutes) on any machine: fitted at the first call, untimed
     schedule = TransformerLRLambda(d_model=256, warmup_steps=1000)
-    steps = BudgetWarmup(schedule, 780, math.inf, 0.25, fit_steps=True).update(20, 9.0)
+    with caplog.at_level(logging.INFO, logger="aiayn.train"):
+        steps = BudgetWarmup(schedule, 780, math.inf, 0.25, fit_steps=True).update(20, 9.0)
     assert (steps.updates, steps.warmup, schedule.ramp_steps) == (780, 195, 195)
+    # the log names the step budget, not a pace it never measured
+    assert "a step budget of 780 updates; warm-up to the peak" in caplog.text and "updates/s" not in caplog.text
 
 
 @pytest.mark.integration

@@ -89,9 +89,12 @@ class BudgetWarmup:
             return None  # unchanged (never refitted where the paper's warm-up fits: its rate, exactly)
         self.schedule.refit(step, p.warmup, p.updates)
         peak = self.schedule.rate(self.schedule.warmup_steps)
-        log.info("budget schedule at update %d: %.3g updates/s, %d updates predicted in the budget; warm-up to the "
-                 "peak %.3g at update %d (train.budget_warmup=%g of them, at most train.warmup_steps=%d)", step,
-                 p.per_s, p.updates, peak, self.schedule.ramp_steps, self.share, self.schedule.warmup_steps)
+        # a step budget has no pace to report: its updates are given, not predicted
+        source = (f"a step budget of {p.updates} updates" if math.isinf(self.budget_s) else
+                  f"{p.per_s:.3g} updates/s, {p.updates} updates predicted in the budget")
+        log.info("budget schedule at update %d: %s; warm-up to the peak %.3g at update %d (train.budget_warmup=%g "
+                 "of them, at most train.warmup_steps=%d)", step, source, peak, self.schedule.ramp_steps, self.share,
+                 self.schedule.warmup_steps)
         return p
 
     def summary(self) -> dict:
