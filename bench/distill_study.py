@@ -103,7 +103,7 @@ class Study:
         # every arm by default; the GPU teacher's only with its translations
         self.students = {a: c for a, c in students.items()
                          if (a in args.arms if args.arms else a != GPU_ARM or self.translations)}
-        self.pair, self.records = args.pair, args.records.resolve()
+        self.pair, self.records = args.pair, [r.resolve() for r in args.records]
         self.budget = [f"train.max_steps={args.max_steps}", "train.max_minutes=null"]
 
     def flags(self, config: str, overrides: list[str]) -> list[str]:
@@ -153,7 +153,10 @@ def phase_students(study: Study) -> None:
 
 
 def record_path(study: Study, arm: str, seed: int) -> Path:
-    return study.records / study.pair / f"{arm}-seed{seed}.json"
+    """Where a run's record is: in the first ``--records`` folder that holds it (arms trained in different
+    sessions may keep their records apart), else where the students phase writes it, in the first folder."""
+    paths = [r / study.pair / f"{arm}-seed{seed}.json" for r in study.records]
+    return next((q for q in paths if q.is_file()), paths[0])
 
 
 def run_row(cfg: RunConfig, averaged: Path, seed: int) -> tuple[dict, dict[str, list[str]]]:
@@ -425,9 +428,10 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
     p.add_argument("--out", type=Path, default=None,
                    help="measure, quality: the result JSON; ledger: read from here")
-    p.add_argument("--records", type=Path, default=REPO / "bench" / "results" / "distill_study",
+    p.add_argument("--records", type=Path, nargs="+", default=[REPO / "bench" / "results" / "distill_study"],
                    help="one file per finished run (students writes, quality reads): <records>/<pair>/<arm>-seed<S>"
-                        ".json; commit them")
+                        ".json; commit them. Several folders: each record is read from the first that holds it, "
+                        "and written to the first")
     p.add_argument("--ledger-id", help="ledger: the entry's id (the next free one in docs/results/ledger.yaml)")
     p.add_argument("--commit", default=None, help="ledger: the commit the study ran at (default: HEAD)")
     p.add_argument("--command", default=None,

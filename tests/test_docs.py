@@ -293,6 +293,23 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
         study.quality_result(records[1:], refs)  # the distilled arm's seed 2 is missing
 
 
+def test_a_study_reads_each_record_from_the_first_records_folder_that_holds_it(tmp_path):
+    """Arms trained in different sessions keep their records in different folders; quality reads both, and a new
+    record goes to the first folder."""
+    from types import SimpleNamespace
+
+    study = _bench_module("distill_study")
+    first, second = tmp_path / "gpu" / "en-de", tmp_path / "study" / "en-de"
+    for folder, name in ((first, "gpu-distilled-seed1.json"), (second, "original-seed1.json"),
+                         (second, "gpu-distilled-seed1.json")):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("{}")
+    s = SimpleNamespace(pair="en-de", records=[first.parent, second.parent])
+    assert study.record_path(s, "gpu-distilled", 1) == first / "gpu-distilled-seed1.json"
+    assert study.record_path(s, "original", 1) == second / "original-seed1.json"
+    assert study.record_path(s, "original", 2) == first / "original-seed2.json"  # not yet written anywhere
+
+
 def test_a_measurement_names_its_commit_short_and_marked_when_the_tree_differs():
     """short_commit, which the bench scripts write into ledger entries and study records: HEAD's first 7 hex
     digits, with + exactly when tracked files differ from HEAD."""
