@@ -110,8 +110,8 @@ def run_files(work: Path) -> dict:
     evaluated = _one(choose, "eval-*/scores.json").parent
     gate = sorted(choose.glob("ctranslate2-*/gate.json"))
     choice = _read(choose / "choice.json")
-    scores = {split: {k: v for k, v in s.items() if k in ("sacrebleu", "chrf")}
-              for split, s in _read(evaluated / "scores.json").items()}
+    scores = {split: {k: s[k]["score"] for k in ("sacrebleu", "chrf")}
+              for split, s in _read(evaluated / "scores.json")["splits"].items()}
     return {"train_summary": _read(train / "train_summary.json"),
             "choose_n": {"chosen_n": choice["chosen_n"],
                          "candidates": [{k: c[k] for k in ("n", "dev", "steps")} for c in choice["candidates"]]},
