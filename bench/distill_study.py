@@ -279,15 +279,19 @@ def phase_measure(study: Study, out: Path | None) -> dict:
 
 
 def significance(outputs: dict[str, dict[str, list[list[str]]]], refs: dict[str, list[str]]) -> list[dict]:
-    """Every arm (and search) against the original arm, by the paired bootstrap pooled over the seeds, on dev and
-    test2016; ``outputs[key][split]``: each seed's outputs, in the seeds' order. None without the original arm."""
-    base = outputs.get("original")
-    claims = [(k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in outputs
-              if base and k != "original"]
+    """Every arm (and search) against the original arm, and each arm's greedy search against its own beam search
+    (what greedy costs that arm), by the paired bootstrap pooled over the seeds, on dev and test2016;
+    ``outputs[key][split]``: each seed's outputs, in the seeds' order. None without the original arm."""
+    if "original" not in outputs:
+        return []
+    claims = [("original", k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in outputs
+              if k != "original"]
+    claims += [(arm, k, f"{arm} (greedy) against {arm} (beam)") for k in outputs
+               if k.endswith(".greedy") and (arm := k.removesuffix(".greedy")) != "original"]  # original's is above
     out = []
-    for key, claim in claims:
+    for base, key, claim in claims:
         for split in ("dev", TEST):
-            c = pooled_bootstrap("sacrebleu", base[split], outputs[key][split], refs[split])
+            c = pooled_bootstrap("sacrebleu", outputs[base][split], outputs[key][split], refs[split])
             out.append({"claim": claim, "set": split, "base": c.champion, "system": c.challenger, "delta": c.delta,
                         "ci95": [c.ci_low, c.ci_high], "p": c.p_value, "test": c.signature})
     return out

@@ -272,10 +272,11 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
     greedy = [r | {"searches": {"greedy": {"run": r["run"], "outputs": r["outputs"]}}} for r in records]
     claimed = {c["claim"] for c in study.quality_result(greedy, refs)["significance"]}
     assert claimed == {"distilled against original", "distilled (greedy) against original",
-                       "original (greedy) against original"}
+                       "original (greedy) against original", "distilled (greedy) against distilled (beam)"}
     # a record written before greedy was decoded: the arm's greedy search is left out, not half-paired
     claimed = {c["claim"] for c in study.quality_result([*greedy[:3], records[3]], refs)["significance"]}
-    assert claimed == {"distilled against original", "distilled (greedy) against original"}
+    assert claimed == {"distilled against original", "distilled (greedy) against original",
+                       "distilled (greedy) against distilled (beam)"}
     result = study.quality_result(records, refs)
     assert result["seeds"] == [1, 2]
     assert [r["seed"] for r in result["arms"]["distilled"]["beam"]["runs"]] == [1, 2]
