@@ -56,20 +56,18 @@ def _one(parent: Path, pattern: str) -> Path:
     return found[0]
 
 
-def run_job(home: Path, deployment: str, data_root: Path, params: list[str]) -> tuple[dict, float]:
-    """Start the stack under ``home``, run the deployment and watch it; the environment that reaches the stack's
-    servers and the job's seconds (from ``up`` to the flow run finished). The stack is left up for the reads."""
-    prefect_port, mlflow_port = free_port(), free_port()
-    env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
-           "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}"}
-    python, prefect = sys.executable, str(Path(sys.executable).with_name("prefect"))
+def run_job(home: Path, env: dict[str, str], deployment: str, data_root: Path, params: list[str]) -> float:
+    """Start the stack under ``home`` on the ports of ``env``'s URLs, run the deployment and watch it; the job's
+    seconds (from ``up`` to the flow run finished). The stack is left up for the reads."""
+    prefect_port, mlflow_port = (urllib.parse.urlsplit(env[k]).port for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"))
+    prefect = str(Path(sys.executable).with_name("prefect"))
     start = time.monotonic()
-    subprocess.run([python, "-m", "ops.localstack", "up", "--home", str(home / "stack"), "--work-dir",
+    subprocess.run([sys.executable, "-m", "ops.localstack", "up", "--home", str(home / "stack"), "--work-dir",
                     str(home / "runs"), "--data-root", str(data_root), "--prefect-port", str(prefect_port),
                     "--mlflow-port", str(mlflow_port)], cwd=REPO, env=env, check=True)
     subprocess.run([prefect, "deployment", "run", f"{FLOW}/{deployment}", "--watch",
                     *[a for kv in params for a in ("-p", kv)]], cwd=REPO, env=env, check=True)
-    return env, time.monotonic() - start
+    return time.monotonic() - start
 
 
 def flow_times(api: str, deployment: str) -> tuple[dict, dict[str, float], str]:
@@ -131,15 +129,18 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="default bench/results/default_e2e/<deployment>_<tag>_<date>.json")
     p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
                    help="a flow parameter, as prefect deployment run -p takes it (a rehearsal: -p max_steps=20)")
-    p.add_argument("--keep", action="store_true", help="keep --home (checkpoints, databases) after the record")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temporary home (checkpoints, databases) after the record; a --home is always kept")
     args = p.parse_args()
     home = (args.home or Path(tempfile.mkdtemp(prefix="aiayn-e2e-"))).resolve()
     if (home / "runs").exists() and any((home / "runs").iterdir()):
         raise SystemExit(f"{home / 'runs'} holds an earlier run: its cached stages would not run again; "
                          "give another --home")
     commit, date = short_commit(), datetime.date.today().isoformat()
-    env, job_seconds = run_job(home, args.deployment, args.data_root.resolve(), args.param)
-    try:
+    env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api",
+           "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"}
+    try:  # the stack goes down whatever happens, a failed flow run included
+        job_seconds = run_job(home, env, args.deployment, args.data_root.resolve(), args.param)
         flow, tasks, flow_run_id = flow_times(env["PREFECT_API_URL"], args.deployment)
         model = load_config(flow["config"]).registered_model_name
         record = {"config": flow["config"], "machine": cpu_name(), "cpu_class": cpu_class(),
