@@ -4,14 +4,18 @@
 ``train.precision=bf16``: a bf16 working copy of the model with fp32 weights and Adam) against ``fairseq-train`` on
 the same Multi30k training pairs, encoded with OUR sentencepiece model (fairseq binarizes the very same piece ids
 with an 8,000-entry dictionary), the same architecture (post-norm, sinusoidal positions, shared embeddings; tiny: d
-256, 3+3 layers, ffn 1024, 4 heads; base: d 512, 6+6, ffn 2048, 8 heads), the same batching rule (``max_tokens``
-4096 of max(src, tgt) + 1 per batch, length-bucketed), Adam (0.9, 0.98, 1e-9), label smoothing 0.1, dropout 0.1 and
-the same learning rate schedule (fairseq's inverse_sqrt with ``--lr (d_model * warmup)^-0.5`` and a warm-up from 0
-is the paper's formula; fairseq's update k uses the rate our update k - 1 does). Each run is a fresh process for a
-fixed number of updates; the implementations alternate (A B C A B C ...), and throughput is taken over the updates
-after ``--skip`` (start-up and allocator warm-up excluded) from each trainer's own interval logs: tokens of those
-updates / their wall time. Peak RSS is the child's ``ru_maxrss`` (``os.wait4``). The loss at equal update counts is
-reported for every run (fairseq logs base-2 bits; converted to nats).
+256, 3+3 layers, ffn 1024, 4 heads; base: d 512, 6+6, ffn 2048, 8 heads; fp32-recipe: d 128, 3+3, ffn 512, 4 heads,
+the model and batches the tiny preset's ``recipes.fp32`` trains on CPUs without bf16), the same batching rule
+(``max_tokens`` of max(src, tgt) + 1 per batch, length-bucketed: 4,096, or 2,048 for fp32-recipe), Adam (0.9, 0.98,
+1e-9), label smoothing 0.1, dropout 0.1 and the same learning rate schedule (fairseq's inverse_sqrt with ``--lr
+(d_model * warmup)^-0.5`` and a warm-up from 0 is the paper's formula; fairseq's update k uses the rate our update k
+- 1 does). Each run is a fresh process for a fixed number of updates; the implementations alternate (A B C A B C
+...), and throughput is taken over the updates after ``--skip`` (start-up and allocator warm-up excluded) from each
+trainer's own interval logs: tokens of those updates / their wall time. Peak RSS is the child's ``ru_maxrss``
+(``os.wait4``). The loss at equal update counts is reported for every run (fairseq logs base-2 bits; converted to
+nats). fairseq logs its wall clock in whole seconds: each interval's time is off by up to a second, so its "best
+interval" means little unless the intervals are long, and the timed span must be long against a second (``--updates
+160 --skip 20 --log-every 20`` for fp32-recipe, whose updates take a third of a second).
 
 ``decode``: sentences/s, target tokens/s and peak RSS of beam 4 and greedy on the 1,000 sentences of Multi30k
 test2016, batch 64, against ``fairseq-generate`` and CTranslate2 (converted from the fairseq checkpoint), on
@@ -65,10 +69,12 @@ from pipeline.shards import ShardDataset, build_shards  # noqa: E402
 from pipeline.tokenize import train_tokenizer  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-SIZES = {  # the presets' model sections (configs/presets/tiny.yaml, base.yaml)
+SIZES = {  # the presets' model sections (configs/presets/tiny.yaml, base.yaml; fp32-recipe: tiny's recipes.fp32)
     "tiny": dict(encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, n_heads=4),
     "base": dict(encoder_layers=6, decoder_layers=6, d_model=512, d_ff=2048, n_heads=8),
+    "fp32-recipe": dict(encoder_layers=3, decoder_layers=3, d_model=128, d_ff=512, n_heads=4),
 }
+MAX_TOKENS = {"tiny": 4096, "base": 4096, "fp32-recipe": 2048}  # tokens per batch (= per update), both trainers
 WARMUP = 1000  # the tiny preset's warm-up, used for both sizes so that the loss curves are comparable
 TEST_SPLIT = "test.test2016"
 
@@ -118,10 +124,16 @@ def run_child(cmd: list, env: dict, log: Path, cwd: Path = REPO) -> tuple[int, f
     return proc.returncode, time.monotonic() - start, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
-def child_env(threads: int) -> dict:
+# --isa avx2: the vector code paths of a CPU with AVX2 only, on one that has AVX-512 too (torch's ATen kernels,
+# oneDNN and MKL each cap the instructions they dispatch to), for every implementation alike. It reproduces the
+# instructions, not that CPU's clock, caches or memory: a proxy for the AVX2 class until one of its CPUs runs it.
+ISA_LIMITS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+
+
+def child_env(threads: int, isa: str | None = None) -> dict:
     # fairseq takes torch's default (OMP_NUM_THREADS); our trainer splits the cores unless told
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               AIAYN_CPU_THREADS=str(threads))
+               AIAYN_CPU_THREADS=str(threads), **ISA_LIMITS.get(isa or "", {}))
     env.pop("PYTHONPATH", None)
     return env
 
@@ -132,7 +144,8 @@ def ours_train_cmd(paths: dict, size: str, precision: str, updates: int, log_eve
     working directory's packages first, so a baseline checkout runs its own code with this interpreter)."""
     sets = {f"model.{k}": v for k, v in SIZES[size].items()} | {
         "train.max_steps": updates, "train.max_minutes": "null", "train.warmup_steps": WARMUP,
-        "train.max_tokens": 4096, "train.update_tokens": 4096, "train.log_every_steps": log_every,
+        "train.max_tokens": MAX_TOKENS[size], "train.update_tokens": MAX_TOKENS[size],
+        "train.log_every_steps": log_every,
         "train.dev_every_steps": 10**9, "train.checkpoint_every_steps": 10**9,
         "train.checkpoint_every_minutes": 10**6, "train.dev_max_sentences": 64, "train.precision": precision,
         "train.seed": 1}
@@ -157,7 +170,7 @@ def fairseq_train_cmd(venv: Path, paths: dict, size: str, updates: int, log_ever
             "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--adam-eps", "1e-9", "--lr", peak_lr,
             "--lr-scheduler", "inverse_sqrt", "--warmup-updates", WARMUP, "--warmup-init-lr", 0,
             "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            "--max-tokens", 4096, "--required-batch-size-multiple", 1, "--max-update", updates,
+            "--max-tokens", MAX_TOKENS[size], "--required-batch-size-multiple", 1, "--max-update", updates,
             "--max-source-positions", 1024, "--max-target-positions", 1024, "--cpu", "--seed", 1,
             "--num-workers", 0, "--disable-validation", "--log-format", "json", "--log-interval", log_every,
             *save]
@@ -208,7 +221,7 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
     impls = [f"ours-{p}" for p in args.precisions] + ["fairseq"]
     if args.baseline:  # the same trainer at an earlier commit, interleaved with the rest: before and after
         impls += [f"baseline-{p}" for p in args.precisions]
-    env = child_env(args.threads)
+    env = child_env(args.threads, args.isa)
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-vs-fairseq-") as tmp:
         for size in args.sizes:
@@ -244,7 +257,8 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
 
 def print_train(results: dict, args: argparse.Namespace) -> None:
     print(f"\nTraining: {args.updates} updates per run, tokens/s over updates {args.skip + 1}-{args.updates}, "
-          f"{args.threads} threads, max_tokens 4096, {args.repeats} runs each (A B C interleaved)\n")
+          f"{args.threads} threads, max_tokens {', '.join(f'{s} {MAX_TOKENS[s]}' for s in args.sizes)}, "
+          f"{args.repeats} runs each (A B C interleaved)\n")
     print("| size | implementation | tgt tok/s per run | median | ours / fairseq | best interval per run | "
           "best / fairseq best | tok/update | peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -326,7 +340,7 @@ print(json.dumps({"seconds": seconds, "sentences": len(out), "tokens": sum(len(o
 
 
 def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
-    env = child_env(args.threads)
+    env = child_env(args.threads, args.isa)
     work = args.work_dir / "decode-models"
     work.mkdir(parents=True, exist_ok=True)
     # Equal tiny models: a few updates of each trainer (forced output lengths make the work independent of
@@ -421,6 +435,8 @@ def main() -> None:
     common.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
     common.add_argument("--venv", type=Path, default=Path("/work/peers/fairseq-venv"), help="fairseq's venv")
     common.add_argument("--threads", type=int, default=2)
+    common.add_argument("--isa", choices=sorted(ISA_LIMITS), default=None,
+                        help="cap every implementation's vector instructions (a proxy for a CPU class, see ISA_LIMITS)")
     common.add_argument("--tag", default="", help="appended to the results file's name (e.g. the CPU: epyc-no-amx)")
     common.add_argument("--repeats", type=int, default=2)
     common.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
@@ -459,13 +475,14 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.command == "train":
         results = cmd_train(args, paths)
-        print(f"\nCPU: {cpu_name()}")
+        capped = f", instructions capped at {args.isa} ({ISA_LIMITS[args.isa]})" if args.isa else ""
+        print(f"\nCPU: {cpu_name()}{capped}")
         print_train(results, args)
     else:
         results = cmd_decode(args, paths)
         print_decode(results, args)
     meta = {"args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-            "loadavg_at_end": os.getloadavg()}
+            "loadavg_at_end": os.getloadavg(), "isa_limits": ISA_LIMITS.get(args.isa or "", {})}
     sizes = "_" + "_".join(args.sizes) if args.command == "train" else ""
     out = RESULTS / f"vs_fairseq_{args.command}{sizes}_t{args.threads}{'_' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # What a session runs when its CPU is of a class the results ledger has no end-to-end entry for yet (issue 53: the
-# AVX2 class above all), on the idle machine, in about 50 minutes:
+# AVX2 class above all), on the idle machine, in about an hour:
 #   1. the README's main job end to end on its own fresh stack, timed, with what it gave (bench/default_e2e.py);
 #   2. the trainer against fairseq side by side in the precision this class trains in (bench/bench_vs_fairseq.py
-#      train, the tiny size), fairseq's venv made first where it is missing (the recipe in that script's docstring).
+#      train, the tiny size), fairseq's venv made first where it is missing (the recipe in that script's docstring);
+#   3. on a class that trains in fp32, the same at the shape its recipe trains (fp32-recipe: d_model 128, updates of
+#      2,048 tokens), over a span long enough for fairseq's whole-second clock.
 # Records go to bench/results/ named after the class and the CPU's family and model; commit them, then write the
 # ledger entries (the README's "What you get" row of the class cites the first).
 set -euo pipefail
@@ -22,3 +24,7 @@ if [ ! -x "$venv/bin/fairseq-train" ]; then
   "$venv/bin/pip" install -q fairseq-fixed==0.12.3.1 "numpy<2"
 fi
 $py bench/bench_vs_fairseq.py train --sizes tiny --precisions "$precision" --venv "$venv" --tag "$tag"
+if [ "$precision" = fp32 ]; then
+  $py bench/bench_vs_fairseq.py train --sizes fp32-recipe --precisions fp32 --repeats 3 --updates 160 --skip 20 \
+    --log-every 20 --venv "$venv" --tag "$tag"
+fi

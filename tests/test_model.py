@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from model import (
     EncoderLayer,
@@ -17,6 +18,7 @@ from model import (
     reorder_cache,
     sinusoid_table,
 )
+from model.attention import CPU_FP32_EXPLICIT_MAX_KEYS, key_keep_mask
 from pipeline.config import ModelConfig
 
 PAD = 0
@@ -193,13 +195,36 @@ def test_attention_maps_match_the_fused_path():
         assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-5)
     assert maps["encoder_decoder"][:, 1, :, :, 3:].abs().max() == 0  # padded source keys get no weight
     assert maps["decoder_self"].triu(1).abs().max() == 0  # no future position
-    # The explicit path (weights) and SDPA give the same attention outputs.
+    # The explicit path (weights) and torch's fused kernel give the same attention outputs.
     attn = model.decoder.layers[0].cross_attn
     x, memory = torch.randn(2, 5, 32), torch.randn(2, 6, 32)
     pad = src.eq(PAD)
-    fused, _ = attn(x, memory, key_padding_mask=pad)
     explicit, _ = attn(x, memory, key_padding_mask=pad, need_weights=True)
-    assert torch.allclose(fused, explicit, atol=1e-5)
+    q, = attn._split_heads(attn.q_proj(x), 1)
+    k, v = attn._split_heads(attn.kv_proj(memory), 2)
+    fused = F.scaled_dot_product_attention(q, k, v, attn_mask=key_keep_mask(pad))  # (2, 4, 5, 8)
+    assert torch.allclose(attn.out_proj(fused.transpose(1, 2).reshape(2, 5, 32)), explicit, atol=1e-5)
+
+
+@pytest.mark.parametrize("keys", [CPU_FP32_EXPLICIT_MAX_KEYS, CPU_FP32_EXPLICIT_MAX_KEYS + 1])
+def test_fp32_cpu_training_attention_takes_the_faster_path_for_its_length(keys):
+    """Up to CPU_FP32_EXPLICIT_MAX_KEYS keys, fp32 training attention on the CPU runs as explicit products (faster
+    there, bench/attention_paths.py), beyond it as torch's flash-attention kernel: the same outputs and gradients."""
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(32, 4).train()
+    x = torch.randn(3, keys, 32, requires_grad=True)
+    pad = torch.zeros(3, keys, dtype=torch.bool)
+    pad[1, -5:] = True
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out, _ = attn(x, key_padding_mask=pad)
+        out.sum().backward()
+    kernel = any("flash_attention" in e.key for e in prof.key_averages())
+    assert kernel == (keys > CPU_FP32_EXPLICIT_MAX_KEYS)
+    grad, x.grad = x.grad, None
+    reference, _ = attn(x, key_padding_mask=pad, need_weights=True)  # explicit, whatever the length
+    reference.sum().backward()
+    assert torch.allclose(out, reference, atol=1e-5)
+    assert torch.allclose(grad, x.grad, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------- incremental decoding

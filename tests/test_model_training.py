@@ -82,6 +82,41 @@ def test_hand_written_gradient_equals_autograd():
         assert torch.allclose(ours.grad, ref.grad, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loss_that_overwrites_its_logits_gives_the_same_gradients_in_their_place(dtype):
+    torch.manual_seed(3)
+    # 2 x 300 rows of 1,000 pieces: two chunks of 524 rows, the second partial; padding in both
+    hidden = torch.randn(2, 300, 16, dtype=torch.float64)
+    weight = torch.randn(1000, 16, dtype=torch.float64)
+    target = torch.randint(1, 1000, (2, 300))
+    target[1, 250:] = PAD
+    grads, sums = {}, {}
+    for overwrite in (False, True):
+        h = hidden.to(dtype).requires_grad_()
+        logits = h @ weight.to(dtype).T  # (2, 300, 1000)
+        loss, nll, _ = LabelSmoothedCrossEntropy(0.1, PAD)(logits, target, overwrite_logits=overwrite)
+        (loss + nll).backward()
+        grads[overwrite], sums[overwrite] = h.grad, (loss.item(), nll.item())
+        if overwrite:  # the logits now hold their own gradient
+            assert not torch.equal(logits.detach(), (h.detach() @ weight.to(dtype).T))
+    assert sums[True] == sums[False]
+    assert torch.equal(grads[True], grads[False])
+
+
+def test_a_loss_that_overwrites_logits_another_operation_still_needs_refuses_to_backward():
+    logits = torch.randn(4, 10, 50, requires_grad=True) * 1.0  # a non-leaf, as a model's output is
+    target = torch.randint(1, 50, (4, 10))
+    # R-Drop's term saves the same logits; formed first, its backward runs after the loss's has overwritten them
+    kl = symmetric_kl(logits[:2], logits[2:], target[:2], PAD)
+    loss, _, _ = LabelSmoothedCrossEntropy(0.1, PAD)(logits, target, overwrite_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + kl).backward()
+    loss, _, _ = LabelSmoothedCrossEntropy(0.1, PAD)(logits, target, overwrite_logits=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()  # a second backward would read the gradient as logits
+
+
 def test_symmetric_kl_is_the_mean_of_both_divergences_over_real_positions_with_their_gradients():
     torch.manual_seed(0)
     # 3 x 400 rows of 1,000 pieces: three chunks of 524 rows, the last one partial

@@ -208,7 +208,8 @@ class TrainStep:
                 else:
                     with self.autocast():
                         logits = self.net(self._each_pass(b.src), self._each_pass(b.tgt_in))  # [pB, T, V]
-                    loss, nll, _ = self.criterion(logits, self._each_pass(b.tgt_out))
+                    # one pass: nothing reads the logits after the loss, whose backward may overwrite them
+                    loss, nll, _ = self.criterion(logits, self._each_pass(b.tgt_out), overwrite_logits=self.passes == 1)
                 objective = loss
                 if self.passes == 2:
                     rows = len(b.src)  # slices, not chunk(): autograd refuses saved views of a multi-view op
