@@ -14,7 +14,7 @@ from .cache import AttentionCache, StaticAttentionCache
 # Up to this many keys, fp32 attention on the CPU runs as explicit products (attention_with_weights): forward +
 # backward of 2,048-token batches, 4 heads of 32, took 0.65-0.74x the time of torch's CPU flash-attention kernel at
 # 14-36 keys (Multi30k's lengths), 0.88-1.00x at 50-100, and 1.23-1.33x at 128 (torch 2.13, AMD EPYC Zen 4, 2
-# threads: bench/attention_paths.py, bench/results/attention_paths_epyc-zen4_2026-11-28.json).
+# threads: bench/attention_paths.py; the whole update in ledger L53).
 CPU_FP32_EXPLICIT_MAX_KEYS = 100
 
 

@@ -98,8 +98,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         logits, lse, safe_target, keep = ctx.saved_tensors
         scale, shift, on_target = _gradient_terms(grad_loss, grad_nll, keep, ctx.smoothing, logits.size(1))
         # overwrite: each chunk's gradient goes over its logits, read for the last time here: no second (tokens,
-        # vocab) tensor at the peak of the update's memory (60-120 MB less peak RSS for the fp32 recipe's CPU
-        # training, where it is 750-870 MB; float32 chunks are worked on in place, without a copy)
+        # vocab) tensor at the peak of the update's memory (peak RSS in ledger L53); float32 chunks are worked on
+        # in place, without a copy
         grad = logits if ctx.overwrite else torch.empty_like(logits)  # (tokens, vocab)
         in_place = ctx.overwrite and logits.dtype == torch.float32  # no float32 copy of a chunk needed either
         rows = ctx.rows
@@ -184,7 +184,7 @@ class LabelSmoothedCrossEntropy(nn.Module):
     def forward(self, logits: Tensor, target: Tensor, overwrite_logits: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """logits: (..., vocab); target: (...) token ids. Returns (loss_sum, nll_sum, n_tokens), 0-d tensors.
 
-        overwrite_logits: backward writes the logits' gradient over the logits themselves (less memory and time),
+        overwrite_logits: backward writes the logits' gradient over the logits themselves (less memory),
         for a caller that needs them no more once this loss is computed. Autograd guards what it can: a second
         backward, or the backward of another operation that saved the logits and runs after this one's, raises
         instead of reading them.
