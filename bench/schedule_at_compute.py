@@ -72,7 +72,11 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         # Muon at the preset's width (more learnt per token than narrow?) and with a tenth of the budget as warm-up
         # (the speedrun's Muon runs have none): more updates at the peak
         "mid-muon": [*MID, "train.optimizer=muon"],
-        "narrow-muon-w10": [*MID, *NARROW, "train.optimizer=muon", "train.budget_warmup=0.1"]}
+        "narrow-muon-w10": [*MID, *NARROW, "train.optimizer=muon", "train.budget_warmup=0.1"],
+        # the preset with half its vocabulary: 29,000 training pairs leave many of 8,000 pieces rare, and smaller
+        # vocabularies served low-resource NMT better (Sennrich and Zhang, 2019; Gowda and May, 2020); the
+        # pre-softmax layer's FLOPs per token halve too
+        "v4k": ["train.schedule=budget", "tokenizer.vocab_size=4000"]}
 # target tokens/s of our training against the preset's shape at updates of 4,096 tokens, side by side in one run
 # (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
 # 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
@@ -82,7 +86,9 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
 # measured speed for the class is refused.
 SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74,
                   "narrow-muon": 1.91},
-         "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81}}
+         "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81,
+                  # at most its compute: fewer FLOPs per token than the preset (see SPEED_NOTES)
+                  "v4k": 1.0}}
 
 
 def arm_steps(arm: str, updates: int, speed: str = "fp32", tokens: float | None = None) -> int:
