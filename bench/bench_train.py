@@ -11,6 +11,7 @@ peak RSS.
     python bench/bench_train.py                          # tiny preset, 2 threads
     python bench/bench_train.py --steps 20 --repeats 3
     python bench/bench_train.py --precision fp32 --set model.d_model=128 --set model.d_ff=512   # another shape
+    python bench/bench_train.py --precision bf16 --set tokenizer.vocab_size=4000               # another vocabulary
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -36,9 +38,10 @@ from pipeline.tokenize import train_tokenizer  # noqa: E402
 from pipeline.train import TrainStep, make_batch, setup, usable_batches  # noqa: E402
 
 
-def build(data_root: str, work_dir: Path) -> Path:
-    """The tiny preset's shards (cached: a no-op when they exist)."""
-    cfg = load_config("multi30k-cpu", [("data.root", data_root)])
+def build(data_root: str, work_dir: Path, overrides: Sequence[str] = ()) -> Path:
+    """The tiny preset's shards (cached: a no-op when they exist), with its tokenizer as ``overrides`` set it
+    (``tokenizer.vocab_size=4000``: shards of their own, fingerprinted apart)."""
+    cfg = load_config("multi30k-cpu", [("data.root", data_root), *overrides])
     corpus = prepare_corpus(cfg.data, work_dir)
     return build_shards(corpus, train_tokenizer(corpus, cfg.tokenizer, work_dir), cfg.tokenizer, work_dir)
 
@@ -100,14 +103,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override of both implementations' model and training (e.g. model.d_model=128)")
+                   help="a config override of both implementations' model, training and tokenizer (e.g. "
+                        "model.d_model=128, tokenizer.vocab_size=4000)")
     p.add_argument("--impl", choices=["ours", "plain"], help=argparse.SUPPRESS)
     p.add_argument("--shards", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.impl:
         child(args)
         return
-    shards = build(args.data_root, args.work_dir)
+    shards = build(args.data_root, args.work_dir, args.set)
     results: dict[str, dict] = {"ours": {"times": [], "tokens": [], "rss": []},
                                 "plain": {"times": [], "tokens": [], "rss": []}}
     for _ in range(args.repeats):

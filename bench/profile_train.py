@@ -16,6 +16,7 @@ Printed per variant:
 
     python bench/profile_train.py                               # tiny and base, fp32 and bf16, 2 threads
     python bench/profile_train.py --presets tiny --precisions bf16 --updates 5 --out profile.json
+    python bench/profile_train.py --presets tiny --precisions fp32 --max-tokens 2048 --set recipe=fp32
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def category(name: str) -> str:
 
 def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Namespace) -> dict:
     cfg = load_config(PRESETS[preset], [f"train.max_tokens={args.max_tokens}", f"train.update_tokens={args.max_tokens}",
-                                        f"train.precision={precision}"])
+                                        f"train.precision={precision}", *args.set])
     info = setup()
     torch.set_num_threads(args.threads)
     ds = ShardDataset(shards, "train", verify=False)
@@ -121,6 +122,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides for every variant, e.g. recipe=fp32 (the fp32 CPUs' model)")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args()
     shards = build(args.data_root, args.work_dir)

@@ -76,19 +76,21 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         # the preset with half its vocabulary: 29,000 training pairs leave many of 8,000 pieces rare, and smaller
         # vocabularies served low-resource NMT better (Sennrich and Zhang, 2019; Gowda and May, 2020); the
         # pre-softmax layer's FLOPs per token halve too
-        "v4k": ["train.schedule=budget", "tokenizer.vocab_size=4000"]}
+        "v4k": ["train.schedule=budget", "tokenizer.vocab_size=4000"],
+        # and twice it: fewer pieces per sentence, more FLOPs per piece in the pre-softmax layer
+        "v16k": ["train.schedule=budget", "tokenizer.vocab_size=16000"]}
 # target tokens/s of our training against the preset's shape at updates of 4,096 tokens, side by side in one run
 # (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
 # 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
 # 11-28.json; bf16 by shape, bench/results/train_speed_by_shape_bf16_xeon-amx_2026-11-28.json, and by optimizer,
 # bench/results/train_speed_by_optimizer_bf16_epyc-zen4_2026-11-28.json; fp32 by optimizer at narrow's shape (Muon
-# 0.955 of Adam), bench/results/train_speed_by_optimizer_fp32-narrow_epyc-zen4_2026-11-28.json. An arm without a
-# measured speed for the class is refused.
+# 0.955 of Adam), bench/results/train_speed_by_optimizer_fp32-narrow_epyc-zen4_2026-11-28.json; bf16 by vocabulary
+# size, bench/results/train_speed_by_vocab_bf16_epyc-zen4_2026-11-29.json (v4k at 1.0: at most its compute, fewer
+# FLOPs per piece). An arm without a measured speed for the class is refused.
 SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74,
                   "narrow-muon": 1.91},
          "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81,
-                  # at most its compute: fewer FLOPs per token than the preset (see SPEED_NOTES)
-                  "v4k": 1.0}}
+                  "v4k": 1.0, "v16k": 0.805}}
 
 
 def arm_steps(arm: str, updates: int, speed: str = "fp32", tokens: float | None = None) -> int:
