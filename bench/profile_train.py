@@ -122,11 +122,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--top", type=int, default=8)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="config overrides for every variant, e.g. recipe=fp32 (the fp32 CPUs' model)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of every variant, e.g. recipe=fp32 (the fp32 CPUs' model) or "
+                        "tokenizer.vocab_size=4000 (its own shards)")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args()
-    shards = build(args.data_root, args.work_dir)
+    shards = build(args.data_root, args.work_dir, args.set)
     rows = [profile_variant(preset, precision, shards, args)
             for preset in args.presets for precision in args.precisions]
     cats = [c for c, _ in CATEGORIES] + ["other"]
