@@ -465,10 +465,11 @@ class TrainConfig(_Strict):
         """``max_tokens`` for ``world_size`` processes: ``update`` is ``update_tokens`` split evenly over them."""
         return self.update_tokens // world_size if self.max_tokens == "update" else self.max_tokens
 
-    fused_adam: bool = Field(default=False, description=(
+    fused_adam: bool = Field(default=True, description=(
         "Adam's update as torch's fused kernel over all parameters (CUDA and CPU) instead of a few grouped (foreach) "
-        "kernels per step: fewer kernel launches per update. The same update within float rounding. Not in the "
-        "paper: an implementation choice."))
+        "kernels per step: one pass over the weights and moments instead of one per operation, about 2% of a CPU "
+        "update at the fp32 recipe's shape (L55, L56; on an H100 within the spread, L28). The same update within "
+        "float rounding. Not in the paper: an implementation choice."))
 
     # How a run is carried out or watched, not what it learns: left out of the run folder's name
     # (pipeline.workdir.run_dir), so that changing one continues the same run, and a new field of this kind added
