@@ -9,7 +9,8 @@ content-addressed in ``--work-dir``, so the study resumes where it stopped: run 
 - ``distill``: their ensemble translates the training sources (``python -m pipeline distill``);
 - ``students``: for each seed of ``--seeds``, the student preset (``multi30k-student-tiny``) on the original data
   and on the distilled data, and (En-De) the deep-encoder shallow-decoder student on the distilled data, and with
-  ``--translations`` (``gpu-distilled``) the student on what a GPU teacher translated (bench/gpu_teacher.py). The
+  ``--translations`` (``gpu-distilled``) the student on what a GPU teacher translated (bench/gpu_teacher.py), and
+  (``gpu-mixed``) on those translations and the human references together (``distill.keep_original``). The
   student preset is the default's model and recipe, so on the original data it is the teacher run of the same seed (one
   run folder, trained once): the teachers cost nothing beyond the original arm. Each finished run leaves a record
   in ``--records`` (its scores and its dev and test2016 outputs): commit them, since the run folders live only as
@@ -68,12 +69,16 @@ from pipeline.workdir import build_inputs, run_dir  # noqa: E402
 PAIRS = {
     "en-de": ("multi30k-cpu", {"original": "multi30k-student-tiny", "distilled": "multi30k-student-tiny",
                                "deep-shallow": "multi30k-student-deep-shallow",
-                               "gpu-distilled": "multi30k-student-tiny"}),
+                               "gpu-distilled": "multi30k-student-tiny", "gpu-mixed": "multi30k-student-tiny"}),
     "en-fr": ("multi30k-en-fr-cpu", {"original": "multi30k-en-fr-student-tiny",
                                      "distilled": "multi30k-en-fr-student-tiny"}),
 }
 TEST = "test.test2016"
 GPU_ARM = "gpu-distilled"  # the student on a GPU teacher's translations (--translations), issue 55
+# the student on those translations and the human references together (distill.keep_original): the distilled arms
+# gained on dev and not on test2016 (L52), the human targets keep what the teachers' outputs smooth away
+MIXED_ARM = "gpu-mixed"
+GPU_ARMS = (GPU_ARM, MIXED_ARM)
 # Each student arm is measured with its config's search and greedy (a distilled student is often decoded greedily:
 # Kim & Rush 2016); the teachers with their config's.
 SEARCHES = {"beam": [], "greedy": ["decode.beam_size=1"]}
@@ -97,12 +102,13 @@ class Study:
         if unknown:
             raise SystemExit(f"--arms: {sorted(unknown)} are not arms of {args.pair}; its arms: {sorted(students)}")
         self.translations = args.translations and args.translations.resolve()
-        if GPU_ARM in (args.arms or []) and not self.translations:
-            raise SystemExit(f"--arms {GPU_ARM}: needs --translations, the folder bench/gpu_teacher.py brought back")
+        if set(GPU_ARMS) & set(args.arms or []) and not self.translations:
+            raise SystemExit(f"--arms {' '.join(GPU_ARMS)}: need --translations, the folder bench/gpu_teacher.py "
+                             "brought back")
         self.configs = students  # every arm's config (the distill phase needs the distilled arm's)
         # every arm by default; the GPU teacher's only with its translations
         self.students = {a: c for a, c in students.items()
-                         if (a in args.arms if args.arms else a != GPU_ARM or self.translations)}
+                         if (a in args.arms if args.arms else a not in GPU_ARMS or self.translations)}
         self.pair, self.records = args.pair, [r.resolve() for r in args.records]
         self.budget = [f"train.max_steps={args.max_steps}", "train.max_minutes=null"]
 
@@ -128,9 +134,9 @@ class Study:
                 for s in range(1, self.k + 1)]
 
     def arm_overrides(self, arm: str, seed: int) -> list[str]:
-        if arm == GPU_ARM:  # translations made on a GPU (bench/gpu_teacher.py), filtered here
+        if arm in GPU_ARMS:  # translations made on a GPU (bench/gpu_teacher.py), filtered here
             return ["distill.teachers=[]", f"distill.translations={self.translations}", f"train.seed={seed}",
-                    *self.budget]
+                    *(["distill.keep_original=true"] if arm == MIXED_ARM else []), *self.budget]
         teachers = "[]" if arm == "original" else "[" + ", ".join(map(str, self.teachers())) + "]"
         return [f"distill.teachers={teachers}", f"train.seed={seed}", *self.budget]
 
@@ -427,7 +433,7 @@ def main() -> None:
                    help="students and measure: only these arms (default: every arm of the pair); a study split "
                         "over sessions trains and measures a part at a time")
     p.add_argument("--translations", type=Path, default=None,
-                   help=f"the {GPU_ARM} arm's training targets: a translations folder made on a GPU "
+                   help=f"the {' and '.join(GPU_ARMS)} arms' training targets: a translations folder made on a GPU "
                         "(bench/gpu_teacher.py)")
     p.add_argument("--max-steps", type=int, default=4400, help="updates per run (every arm and teacher)")
     p.add_argument("--out", type=Path, default=None,

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU comparison of issue 42 in one call of about 8 minutes on one H100 or H200: where a training update and a
 # beam-search call spend the GPU's time (profile_gpu.py), then the training levers beside the default update
-# (autocast instead of the bf16 copy, train.fused_adam, train.compile=layers; train.fused_output_loss, a memory
-# lever, is in the results ledger's L28) and the decoding searches (dynamic, static with CUDA graphs, CTranslate2)
-# side by side (bench_gpu.py), at the paper presets' shape (train.max_tokens: update).
+# (autocast instead of the bf16 copy, the grouped Adam instead of the fused one, train.compile=layers;
+# train.fused_output_loss, a memory lever, is in the results ledger's L28) and the decoding searches (dynamic,
+# static with CUDA graphs, CTranslate2) side by side (bench_gpu.py), at the paper presets' shape
+# (train.max_tokens: update).
 # Results are written under $OUT (default bench/results), named after the GPU.
 #
 # A GPU machine whose Python lacks this project's pure dependencies (pydantic and its three helpers, ctranslate2,
@@ -25,5 +26,5 @@ mkdir -p "$out"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))") || exit 1
 timeout 200 python3 bench/profile_gpu.py --updates 3 --out "$out/profile_gpu_$gpu.md"
 timeout 300 python3 bench/bench_gpu.py --presets base big --steps 10 --train-precisions bf16 \
-  --levers train.bf16_copy=off train.fused_adam=true train.compile=layers \
+  --levers train.bf16_copy=off train.fused_adam=false train.compile=layers \
   --out "$out/gpu_levers_$gpu.md"

@@ -467,8 +467,8 @@ class TrainConfig(_Strict):
 
     fused_adam: bool = Field(default=True, description=(
         "Adam's update as torch's fused kernel over all parameters (CUDA and CPU) instead of a few grouped (foreach) "
-        "kernels per step: one pass over the weights and moments instead of one per operation, about 2% of a CPU "
-        "update at the fp32 recipe's shape (L55, L56; on an H100 within the spread, L28). The same update within "
+        "kernels per step: one pass over the weights and moments instead of one per operation: faster CPU updates in "
+        "fp32 (L55, L56; on an H100 within the spread, L28). The same update within "
         "float rounding. Not in the paper: an implementation choice."))
 
     # How a run is carried out or watched, not what it learns: left out of the run folder's name
@@ -644,6 +644,11 @@ class DistillConfig(_Strict):
         "the other."))
     drop_copies: bool = Field(default=True, description=(
         "Drop a pair whose teacher output equals its source (the teacher copied instead of translating)."))
+    keep_original: bool = Field(default=False, description=(
+        "Train the student on the human references as well: the distilled training split holds every training "
+        "pair as it is and, beside it, its source with the teachers' translation (about twice the pairs; the "
+        "filters drop only failed translations). False = the teachers' targets alone (Kim & Rush, 2016). Not in "
+        "the paper."))
     chunk_sentences: int = Field(default=4096, ge=1, description=(
         "Training sources decoded per chunk; each finished chunk is kept on disk, so a killed run resumes with the "
         "next one."))

@@ -59,7 +59,7 @@ RULES = ("empty", "copy", "ratio")  # the filters of failure(), in the order the
 _NOT_CONTENT = frozenset({"teachers", "translations", "chunk_sentences", "speed_sentences"})
 # The filters run on decoded chunks: a partial folder is keyed without them, so a run refused for an empty result
 # resumes, after the filters are relaxed, with every chunk already decoded.
-_FILTERS = frozenset({"max_ratio", "drop_copies"})
+_FILTERS = frozenset({"max_ratio", "drop_copies", "keep_original"})  # applied after decoding
 _CHUNK_SCHEMA = pa.schema([("tgt", pa.string()),  # the kept hypothesis of each training source, normalised
                            ("truncated", pa.bool_())])  # its source was cut to the teachers' positions
 _WRITE_ROWS = 65_536  # rows per Parquet write of the training split (fixed: the same rows give the same bytes)
@@ -530,9 +530,10 @@ def _chunk_targets(partial: Path, chunks: int) -> tuple[Iterator[str], int]:
 def _write_corpus(tmp: Path, corpus_dir: Path, corpus: dict, targets: Iterator[str], truncated: int,
                   distill: DistillConfig) -> tuple[dict, dict]:
     """Write the distilled corpus's splits into ``tmp``: dev and test copied, the training split from ``targets``
-    (one per training source, in corpus order) less the failed pairs. Returns the training split's manifest entry
-    and the filter report (each rule's count, sources read and kept, ``truncated``: sources cut to the teachers'
-    positions)."""
+    (one per training source, in corpus order) less the failed pairs, each after its human pair with
+    ``distill.keep_original``. Returns the training split's manifest entry and the filter report (each rule's
+    count, sources read and teacher pairs kept, ``references``: human pairs kept, ``truncated``: sources cut to the
+    teachers' positions)."""
     for key, split in corpus["splits"].items():
         if key != "train":
             shutil.copyfile(corpus_dir / split["file"], tmp / split["file"])
@@ -540,22 +541,28 @@ def _write_corpus(tmp: Path, corpus_dir: Path, corpus: dict, targets: Iterator[s
     writer = CorpusSplitWriter(tmp / source["file"], "train", _WRITE_ROWS)
     counts: Counter = Counter({rule: 0 for rule in RULES})
     read: Counter = Counter()
-    for table in _row_chunks(corpus_dir / source["file"], ["origin", "line", "src"], distill.chunk_sentences):
+    kept: Counter = Counter()
+    columns = ["origin", "line", "src", "tgt"]
+    for table in _row_chunks(corpus_dir / source["file"], columns, distill.chunk_sentences):
         hyps = list(itertools.islice(targets, table.num_rows))
-        for origin, line, src, hyp in zip(*(table.column(c).to_pylist() for c in ("origin", "line", "src")),
-                                          hyps, strict=True):
+        for origin, line, src, tgt, hyp in zip(*(table.column(c).to_pylist() for c in columns), hyps, strict=True):
             read[origin] += 1
+            if distill.keep_original:
+                writer.add(origin, line, src, tgt, None)
             if rule := failure(src, hyp, distill):
                 counts[rule] += 1
             else:
                 writer.add(origin, line, src, hyp, None)
+                kept[origin] += 1
     entry = writer.close()
-    report = rule_report(sum(read.values()), counts, RULES, entry["rows"])
-    if not entry["rows"]:
+    report = rule_report(sum(read.values()), counts, RULES, sum(kept.values()))
+    report["references"] = sum(read.values()) if distill.keep_original else 0
+    if not report["kept"]:
         raise DistillError(
-            f"the distilled training split is empty: the teachers' translations of all {report['read']} training "
+            f"no teacher translation was kept: the teachers' translations of all {report['read']} training "
             f"sources were dropped ({', '.join(f'{r}: {n}' for r, n in report['removed'].items())}); raise "
             "distill.max_ratio or set distill.drop_copies: false, or check that the teachers translate "
             f"{corpus['src_lang']}->{corpus['tgt_lang']} (distill.teachers)")
-    entry["origins"] = {n: {"read": read[n], "kept": entry["origins"].get(n, 0)} for n in read}
+    entry["origins"] = {n: {"read": read[n], "kept": kept[n], **({"references": read[n]} if distill.keep_original
+                                                                else {})} for n in read}
     return {"role": "train", **entry, "cleaning": source["cleaning"]}, {**report, "truncated": truncated}

@@ -216,8 +216,9 @@ def test_targets_are_the_teachers_translations_and_dev_test_are_unchanged(toy: T
         "source_corpus": {"fingerprint": source["fingerprint"], "path": str(toy.corpus.resolve())},
         "teachers": [{"path": str(toy.teachers[0].resolve()), "sha256": sha256_file(toy.teachers[0])}],
         "engine": "torch", "decode": toy.distill.decode.model_dump(mode="json"), "nbest": 1, "select": "best",
-        "max_ratio": 3.0, "drop_copies": True, "read": TRAIN_ROWS, "rules": rules, "kept": len(kept),
-        "removed": removed, "truncated": 1,  # the 80-word pair, longer than the teachers' 64 positions
+        "max_ratio": 3.0, "drop_copies": True, "keep_original": False, "read": TRAIN_ROWS, "rules": rules,
+        "kept": len(kept), "removed": removed, "references": 0,
+        "truncated": 1,  # the 80-word pair, longer than the teachers' 64 positions
     }
     assert not [p for p in distilled.parent.iterdir() if p.name.endswith(".partial")]  # removed once done
 
@@ -268,8 +269,34 @@ def test_the_fingerprint_follows_teachers_decoding_and_selection_only(toy: Toy, 
     changed = [fp([b]), fp([a], nbest=2, select="chrf"), fp([a], nbest=2),
                fp([a], decode=cfg.decode.model_copy(update={"beam_size": 3})),
                fp([a], decode=cfg.decode.model_copy(update={"precision": "bf16"})),
-               fp([a], max_ratio=2.0), fp([a], drop_copies=False)]
+               fp([a], max_ratio=2.0), fp([a], drop_copies=False), fp([a], keep_original=True)]
     assert len({base, *changed}) == len(changed) + 1
+
+
+def test_keep_original_puts_each_human_pair_before_its_teachers_pair(toy: Toy, distilled: Path,
+                                                                     tmp_path: Path) -> None:
+    mixed = toy.distill.model_copy(update={"keep_original": True})
+    out = distill_corpus(toy.corpus, toy.teachers[:1], toy.tokenizer_dir, mixed, tmp_path)
+    kept, removed = expected_rows(toy, toy.teachers[:1], toy.distill)
+    teachers = {(origin, line): pair for origin, line, *pair in kept}
+    expected = []
+    for r in rows(toy.corpus):
+        expected.append((r["origin"], r["line"], r["src"], r["tgt"]))
+        if (r["origin"], r["line"]) in teachers:
+            expected.append((r["origin"], r["line"], *teachers[r["origin"], r["line"]]))
+    assert [(r["origin"], r["line"], r["src"], r["tgt"]) for r in rows(out)] == expected
+    manifest = read_manifest(out)
+    assert manifest["fingerprint"] != read_manifest(distilled)["fingerprint"]
+    assert manifest["splits"]["train"]["rows"] == TRAIN_ROWS + len(kept)
+    assert manifest["splits"]["train"]["origins"] == {"toy": {"read": TRAIN_ROWS, "kept": len(kept),
+                                                              "references": TRAIN_ROWS}}
+    entry = manifest["distillation"]
+    assert (entry["keep_original"], entry["kept"], entry["references"], entry["removed"]) == (
+        True, len(kept), TRAIN_ROWS, removed)
+    # human pairs alone are no distillation: teachers whose every translation fails are still refused
+    with pytest.raises(DistillError, match="no teacher translation was kept"):
+        distill_corpus(toy.corpus, toy.teachers[:1], toy.tokenizer_dir,
+                       mixed.model_copy(update={"max_ratio": 0.01}), tmp_path)
 
 
 def test_an_empty_result_names_the_counts_and_a_relaxed_rerun_decodes_nothing_again(toy: Toy, tmp_path: Path,
@@ -279,7 +306,7 @@ def test_an_empty_result_names_the_counts_and_a_relaxed_rerun_decodes_nothing_ag
         distill_corpus(toy.corpus, toy.teachers[:1], toy.tokenizer_dir, strict, tmp_path)
     _, removed = expected_rows(toy, toy.teachers[:1], strict)
     assert str(e.value) == (
-        f"the distilled training split is empty: the teachers' translations of all {TRAIN_ROWS} training sources "
+        f"no teacher translation was kept: the teachers' translations of all {TRAIN_ROWS} training sources "
         f"were dropped (empty: {removed['empty']}, copy: {removed['copy']}, ratio: {removed['ratio']}); raise "
         "distill.max_ratio or set distill.drop_copies: false, or check that the teachers translate en->de "
         "(distill.teachers)")
