@@ -108,6 +108,8 @@ def _distill_rows(entry: dict, teachers: Sequence[str]) -> list[str]:
            + ", ".join(f"{r['rule']} {r['removed']:,}" for r in entry["rules"]) + "."]
     if entry["truncated"]:
         out[-1] += f" {entry['truncated']:,} source(s) were cut to the teachers' positions."
+    if entry.get("references"):  # distill.keep_original
+        out[-1] += f" The {entry['references']:,} human pairs train beside them (distill.keep_original)."
     return out + [""]
 
 

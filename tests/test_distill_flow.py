@@ -224,6 +224,10 @@ def test_the_report_has_a_distillation_section(tmp_path: Path) -> None:
     assert lines[at + 4] == ("Training sources read 29,000, kept 28,900; removed by rule: empty 3, copy 10, ratio 87. "
                              "2 source(s) were cut to the teachers' positions.")
     assert "| distill | " in "\n".join(lines)  # a stage row, reused or ran
+    write(distilled / "manifest.json", {"distillation": {**entry, "references": 29_000}})  # distill.keep_original
+    mixed = render_report(cfg, stages, None, None, ["transformer-en-de/3"]).splitlines()
+    assert mixed[at + 4].endswith("teachers' positions. The 29,000 human pairs train beside them "
+                                  "(distill.keep_original).")
     # without names (the CLI's report), the teachers' checkpoint files
     text = render_report(cfg, stages, None, None)
     assert "translated by `/w/teachers/transformer-en-de/3/last5.pt`:" in text
@@ -279,6 +283,7 @@ def test_a_student_distils_from_a_teacher_trained_first_and_registers_with_its_l
     assert metrics["distill.read"] == children["data"].data.metrics["corpus.train.rows"]  # every cleaned pair
     assert metrics["distill.kept"] == metrics["distill.read"] - sum(
         metrics[f"distill.removed.{r}"] for r in ("empty", "copy", "ratio")) > 0
+    assert metrics["distill.references"] == 0  # distill.keep_original off
     (dataset,) = [d for d in distill.inputs.dataset_inputs if d.dataset.name == "distilled/train"]
     assert {t.key: t.value for t in dataset.tags}["mlflow.data.context"] == "distilled"
 

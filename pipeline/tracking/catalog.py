@@ -227,7 +227,9 @@ _add("data", "artifact", ("data/corpus/manifest.json", "The corpus manifest: raw
 # --- distill
 _add("distill", "metric",
      ("distill.read", "Training sources the teachers translated (count)."),
-     ("distill.kept", "Pairs kept in the distilled training split after the filters (count)."),
+     ("distill.kept", "Teacher pairs kept in the distilled training split after the filters (count)."),
+     ("distill.references", "Human training pairs kept beside the teachers' pairs with distill.keep_original "
+                            "(count)."),
      ("distill.removed.<rule>", "Pairs dropped by this filter of the teachers' output (empty, copy, ratio), filters "
                                 "applied in order (count)."),
      ("distill.truncated", "Training sources cut to the teachers' positions before decoding (count)."))

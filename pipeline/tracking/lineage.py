@@ -92,16 +92,17 @@ def log_corpus(run_id: str, corpus_dir: Path) -> dict:
 
 def log_distillation(run_id: str, corpus_dir: Path, teachers: Sequence[str]) -> dict:
     """Log the distillation stage: the distilled corpus's manifest (artifact), what its filters did (metrics
-    ``distill.read``, ``distill.kept``, ``distill.removed.<rule>``, and ``distill.truncated``: sources cut to the
-    teachers' positions), the teachers by ``teachers`` (their labels: registered versions, not aliases) and both
-    corpora's fingerprints (tags), and its training split as an input (context ``distilled``: source = its Parquet
-    file, digest = its sha256). Dev and test are the source corpus's files, logged by the data stage. Returns the
-    metrics."""
+    ``distill.read``, ``distill.kept``, ``distill.removed.<rule>``, ``distill.references``: human pairs kept beside
+    the teachers', and ``distill.truncated``: sources cut to the teachers' positions), the teachers by ``teachers``
+    (their labels: registered versions, not aliases) and both corpora's fingerprints (tags), and its training split
+    as an input (context ``distilled``: source = its Parquet file, digest = its sha256). Dev and test are the
+    source corpus's files, logged by the data stage. Returns the metrics."""
     corpus_dir = Path(corpus_dir).resolve()
     manifest = read_manifest(corpus_dir)
     entry = manifest["distillation"]
     client().log_artifact(run_id, str(corpus_dir / MANIFEST), "data/distilled")
     metrics = {"distill.read": entry["read"], "distill.kept": entry["kept"], "distill.truncated": entry["truncated"],
+               "distill.references": entry.get("references", 0),  # a corpus distilled before keep_original: none
                **{f"distill.removed.{k}": v for k, v in entry["removed"].items()}}
     log_metrics(run_id, metrics)
     set_tags(run_id, {"distill.teachers": ",".join(teachers), "corpus_fingerprint": manifest["fingerprint"][:16],
