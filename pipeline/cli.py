@@ -78,6 +78,8 @@ def _print_corpus(corpus: Path) -> None:
                      f"{distilled['select']} of {distilled['nbest']})", distilled)
         if distilled["truncated"]:
             print(f"    {distilled['truncated']:,} source(s) cut to the teachers' positions")
+        if distilled.get("references"):
+            print(f"    {distilled['references']:,} human pairs kept beside them (distill.keep_original)")
 
 
 def cmd_prepare_data(cfg: RunConfig, args: argparse.Namespace) -> None:

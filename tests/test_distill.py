@@ -23,7 +23,7 @@ import torch
 import pipeline.distill as distill_module
 from model import Transformer
 from pipeline.checkpoint import CHECKPOINT_FORMAT, CheckpointError
-from pipeline.cli import main
+from pipeline.cli import _print_corpus, main
 from pipeline.config import ConfigError, DistillConfig, RunConfig, load_config
 from pipeline.data import prepare_corpus, read_manifest
 from pipeline.distill import (RULES, DistillError, distill_corpus, distill_from_translations, distilled_fingerprint,
@@ -273,8 +273,8 @@ def test_the_fingerprint_follows_teachers_decoding_and_selection_only(toy: Toy, 
     assert len({base, *changed}) == len(changed) + 1
 
 
-def test_keep_original_puts_each_human_pair_before_its_teachers_pair(toy: Toy, distilled: Path,
-                                                                     tmp_path: Path) -> None:
+def test_keep_original_puts_each_human_pair_before_its_teachers_pair(toy: Toy, distilled: Path, tmp_path: Path,
+                                                                     capsys) -> None:
     mixed = toy.distill.model_copy(update={"keep_original": True})
     out = distill_corpus(toy.corpus, toy.teachers[:1], toy.tokenizer_dir, mixed, tmp_path)
     kept, removed = expected_rows(toy, toy.teachers[:1], toy.distill)
@@ -293,6 +293,9 @@ def test_keep_original_puts_each_human_pair_before_its_teachers_pair(toy: Toy, d
     entry = manifest["distillation"]
     assert (entry["keep_original"], entry["kept"], entry["references"], entry["removed"]) == (
         True, len(kept), TRAIN_ROWS, removed)
+    _print_corpus(out)  # what `python -m pipeline distill` prints
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"    {TRAIN_ROWS:,} human pairs kept beside them (distill.keep_original)")
     # human pairs alone are no distillation: teachers whose every translation fails are still refused
     with pytest.raises(DistillError, match="no teacher translation was kept"):
         distill_corpus(toy.corpus, toy.teachers[:1], toy.tokenizer_dir,
