@@ -285,15 +285,17 @@ def phase_measure(study: Study, out: Path | None) -> dict:
 
 
 def significance(outputs: dict[str, dict[str, list[list[str]]]], refs: dict[str, list[str]]) -> list[dict]:
-    """Every arm (and search) against the original arm, and each arm's greedy search against its own beam search
-    (what greedy costs that arm), by the paired bootstrap pooled over the seeds, on dev and test2016;
-    ``outputs[key][split]``: each seed's outputs, in the seeds' order. None without the original arm."""
+    """Every arm (and search) against the original arm, each arm's greedy search against its own beam search
+    (what greedy costs that arm), and the mixed arm against the GPU-distilled one (what the human pairs add), by
+    the paired bootstrap pooled over the seeds, on dev and test2016; ``outputs[key][split]``: each seed's outputs,
+    in the seeds' order. None without the original arm."""
     if "original" not in outputs:
         return []
     claims = [("original", k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in outputs
               if k != "original"]
     claims += [(arm, k, f"{arm} (greedy) against {arm} (beam)") for k in outputs
                if k.endswith(".greedy") and (arm := k.removesuffix(".greedy")) != "original"]  # original's is above
+    claims += [(GPU_ARM, MIXED_ARM, f"{MIXED_ARM} against {GPU_ARM}")] if {GPU_ARM, MIXED_ARM} <= set(outputs) else []
     out = []
     for base, key, claim in claims:
         for split in ("dev", TEST):
