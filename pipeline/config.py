@@ -468,8 +468,8 @@ class TrainConfig(_Strict):
     fused_adam: bool = Field(default=True, description=(
         "Adam's update as torch's fused kernel over all parameters (CUDA and CPU) instead of a few grouped (foreach) "
         "kernels per step: one pass over the weights and moments instead of one per operation: faster CPU updates in "
-        "fp32 (L55, L56; on an H100 within the spread, L28). The same update within "
-        "float rounding. Not in the paper: an implementation choice."))
+        "fp32 (L55, L56; on an H100 within the spread, L28). The same update within float rounding. Not in the "
+        "paper: an implementation choice."))
 
     # How a run is carried out or watched, not what it learns: left out of the run folder's name
     # (pipeline.workdir.run_dir), so that changing one continues the same run, and a new field of this kind added

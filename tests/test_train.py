@@ -22,10 +22,10 @@ import torch
 from model import Transformer, transformer_lr
 from pipeline.checkpoint import (CheckpointError, check_compatible, find_latest, load_checkpoint, read_index,
                                  save_checkpoint)
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, load_config
 from pipeline.shards import ShardDataset, build_shards
 from pipeline.train import TrainStep, accumulation_steps, make_batch, setup, train, usable_batches
-from pipeline.train.optim import MuonAdam, load_optimizer
+from pipeline.train.optim import MuonAdam, build_optimizer, load_optimizer
 from tests.conftest import OpCounter, copy_lines, resolved_tiny_config, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -765,6 +765,14 @@ def assert_close_except_key_biases(a: dict[str, torch.Tensor], b: dict[str, torc
         elif name.endswith("kv_proj.bias"):
             x, y = x.view(2, -1)[1], y.view(2, -1)[1]
         torch.testing.assert_close(y, x, atol=atol, rtol=rtol, msg=name)
+
+
+def test_the_default_adam_is_the_fused_kernel_and_the_lever_gives_the_grouped_one_back() -> None:
+    linear = torch.nn.Linear(4, 4)
+    default = build_optimizer(linear, load_config("multi30k-cpu").train)
+    grouped = build_optimizer(linear, load_config("multi30k-cpu", ["train.fused_adam=false"]).train)
+    assert (default.defaults["fused"], default.defaults["foreach"]) == (True, False)
+    assert (grouped.defaults["fused"], grouped.defaults["foreach"]) == (False, True)
 
 
 @pytest.mark.integration
