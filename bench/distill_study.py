@@ -134,11 +134,14 @@ class Study:
                 for s in range(1, self.k + 1)]
 
     def arm_overrides(self, arm: str, seed: int) -> list[str]:
+        # each distilled arm names its targets, whatever the student preset's default (keep_original since L57)
+        mixed = f"distill.keep_original={str(arm == MIXED_ARM).lower()}"
         if arm in GPU_ARMS:  # translations made on a GPU (bench/gpu_teacher.py), filtered here
             return ["distill.teachers=[]", f"distill.translations={self.translations}", f"train.seed={seed}",
-                    *(["distill.keep_original=true"] if arm == MIXED_ARM else []), *self.budget]
+                    mixed, *self.budget]
         teachers = "[]" if arm == "original" else "[" + ", ".join(map(str, self.teachers())) + "]"
-        return [f"distill.teachers={teachers}", f"train.seed={seed}", *self.budget]
+        return [f"distill.teachers={teachers}", f"train.seed={seed}", *([] if arm == "original" else [mixed]),
+                *self.budget]
 
 
 def phase_teachers(study: Study) -> None:

@@ -283,7 +283,8 @@ def test_a_student_distils_from_a_teacher_trained_first_and_registers_with_its_l
     assert metrics["distill.read"] == children["data"].data.metrics["corpus.train.rows"]  # every cleaned pair
     assert metrics["distill.kept"] == metrics["distill.read"] - sum(
         metrics[f"distill.removed.{r}"] for r in ("empty", "copy", "ratio")) > 0
-    assert metrics["distill.references"] == 0  # distill.keep_original off
+    # the student preset keeps every human pair beside the teachers' (distill.keep_original, ledger L57)
+    assert metrics["distill.references"] == metrics["distill.read"]
     (dataset,) = [d for d in distill.inputs.dataset_inputs if d.dataset.name == "distilled/train"]
     assert {t.key: t.value for t in dataset.tags}["mlflow.data.context"] == "distilled"
 
