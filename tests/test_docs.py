@@ -311,6 +311,20 @@ def test_a_study_reads_each_record_from_the_first_records_folder_that_holds_it(t
     assert study.record_path(s, "original", 2) == first / "original-seed2.json"  # not yet written anywhere
 
 
+def test_each_distilled_arm_of_the_study_trains_on_the_targets_it_names_whatever_the_preset_says(tmp_path):
+    """The student preset keeps the human pairs (distill.keep_original, L57); the study's gpu-distilled arm must
+    still train on the teachers' translations alone, as its ledger entries did, and gpu-mixed on both."""
+    import argparse
+
+    study = _bench_module("distill_study")
+    args = argparse.Namespace(work_dir=tmp_path / "work", data_root=str(tmp_path), teachers=3, seeds=[1],
+                              pair="en-de", arms=["original", *study.GPU_ARMS], translations=tmp_path / "t",
+                              records=[tmp_path / "records"], max_steps=10)
+    s = study.Study(args)
+    keep = {arm: s.config(s.configs[arm], s.arm_overrides(arm, 1)).distill.keep_original for arm in study.GPU_ARMS}
+    assert keep == {study.GPU_ARM: False, study.MIXED_ARM: True}
+    assert s.config(s.configs["original"], s.arm_overrides("original", 1)).distill.teachers == []
+
 def test_a_measurement_names_its_commit_short_and_marked_when_the_tree_differs():
     """short_commit, which the bench scripts write into ledger entries and study records: HEAD's first 7 hex
     digits, with + exactly when tracked files differ from HEAD."""
