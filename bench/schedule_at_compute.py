@@ -14,6 +14,8 @@ pooled over the seeds, on dev (the choosing set) and test2016 (reported).
     python bench/schedule_at_compute.py runs --updates 4400 --speed bf16 --seeds 1 --arms budget slim   # a bf16 CPU
     python bench/schedule_at_compute.py compare --updates 4400 --seeds 1 --arms default muon --baseline default
     python bench/schedule_at_compute.py runs --tokens 3 --seeds 1 --arms mid-muon    # a budget of target tokens
+    python bench/schedule_at_compute.py compare --updates 2267 --seeds 1 --arms default cool --baseline default \
+        --default-records bench/results/default_e2e/multi30k-cpu_epyc-zen4_2026-11-28.json   # a Zen 4's own 30 min
 """
 
 from __future__ import annotations
@@ -78,7 +80,10 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         # pre-softmax layer's FLOPs per token halve too
         "v4k": ["train.schedule=budget", "tokenizer.vocab_size=4000"],
         # and twice it: fewer pieces per sentence, more FLOPs per piece in the pre-softmax layer
-        "v16k": ["train.schedule=budget", "tokenizer.vocab_size=16000"]}
+        "v16k": ["train.schedule=budget", "tokenizer.vocab_size=16000"],
+        # the budget schedule with a linear cool-down to 0 over its last 30 percent (the fp32 recipe's, L34) at the
+        # preset's model and dropout: where a bf16 CPU buys half the updates of L23's (the Zen 4 of L43, 2,267)
+        "cool": ["train.schedule=budget", "train.cooldown=0.3"]}
 # target tokens/s of our training against the preset's shape at updates of 4,096 tokens, side by side in one run
 # (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
 # 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
@@ -86,11 +91,12 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
 # bench/results/train_speed_by_optimizer_bf16_epyc-zen4_2026-11-28.json; fp32 by optimizer at narrow's shape (Muon
 # 0.955 of Adam), bench/results/train_speed_by_optimizer_fp32-narrow_epyc-zen4_2026-11-28.json; bf16 by vocabulary
 # size, bench/results/train_speed_by_vocab_bf16_epyc-zen4_2026-11-29.json (v4k at 1.0: at most its compute, fewer
-# FLOPs per piece). An arm without a measured speed for the class is refused.
+# FLOPs per piece); cool and big train the preset's shape at its update size (1.0). An arm without a measured speed
+# for the class is refused.
 SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74,
                   "narrow-muon": 1.91},
          "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81,
-                  "v4k": 1.0, "v16k": 0.805}}
+                  "v4k": 1.0, "v16k": 0.805, "cool": 1.0, "big": 1.0}}
 
 
 def arm_steps(arm: str, updates: int, speed: str = "fp32", tokens: float | None = None) -> int:
@@ -160,19 +166,27 @@ def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
 
 
 def load_record(args: argparse.Namespace, arm: str, seed: int) -> dict:
-    """The record of ``arm`` and ``seed``; ``default``: the distillation study's original arm (the default's model
-    and recipe at the bf16 CPUs' 4,400 updates, ``bench/distill_study.py students``) under ``--default-records``,
-    in this study's keys."""
+    """The record of ``arm`` and ``seed``; ``default``: the default's own run at this compute, in this study's keys,
+    from ``--default-records``: a folder of the distillation study's original arm (the default's model and recipe at
+    the bf16 CPUs' 4,400 updates, ``original-seed<N>.json``, ``bench/distill_study.py students``), or one record of
+    the default job end to end (``bench/default_e2e.py``: a machine's own 30 minutes, its seed alone)."""
     if arm != DEFAULT:
         return json.loads(record_path(args, arm, seed).read_text(encoding="utf-8"))
-    path = args.default_records / f"original-seed{seed}.json"
+    e2e = args.default_records.is_file()
+    path = args.default_records if e2e else args.default_records / f"original-seed{seed}.json"
     r = json.loads(path.read_text(encoding="utf-8"))
+    where = {"arm": DEFAULT, "seed": seed, "record": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else
+             str(path), "machine": r["machine"], "commit": r["commit"]}
+    if e2e:
+        summary, scores = r["train_summary"], r["scores"]
+        return {**where, "updates": summary["steps"], "train_seconds": round(summary["train_seconds"]),
+                "dev.sacrebleu": scores["dev"]["sacrebleu"], "test2016.sacrebleu": scores[TEST]["sacrebleu"],
+                "test2016.chrf": scores[TEST]["chrf"], "outputs": {"dev": r["outputs"]["dev"],
+                                                                   TEST: r["outputs"]["test2016"]}}
     run = r["run"]
-    return {"arm": DEFAULT, "seed": seed, "record": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else
-            str(path), "updates": run["updates"], "machine": r["machine"], "commit": r["commit"],
-            "train_seconds": round(run["train_hours"] * 3600), "dev.sacrebleu": run["dev.sacrebleu"],
-            "test2016.sacrebleu": run["test2016.sacrebleu"], "test2016.chrf": run["test2016.chrf"],
-            "outputs": r["outputs"]}
+    return {**where, "updates": run["updates"], "train_seconds": round(run["train_hours"] * 3600),
+            "dev.sacrebleu": run["dev.sacrebleu"], "test2016.sacrebleu": run["test2016.sacrebleu"],
+            "test2016.chrf": run["test2016.chrf"], "outputs": r["outputs"]}
 
 
 def compare(args: argparse.Namespace) -> dict:
@@ -224,7 +238,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="compare: the result JSON")
     p.add_argument("--baseline", default="paper", choices=[*ARMS, DEFAULT], help="compare: the arm the others face")
     p.add_argument("--default-records", type=Path, default=REPO / "bench" / "results" / "distill_study" / "en-de",
-                   help="compare: where the default's runs at 4,400 updates are (original-seed<N>.json)")
+                   help="compare: where the default's runs at this compute are: a folder of original-seed<N>.json "
+                        "(4,400 updates), or a bench/default_e2e.py record (a machine's own 30 minutes, one seed)")
     args = p.parse_args()
     args.work_dir = args.work_dir.resolve()
     if args.phase == "compare":
