@@ -182,6 +182,11 @@ def load_record(args: argparse.Namespace, arm: str, seed: int) -> dict:
     where = {"arm": DEFAULT, "seed": seed, "record": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else
              str(path), "machine": r["machine"], "commit": r["commit"]}
     if e2e:
+        # one run: it pairs with the arms' runs of its own seed only (the same batches)
+        ran = resolve_config(r["config"], r.get("overrides") or []).train.seed
+        if ran != seed:
+            raise SystemExit(f"{path}: the default's run of train.seed {ran}, not {seed}: compare --seeds {ran} "
+                             "against it, or give --default-records a folder of original-seed<N>.json")
         summary, scores = r["train_summary"], r["scores"]
         return {**where, "updates": summary["steps"], "train_seconds": round(summary["train_seconds"]),
                 "dev.sacrebleu": scores["dev"]["sacrebleu"], "test2016.sacrebleu": scores[TEST]["sacrebleu"],

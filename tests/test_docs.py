@@ -325,6 +325,7 @@ def test_each_distilled_arm_of_the_study_trains_on_the_targets_it_names_whatever
     assert keep == {study.GPU_ARM: False, study.MIXED_ARM: True}
     assert s.config(s.configs["original"], s.arm_overrides("original", 1)).distill.teachers == []
 
+
 def test_a_measurement_names_its_commit_short_and_marked_when_the_tree_differs():
     """short_commit, which the bench scripts write into ledger entries and study records: HEAD's first 7 hex
     digits, with + exactly when tracked files differ from HEAD."""
