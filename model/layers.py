@@ -11,22 +11,37 @@ from .dropout import dropout
 
 
 class PositionwiseFeedForward(nn.Module):
-    """``FFN(x) = max(0, x W1 + b1) W2 + b2``, applied to each position separately (inner size d_ff)."""
+    """``FFN(x) = max(0, x W1 + b1) W2 + b2``, applied to each position separately (inner size d_ff).
 
-    def __init__(self, d_model: int, d_ff: int, activation_dropout: float = 0.0) -> None:
+    ``activation="relu2"`` squares the ReLU (Primer, So et al., 2021; the nanoGPT speedrun); ``zero_init_output``
+    starts W2 at zero, so the sub-layer adds nothing to the residual stream until it has learnt (the speedrun's
+    zero-initialised projections). Neither is in the paper.
+    """
+
+    def __init__(
+        self, d_model: int, d_ff: int, activation_dropout: float = 0.0, activation: str = "relu",
+        zero_init_output: bool = False,
+    ) -> None:
         super().__init__()
+        if activation not in ("relu", "relu2"):
+            raise ValueError(f"activation must be 'relu' or 'relu2', got {activation!r}")
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
         self.activation_dropout = activation_dropout  # after the ReLU; not in the paper (0 = paper)
+        self.squared = activation == "relu2"
         for linear in (self.w_1, self.w_2):
             nn.init.xavier_uniform_(linear.weight)
             nn.init.zeros_(linear.bias)
+        if zero_init_output:
+            nn.init.zeros_(self.w_2.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (batch, len, d_model) -> (batch, len, d_model)."""
         # Not in place: W1's 3-D output is a view of a 2-D product, and an in-place op on a view makes autograd
         # add a copy-and-zero-fill node (measured ~15 ms per layer per step on CPU at the tiny size).
         h = F.relu(self.w_1(x))  # (batch, len, d_ff)
+        if self.squared:
+            h = h * h
         if self.activation_dropout:
             h = dropout(h, self.activation_dropout, self.training)
         return self.w_2(h)
@@ -69,11 +84,14 @@ class EncoderLayer(nn.Module):
         attention_dropout: float = 0.0,
         activation_dropout: float = 0.0,
         pre_norm: bool = False,
+        activation: str = "relu",
+        qk_norm: bool = False,
+        zero_init_output: bool = False,
     ) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, self_attention=True)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, True, qk_norm, zero_init_output)
         self.self_attn_residual = ResidualConnection(d_model, dropout, pre_norm)
-        self.ffn = PositionwiseFeedForward(d_model, d_ff, activation_dropout)
+        self.ffn = PositionwiseFeedForward(d_model, d_ff, activation_dropout, activation, zero_init_output)
         self.ffn_residual = ResidualConnection(d_model, dropout, pre_norm)
 
     def forward(
@@ -104,13 +122,16 @@ class DecoderLayer(nn.Module):
         attention_dropout: float = 0.0,
         activation_dropout: float = 0.0,
         pre_norm: bool = False,
+        activation: str = "relu",
+        qk_norm: bool = False,
+        zero_init_output: bool = False,
     ) -> None:
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, self_attention=True)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, True, qk_norm, zero_init_output)
         self.self_attn_residual = ResidualConnection(d_model, dropout, pre_norm)
-        self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, self_attention=False)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, attention_dropout, False, qk_norm, zero_init_output)
         self.cross_attn_residual = ResidualConnection(d_model, dropout, pre_norm)
-        self.ffn = PositionwiseFeedForward(d_model, d_ff, activation_dropout)
+        self.ffn = PositionwiseFeedForward(d_model, d_ff, activation_dropout, activation, zero_init_output)
         self.ffn_residual = ResidualConnection(d_model, dropout, pre_norm)
 
     def forward(

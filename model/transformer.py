@@ -129,6 +129,9 @@ class Transformer(nn.Module):
         positions: Literal["sinusoidal", "learned"] = "sinusoidal",
         share_embeddings: bool = True,
         max_positions: int = 1024,
+        activation: Literal["relu", "relu2"] = "relu",
+        qk_norm: bool = False,
+        zero_init_output: bool = False,
     ) -> None:
         super().__init__()
         if d_model % n_heads:
@@ -143,11 +146,13 @@ class Transformer(nn.Module):
             vocab_size=vocab_size, pad_id=pad_id, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
             d_model=d_model, d_ff=d_ff, n_heads=n_heads, dropout=dropout, attention_dropout=attention_dropout,
             activation_dropout=activation_dropout, norm=norm, positions=positions,
-            share_embeddings=share_embeddings, max_positions=max_positions,
+            share_embeddings=share_embeddings, max_positions=max_positions, activation=activation, qk_norm=qk_norm,
+            zero_init_output=zero_init_output,
         )  # fmt: skip
         self.pad_id = pad_id
         pre_norm = norm == "pre"
-        layer_args = (d_model, n_heads, d_ff, dropout, attention_dropout, activation_dropout, pre_norm)
+        layer_args = (d_model, n_heads, d_ff, dropout, attention_dropout, activation_dropout, pre_norm, activation,
+                      qk_norm, zero_init_output)
 
         src_embed = ScaledEmbedding(vocab_size, d_model, pad_id)
         tgt_embed = src_embed if share_embeddings else ScaledEmbedding(vocab_size, d_model, pad_id)

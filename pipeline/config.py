@@ -337,6 +337,16 @@ class ModelConfig(_Strict):
         "paper; needs the shared vocabulary)."))
     max_positions: int = Field(default=1024, ge=1, description=(
         "Longest sequence the model accepts, in tokens; a longer input is cut to fit (with a warning)."))
+    activation: Literal["relu", "relu2"] = Field(default="relu", description=(
+        "The feed-forward network's activation. relu: max(0, x) (the paper). relu2: its square (Primer, So et al., "
+        "2021; the nanoGPT speedrun). Not in the paper; CTranslate2 has no relu2, so such a model cannot be "
+        "exported to it."))
+    qk_norm: bool = Field(default=False, description=(
+        "RMS-normalise each head's queries and keys (with a learnt scale) before their dot product, which bounds "
+        "the attention logits (QK-norm: Henry et al., 2020; the nanoGPT speedrun). false = the paper."))
+    zero_init_output: bool = Field(default=False, description=(
+        "Initialise every sub-layer's output projection (W^O, the feed-forward network's W2) to zero, so each "
+        "layer starts as the identity on the residual stream (the nanoGPT speedrun). false = the paper."))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -831,6 +841,19 @@ class RunConfig(_Strict):
         if self.tracking.promote_metric not in ("auto", *fits):
             raise ValueError(f"tracking.promote_metric {self.tracking.promote_metric!r} is not a {self.task} "
                              f"score; use auto or one of {list(fits)}")
+        return self
+
+    @model_validator(mode="after")
+    def _exportable(self) -> "RunConfig":
+        # refused here, not after training: the export stage comes at the end of the run
+        if self.export.engine == "ctranslate2":
+            unsupported = [f"model.{f}: {v!r}" for f, v in (("activation", self.model.activation),
+                                                              ("qk_norm", self.model.qk_norm))
+                           if v != ModelConfig.model_fields[f].default]
+            if unsupported:
+                raise ValueError(f"export.engine 'ctranslate2' cannot run {', '.join(unsupported)} (our export maps "
+                                 "the paper's ReLU and attention only); set export.engine: none (the registered "
+                                 "model then serves with PyTorch) or drop the option")
         return self
 
     def section_hash(self, *sections: str, exclude: Mapping[str, set[str]] | None = None) -> str:

@@ -514,3 +514,14 @@ def test_the_cpu_class_is_what_the_cpu_flags_say() -> None:
     expected = ("amx" if "amx_tile" in flags else "avx512-bf16" if "avx512_bf16" in flags
                 else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other")
     assert cpu_class() == expected and expected in CPU_CLASSES
+
+
+@pytest.mark.parametrize("option", ["model.activation=relu2", "model.qk_norm=true"])
+def test_a_model_ctranslate2_cannot_run_is_refused_before_training(option):
+    """The export stage comes after the whole training budget: a model option CTranslate2 lacks fails at load,
+    naming the option and the way out, and loads with export.engine none."""
+    with pytest.raises(ConfigError, match=rf"{option.split('=')[0]}.*export.engine: none"):
+        load_config("multi30k-cpu", [option])
+    cfg = load_config("multi30k-cpu", [option, "export.engine=none", "model.zero_init_output=true"])
+    assert cfg.export.engine == "none" and cfg.model.zero_init_output
+    assert load_config("multi30k-cpu", ["model.zero_init_output=true"]).export.engine == "ctranslate2"

@@ -46,7 +46,13 @@ ARCHITECTURES = [
     dict(norm="pre", positions="sinusoidal"),
     dict(norm="post", positions="learned"),
     dict(norm="pre", positions="learned"),
+    # the nanoGPT speedrun's levers (not in the paper): QK-norm sits between the projections and the cache
+    dict(norm="post", positions="sinusoidal", qk_norm=True, activation="relu2"),
 ]
+
+
+def arch_id(arch: dict) -> str:
+    return "-".join(str(v) if not isinstance(v, bool) else k for k, v in arch.items())
 
 
 # ------------------------------------------------------------------------------------------------ sizes
@@ -152,7 +158,7 @@ def test_shared_embeddings_are_one_parameter_and_receive_gradients():
 # ----------------------------------------------------------------------------------------------- masks
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: f"{a['norm']}-{a['positions']}")
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=arch_id)
 def test_padding_does_not_change_a_sentence(arch):
     model = tiny(**arch)
     src, tgt = batch([4, 9, 7], seed=3), batch([5, 8, 3], seed=4)
@@ -230,7 +236,7 @@ def test_fp32_cpu_training_attention_takes_the_faster_path_for_its_length(keys):
 # ---------------------------------------------------------------------------------- incremental decoding
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: f"{a['norm']}-{a['positions']}")
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=arch_id)
 def test_cached_step_by_step_decoding_equals_the_full_forward(arch):
     model = tiny(**arch)
     src, tgt = batch([7, 4, 6], seed=9), batch([6, 6, 6], seed=10)
@@ -357,6 +363,64 @@ def test_initialisation_xavier_linear_and_normal_embeddings():
         assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1), name
     assert model.encoder.layers[0].ffn.w_1.bias.abs().max() == 0
     assert model.encoder.embed_tokens.weight.std().item() == pytest.approx(d**-0.5, rel=0.1)
+
+
+def test_relu2_squares_the_feed_forward_activation():
+    model = tiny(activation="relu2")
+    ffn = model.encoder.layers[0].ffn
+    x = torch.randn(2, 5, 32)
+    expected = ffn.w_2(F.relu(ffn.w_1(x)) ** 2)
+    assert torch.allclose(ffn(x), expected, atol=1e-6)
+    assert not torch.allclose(tiny().encoder.layers[0].ffn(x), expected, atol=1e-3)
+    with pytest.raises(ValueError, match="activation"):
+        tiny(activation="gelu")
+
+
+@pytest.mark.parametrize("self_attention", [True, False])
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(self_attention):
+    """RMS-normalised queries and keys: scaling W^Q and W^K (and their biases) leaves the output as it was; without
+    QK-norm the same scaling sharpens the softmax."""
+    x, memory = torch.randn(2, 6, 32), torch.randn(2, 4, 32)
+
+    def outputs(qk_norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        attn = MultiHeadAttention(32, 4, self_attention=self_attention, qk_norm=qk_norm).eval()
+        run = (lambda: attn(x)[0]) if self_attention else (lambda: attn(x, memory)[0])
+        scaled = [(attn.qkv_proj, slice(0, 64))] if self_attention else [(attn.q_proj, slice(0, 32)),
+                                                                         (attn.kv_proj, slice(0, 32))]
+        with torch.no_grad():
+            for linear, rows in scaled:
+                linear.bias[rows] = 0.3  # not zero, so the biases take part in the scaling
+            before = run()
+            for linear, rows in scaled:
+                linear.weight[rows] *= 7
+                linear.bias[rows] *= 7
+            return before, run()
+
+    before, after = outputs(qk_norm=True)
+    assert torch.allclose(before, after, atol=5e-4)  # up to the norm's epsilon
+    before, after = outputs(qk_norm=False)
+    assert not torch.allclose(before, after, atol=1e-2)
+
+
+def test_zero_init_output_starts_each_layer_as_its_residual_path_and_still_learns():
+    model = tiny(zero_init_output=True, dropout=0.0).train()
+    layers = [*model.encoder.layers, *model.decoder.layers]
+    zeroed = [m.weight for layer in layers for m in (layer.self_attn.out_proj, layer.ffn.w_2)]
+    zeroed += [layer.cross_attn.out_proj.weight for layer in model.decoder.layers]
+    assert all(w.abs().max() == 0 for w in zeroed)
+    assert model.encoder.layers[0].self_attn.qkv_proj.weight.abs().max() > 0  # the rest as the paper's
+    x = torch.randn(2, 5, 32) * 3 + 1
+    assert torch.allclose(model.encoder.layers[0](x, None)[0], F.layer_norm(x, (32,)), atol=1e-5)  # post-norm
+    # The first update reaches the decoder's projections alone: the encoder feeds the loss only through the
+    # encoder-decoder attention's W^O, still zero; from the second on, every projection learns.
+    src, tgt = batch([5, 3]), batch([4, 4], seed=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        F.cross_entropy(model(src, tgt).flatten(0, 1), tgt.flatten()).backward()
+        optimizer.step()
+    assert all(w.grad.abs().max() > 0 for w in zeroed)
 
 
 def test_pre_norm_stacks_end_in_a_layer_norm():
