@@ -342,8 +342,8 @@ class ModelConfig(_Strict):
         "2021; the nanoGPT speedrun). Not in the paper; CTranslate2 has no relu2, so such a model cannot be "
         "exported to it."))
     qk_norm: bool = Field(default=False, description=(
-        "RMS-normalise each head's queries and keys (with a learnt scale) before their dot product, which bounds "
-        "the attention logits (QK-norm: Henry et al., 2020; the nanoGPT speedrun). false = the paper."))
+        "Layer-normalise each head's queries and keys before their dot product, which bounds the attention logits "
+        "(QK-norm: Dehghani et al., 2023; the nanoGPT speedrun). false = the paper."))
     zero_init_output: bool = Field(default=False, description=(
         "Initialise every sub-layer's output projection (W^O, the feed-forward network's W2) to zero, so each "
         "layer starts as the identity on the residual stream (the nanoGPT speedrun). false = the paper."))

@@ -378,8 +378,8 @@ def test_relu2_squares_the_feed_forward_activation():
 
 @pytest.mark.parametrize("self_attention", [True, False])
 def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(self_attention):
-    """RMS-normalised queries and keys: scaling W^Q and W^K (and their biases) leaves the output as it was; without
-    QK-norm the same scaling sharpens the softmax."""
+    """Layer-normalised queries and keys: scaling W^Q and W^K (and their biases) leaves the output as it was;
+    without QK-norm the same scaling sharpens the softmax."""
     x, memory = torch.randn(2, 6, 32), torch.randn(2, 4, 32)
 
     def outputs(qk_norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
