@@ -100,14 +100,14 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
 # size, bench/results/train_speed_by_vocab_bf16_epyc-zen4_2026-11-29.json (v4k at 1.0: at most its compute, fewer
 # FLOPs per piece); cool and big train the preset's shape at its update size (1.0); slim-big's width at 2.0 on the
 # Zen 4 whose compute it studies (2.04-2.34x, bench/results/train_speed_by_shape_bf16_epyc-zen4_2026-11-29.json; the
-# AMX Xeon's 1.5 is slim's); zinit changes the initialisation only (1.0); speedrun (QK-norm and ReLU squared) 0.82 of
-# the preset on the Zen 4, the mean of three alternating rounds (0.75-0.88), bench/results/train_speed_speedrun_bf16_
+# AMX Xeon's 1.5 is slim's); zinit changes the initialisation only (1.0); speedrun (QK-norm and ReLU squared) 0.945 of
+# the preset on the Zen 4, the mean of three alternating rounds (0.90-0.97), bench/results/train_speed_speedrun_bf16_
 # epyc-zen4_2026-11-29.json. An arm without a measured speed for the class is refused.
 SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74,
                   "narrow-muon": 1.91},
          "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81,
                   "v4k": 1.0, "v16k": 0.805, "cool": 1.0, "big": 1.0,
-                  "slim-big": 2.0, "zinit": 1.0, "speedrun": 0.82}}
+                  "slim-big": 2.0, "zinit": 1.0, "speedrun": 0.945}}
 
 
 def arm_steps(arm: str, updates: int, speed: str = "fp32", tokens: float | None = None) -> int:
