@@ -90,7 +90,9 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
         # cost per token), and with QK-norm and ReLU squared (export.engine none: CTranslate2 runs neither)
         "zinit": ["train.schedule=budget", "model.zero_init_output=true"],
         "speedrun": ["train.schedule=budget", "model.zero_init_output=true", "model.qk_norm=true",
-                     "model.activation=relu2"]}
+                     "model.activation=relu2"],
+        # zinit learns faster early and ties at the end (L59): at an fp32 CPU's compute, on its recipe (narrow)
+        "narrow-zinit": [*MID, *NARROW, "model.zero_init_output=true"]}
 # target tokens/s of our training against the preset's shape at updates of 4,096 tokens, side by side in one run
 # (bench/bench_train.py --precision P): fp32 by update size, bench/results/train_speed_by_update_fp32_xeon-amx_2026-
 # 11-27.json, and by shape (at 2,048, the lower of two rounds), bench/results/train_speed_by_shape_fp32_xeon-amx_2026-
@@ -100,11 +102,11 @@ ARMS = {"paper": ["train.schedule=paper"], "budget": ["train.schedule=budget"],
 # size, bench/results/train_speed_by_vocab_bf16_epyc-zen4_2026-11-29.json (v4k at 1.0: at most its compute, fewer
 # FLOPs per piece); cool and big train the preset's shape at its update size (1.0); slim-big's width at 2.0 on the
 # Zen 4 whose compute it studies (2.04-2.34x, bench/results/train_speed_by_shape_bf16_epyc-zen4_2026-11-29.json; the
-# AMX Xeon's 1.5 is slim's); zinit changes the initialisation only (1.0); speedrun (QK-norm and ReLU squared) 0.945 of
-# the preset on the Zen 4, the mean of three alternating rounds (0.90-0.97), bench/results/train_speed_speedrun_bf16_
-# epyc-zen4_2026-11-29.json. An arm without a measured speed for the class is refused.
+# AMX Xeon's 1.5 is slim's); zinit and narrow-zinit change the initialisation only (1.0, narrow's 2.0); speedrun
+# (QK-norm and ReLU squared) 0.945 of the preset on the Zen 4, the mean of three alternating rounds (0.90-0.97),
+# bench/results/train_speed_speedrun_bf16_epyc-zen4_2026-11-29.json. An arm without a measured speed is refused.
 SPEED = {"fp32": {"paper": 1.0, "budget": 1.0, "big": 1.0, "mid": 1.0, "small": 0.81, "narrow": 2.0, "wu": 1.74,
-                  "narrow-muon": 1.91},
+                  "narrow-muon": 1.91, "narrow-zinit": 2.0},
          "bf16": {"paper": 1.0, "budget": 1.0, "slim": 1.5, "muon": 0.81, "muon-d3": 0.81,
                   "v4k": 1.0, "v16k": 0.805, "cool": 1.0, "big": 1.0,
                   "slim-big": 2.0, "zinit": 1.0, "speedrun": 0.945}}
