@@ -358,6 +358,12 @@ class ModelConfig(_Strict):
     def d_k(self) -> int:
         return self.d_model // self.n_heads
 
+    def ctranslate2_gaps(self) -> list[str]:
+        """The options set here that our CTranslate2 export cannot map (it maps the paper's ReLU and attention),
+        as ``model.<field>: <value>``; empty when the model exports."""
+        return [f"model.{f}: {getattr(self, f)!r}" for f in ("activation", "qk_norm")
+                if getattr(self, f) != type(self).model_fields[f].default]
+
 
 # ---------------------------------------------------------------------------------------------- training
 
@@ -846,14 +852,11 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _exportable(self) -> "RunConfig":
         # refused here, not after training: the export stage comes at the end of the run
-        if self.export.engine == "ctranslate2":
-            unsupported = [f"model.{f}: {v!r}" for f, v in (("activation", self.model.activation),
-                                                              ("qk_norm", self.model.qk_norm))
-                           if v != ModelConfig.model_fields[f].default]
-            if unsupported:
-                raise ValueError(f"export.engine 'ctranslate2' cannot run {', '.join(unsupported)} (our export maps "
-                                 "the paper's ReLU and attention only); set export.engine: none (the registered "
-                                 "model then serves with PyTorch) or drop the option")
+        gaps = self.model.ctranslate2_gaps() if self.export.engine == "ctranslate2" else []
+        if gaps:
+            raise ValueError(f"export.engine 'ctranslate2' cannot run {', '.join(gaps)} (our export maps the paper's "
+                             "ReLU and attention only); set export.engine: none (the registered model then serves "
+                             "with PyTorch) or drop the option")
         return self
 
     def section_hash(self, *sections: str, exclude: Mapping[str, set[str]] | None = None) -> str:

@@ -22,7 +22,7 @@ import torch
 from model import Transformer
 from model.decoding import beam_search, max_output_lengths
 from pipeline.engines import max_output_length
-from pipeline.export import transformer_spec
+from pipeline.export import ExportError, transformer_spec
 
 VOCAB = 60
 PIECES = ["<pad>", "<unk>", "<s>", "</s>", *(f"t{i}" for i in range(4, VOCAB))]
@@ -125,6 +125,15 @@ def test_a_wrong_mapping_is_caught(tmp_path, sabotage) -> None:
     """The parity check is sensitive: each mistake an exporter could make moves the scores far past tolerance."""
     model = random_model()
     assert score_gap(model, export(model, tmp_path, sabotage)) > 1e-2
+
+
+@pytest.mark.parametrize("option", [{"activation": "relu2"}, {"qk_norm": True}])
+def test_a_model_ctranslate2_cannot_run_is_refused_not_exported_wrong(tmp_path, option) -> None:
+    """A checkpoint exported by hand meets no run config: the exporter itself refuses what it cannot map, where it
+    would otherwise write a ReLU model without the norms."""
+    model = Transformer(VOCAB, PAD, encoder_layers=1, decoder_layers=1, d_model=32, d_ff=64, n_heads=4, **option)
+    with pytest.raises(ExportError, match=f"model.{next(iter(option))}"):
+        transformer_spec({"model_config": model.config, "model": model.state_dict()}, PIECES, SPECIAL)
 
 
 def test_greedy_decoding_matches_ours_token_for_token(tmp_path) -> None:
