@@ -1,13 +1,14 @@
 """The Transformer of "Attention Is All You Need" in pure PyTorch: layers, loss and learning-rate schedule.
 
 Imports nothing from the rest of the project; the pipeline builds the model from ``ModelConfig`` with
-``Transformer(vocab_size, pad_id, **model_config.model_dump())``.
+``Transformer(model_config.architecture(vocab_size, pad_id))``, one :class:`TransformerConfig` passed down whole.
 """
 
 from .attention import MultiHeadAttention, attention_with_weights
 from .cache import AttentionCache, DecoderCache, StaticAttentionCache, StaticDecoderCache, reorder_cache
+from .config import TransformerConfig
 from .embedding import ScaledEmbedding
-from .ensemble import Ensemble
+from .ensemble import Ensemble, EnsembleConfig
 from .layers import DecoderLayer, EncoderLayer, PositionwiseFeedForward, ResidualConnection
 from .loss import LabelSmoothedCrossEntropy, symmetric_kl
 from .positional import LearnedPositionalEmbedding, PositionalEncoding, sinusoid_table
@@ -23,6 +24,7 @@ __all__ = [
     "Encoder",
     "EncoderLayer",
     "Ensemble",
+    "EnsembleConfig",
     "LabelSmoothedCrossEntropy",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
@@ -34,6 +36,7 @@ __all__ = [
     "StaticBeamSearch",
     "StaticDecoderCache",
     "Transformer",
+    "TransformerConfig",
     "TransformerLRLambda",
     "attention_with_weights",
     "cooldown_factor",

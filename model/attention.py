@@ -68,16 +68,9 @@ class MultiHeadAttention(nn.Module):
     when decoding. Attention goes through ``F.scaled_dot_product_attention`` (fused kernels) except when the
     weights are requested, for one query per row when decoding, and in bf16 on the CPU (explicit products: see
     :meth:`forward`).
-
-    Not in the paper: ``qk_norm`` layer-normalises each head's queries and keys before their dot product, which
-    bounds the attention logits (Dehghani et al., 2023; the nanoGPT speedrun's QK-norm, there an RMS norm);
-    ``zero_init_output`` starts W^O at zero (the speedrun's zero-initialised projections).
     """
 
-    def __init__(
-        self, d_model: int, n_heads: int, dropout: float = 0.0, self_attention: bool = True, qk_norm: bool = False,
-        zero_init_output: bool = False,
-    ) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, self_attention: bool = True) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
@@ -92,11 +85,6 @@ class MultiHeadAttention(nn.Module):
             self.q_proj = nn.Linear(d_model, d_model)  # W^Q
             self.kv_proj = nn.Linear(d_model, 2 * d_model)  # [W^K; W^V]
         self.out_proj = nn.Linear(d_model, d_model)  # W^O
-        # over d_k, shared by the heads. LayerNorm, not the speedrun's RMS norm: torch's CPU LayerNorm is one fused
-        # kernel, its RMSNorm a chain of elementwise ops (forward + backward ~4x the time, bf16, measured)
-        self.q_norm = nn.LayerNorm(self.d_k) if qk_norm else None
-        self.k_norm = nn.LayerNorm(self.d_k) if qk_norm else None
-        self.zero_init_output = zero_init_output
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -107,8 +95,6 @@ class MultiHeadAttention(nn.Module):
             for block in linear.weight.split(self.d_model, dim=0):
                 nn.init.xavier_uniform_(block)
             nn.init.zeros_(linear.bias)
-        if self.zero_init_output:
-            nn.init.zeros_(self.out_proj.weight)
 
     def _split_heads(self, x: Tensor, parts: int) -> tuple[Tensor, ...]:
         # (batch, len, parts * d_model) -> parts x (batch, heads, len, d_k), strided views (SDPA reads strided
@@ -122,14 +108,7 @@ class MultiHeadAttention(nn.Module):
         (batch, heads, src_len, d_k), contiguous (as strided views, every later step's batched products would
         copy them)."""
         k, v = self._split_heads(self.kv_proj(memory), 2)
-        return self._norm_keys(k).contiguous(), v.contiguous()
-
-    def _norm_queries(self, q: Tensor) -> Tensor:
-        return q if self.q_norm is None else self.q_norm(q)
-
-    def _norm_keys(self, k: Tensor) -> Tensor:
-        # before any cache: a cache holds keys as they are attended
-        return k if self.k_norm is None else self.k_norm(k)
+        return k.contiguous(), v.contiguous()
 
     def forward(
         self,
@@ -154,7 +133,6 @@ class MultiHeadAttention(nn.Module):
         batch, tgt_len, _ = query.shape
         if self.self_attention:
             q, k, v = self._split_heads(self.qkv_proj(query), 3)  # each (batch, heads, tgt_len, d_k)
-            q, k = self._norm_queries(q), self._norm_keys(k)
             if isinstance(cache, StaticAttentionCache):
                 k, v = cache.write(k, v)  # (batch, heads, max_len, d_k), positions after this one masked below
             elif cache is not None:
@@ -168,14 +146,12 @@ class MultiHeadAttention(nn.Module):
             group = 1 if cache is None else cache.group
             q_in = self.q_proj(query).view(batch // group, group * tgt_len, self.d_model)
             (q,) = self._split_heads(q_in, 1)  # (batch / group, heads, group * tgt_len, d_k)
-            q = self._norm_queries(q)
             if cache is not None and cache.key is None:
                 cache.key, cache.value = self.memory_keys_values(memory)
             if cache is not None:
                 k, v = cache.key, cache.value
             else:
                 k, v = self._split_heads(self.kv_proj(memory), 2)  # each (batch, heads, src_len, d_k)
-                k = self._norm_keys(k)
         src_len = k.size(2)
 
         keep = None if key_padding_mask is None else key_keep_mask(key_padding_mask)  # (batch, 1, 1, src_len)

@@ -119,7 +119,7 @@ def beam_search(
     batch = src_tokens.size(0)
     device = src_tokens.device
     # Positions beyond the position table cannot be decoded; bos takes position 0.
-    limit = model.config["max_positions"] - 1
+    limit = model.config.max_positions - 1
     max_lens = max_output_lengths(src_tokens, pad_id, max_len_a, max_len_b, limit)  # (batch,)
     max_lp = length_penalty(max_lens.double(), alpha)  # (batch,) largest penalty a sentence can reach
 

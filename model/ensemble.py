@@ -8,12 +8,13 @@ an ensemble of one is its member, and of identical members is any one of them.
 
 The members must share the vocabulary and padding id (one tokenizer); their sizes may differ. An ensemble has
 the interface :func:`model.decoding.beam_search` uses (``encode``, ``decode`` with a cache, ``new_cache``,
-``reorder_cache``, ``pad_id``, ``config["max_positions"]``) and ``new_static_cache`` (for
+``reorder_cache``, ``pad_id``, ``config.max_positions``) and ``new_static_cache`` (for
 :func:`model.static_decoding.static_beam_search`), so decoding code takes either.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch.nn.functional as F
@@ -21,6 +22,17 @@ from torch import Tensor, nn
 
 from .cache import DecoderCache, StaticDecoderCache, reorder_cache
 from .transformer import Transformer
+
+
+@dataclass(frozen=True)
+class EnsembleConfig:
+    """What decoding reads of an ensemble: the shared vocabulary and padding id, and the shortest position table of
+    its members (which bounds what the ensemble can read and write)."""
+
+    vocab_size: int
+    pad_id: int
+    max_positions: int
+    members: int
 
 
 class Memories(list):
@@ -44,15 +56,14 @@ class Ensemble(nn.Module):
         if not members:
             raise ValueError("an ensemble needs at least one model")
         for key in ("vocab_size", "pad_id"):
-            values = {m.config[key] for m in members}
+            values = {getattr(m.config, key) for m in members}
             if len(values) > 1:
                 raise ValueError(f"ensemble members must share {key}, got {sorted(values)}: use models trained "
                                  "with one tokenizer")
         self.members = nn.ModuleList(members)
         self.pad_id = members[0].pad_id
-        # The shortest position table bounds what the ensemble can read and write.
-        self.config = {"vocab_size": members[0].config["vocab_size"], "pad_id": self.pad_id,
-                       "max_positions": min(m.config["max_positions"] for m in members), "members": len(members)}
+        self.config = EnsembleConfig(members[0].config.vocab_size, self.pad_id,
+                                     min(m.config.max_positions for m in members), len(members))
 
     def encode(self, src_tokens: Tensor) -> tuple[Memories, Tensor]:
         """src_tokens: (batch, src_len) -> (each member's memory, src_pad_mask (batch, src_len), True at padding)."""

@@ -52,7 +52,7 @@ class StaticBeamSearch:
         self.model, self.k, self.nbest, self.eos_id, self.min_len = model, k, nbest, eos_id, min_len
         self.pad_id, self.bos_id = model.pad_id, bos_id
         # Positions beyond the position table cannot be decoded; bos takes position 0.
-        limit = model.config["max_positions"] - 1
+        limit = model.config.max_positions - 1
         self.max_lens = max_output_lengths(src_tokens, self.pad_id, max_len_a, max_len_b, limit)  # (batch,)
         self.max_lp = length_penalty(self.max_lens.double(), alpha)  # (batch,) largest penalty a sentence can reach
         self.steps = int(self.max_lens.max())  # the one host read before the search: buffer sizes
@@ -65,7 +65,7 @@ class StaticBeamSearch:
         self.cache = model.new_static_cache(memory, src_pad_mask, group=k, max_len=self.steps,
                                             position=self.position)
         self.first_row = torch.arange(batch, device=device)[:, None] * k  # (batch, 1) each sentence's first beam
-        self.not_eos = torch.arange(model.config["vocab_size"], device=device).ne(eos_id)  # (vocab,)
+        self.not_eos = torch.arange(model.config.vocab_size, device=device).ne(eos_id)  # (vocab,)
 
         self.prefixes = torch.full((batch * k, self.steps + 1), self.pad_id, dtype=torch.long, device=device)
         self.prefixes[:, 0] = bos_id  # (batch * k, steps + 1): bos, then one token per step

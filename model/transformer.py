@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import Tensor, nn
 
 from .cache import AttentionCache, DecoderCache, StaticAttentionCache, StaticDecoderCache, reorder_cache
+from .config import TransformerConfig
 from .dropout import dropout
 from .embedding import ScaledEmbedding
 from .layers import DecoderLayer, EncoderLayer
 from .positional import LearnedPositionalEmbedding, PositionalEncoding
 
 
-def _positions(kind: str, d_model: int, max_positions: int) -> nn.Module:
-    if kind == "sinusoidal":
-        return PositionalEncoding(d_model, max_positions)
-    return LearnedPositionalEmbedding(d_model, max_positions)
+def _positions(c: TransformerConfig) -> nn.Module:
+    if c.positions == "sinusoidal":
+        return PositionalEncoding(c.d_model, c.max_positions)
+    return LearnedPositionalEmbedding(c.d_model, c.max_positions)
 
 
 class _Stack(nn.Module):
@@ -103,79 +102,30 @@ class Decoder(_Stack):
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder Transformer; the keyword arguments are exactly the fields of ``ModelConfig``.
-
-    ``Transformer(vocab_size, pad_id, **model_config.model_dump())``; ``Transformer(**model.config)`` rebuilds
-    the same architecture (e.g. from a checkpoint). Defaults are the paper's base model.
+    """Encoder-decoder Transformer built from one :class:`model.config.TransformerConfig` (``self.config``);
+    ``Transformer(TransformerConfig.from_dict(state["model_config"]))`` rebuilds the architecture a checkpoint
+    holds. Its defaults are the paper's base model.
 
     Initialisation (the paper is silent; fairseq/tensor2tensor practice): Xavier-uniform weights and zero biases
     for every linear layer, normal(0, d_model^-0.5) for embeddings, LayerNorm weight 1 and bias 0.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        pad_id: int,
-        *,
-        encoder_layers: int = 6,
-        decoder_layers: int = 6,
-        d_model: int = 512,
-        d_ff: int = 2048,
-        n_heads: int = 8,
-        dropout: float = 0.1,
-        attention_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        norm: Literal["post", "pre"] = "post",
-        positions: Literal["sinusoidal", "learned"] = "sinusoidal",
-        share_embeddings: bool = True,
-        max_positions: int = 1024,
-        activation: Literal["relu", "relu2"] = "relu",
-        qk_norm: bool = False,
-        zero_init_output: bool = False,
-    ) -> None:
+    def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        if norm not in ("post", "pre"):
-            raise ValueError(f"norm must be 'post' or 'pre', got {norm!r}")
-        if positions not in ("sinusoidal", "learned"):
-            raise ValueError(f"positions must be 'sinusoidal' or 'learned', got {positions!r}")
-        if not 0 <= pad_id < vocab_size:
-            raise ValueError(f"pad_id ({pad_id}) must be a token id in [0, {vocab_size})")
-        self.config = dict(
-            vocab_size=vocab_size, pad_id=pad_id, encoder_layers=encoder_layers, decoder_layers=decoder_layers,
-            d_model=d_model, d_ff=d_ff, n_heads=n_heads, dropout=dropout, attention_dropout=attention_dropout,
-            activation_dropout=activation_dropout, norm=norm, positions=positions,
-            share_embeddings=share_embeddings, max_positions=max_positions, activation=activation, qk_norm=qk_norm,
-            zero_init_output=zero_init_output,
-        )  # fmt: skip
-        self.pad_id = pad_id
-        pre_norm = norm == "pre"
-        layer_args = (d_model, n_heads, d_ff, dropout, attention_dropout, activation_dropout, pre_norm, activation,
-                      qk_norm, zero_init_output)
-
-        src_embed = ScaledEmbedding(vocab_size, d_model, pad_id)
-        tgt_embed = src_embed if share_embeddings else ScaledEmbedding(vocab_size, d_model, pad_id)
-        self.encoder = Encoder(
-            src_embed,
-            _positions(positions, d_model, max_positions),
-            [EncoderLayer(*layer_args) for _ in range(encoder_layers)],
-            dropout,
-            pre_norm,
-        )
-        self.decoder = Decoder(
-            tgt_embed,
-            _positions(positions, d_model, max_positions),
-            [DecoderLayer(*layer_args) for _ in range(decoder_layers)],
-            dropout,
-            pre_norm,
-        )
-        self.output_projection = nn.Linear(d_model, vocab_size, bias=False)  # pre-softmax linear transformation
-        if share_embeddings:
+        c = self.config = config
+        self.pad_id = c.pad_id
+        src_embed = ScaledEmbedding(c.vocab_size, c.d_model, c.pad_id)
+        tgt_embed = src_embed if c.share_embeddings else ScaledEmbedding(c.vocab_size, c.d_model, c.pad_id)
+        self.encoder = Encoder(src_embed, _positions(c), [EncoderLayer(c) for _ in range(c.encoder_layers)],
+                               c.dropout, c.pre_norm)
+        self.decoder = Decoder(tgt_embed, _positions(c), [DecoderLayer(c) for _ in range(c.decoder_layers)],
+                               c.dropout, c.pre_norm)
+        self.output_projection = nn.Linear(c.d_model, c.vocab_size, bias=False)  # pre-softmax linear transformation
+        if c.share_embeddings:
             # Paper 3.4: one matrix for both embeddings and the pre-softmax projection (one Parameter object).
             self.output_projection.weight = src_embed.weight
         else:
-            nn.init.normal_(self.output_projection.weight, mean=0.0, std=d_model**-0.5)
+            nn.init.normal_(self.output_projection.weight, mean=0.0, std=c.d_model**-0.5)
 
     # ------------------------------------------------------------------------------------------------ running
 
@@ -290,7 +240,7 @@ class Transformer(nn.Module):
         W^K, W^V, applied to the S memory positions; 2 T d V: the pre-softmax projection, a real product even
         when its weight is the shared embedding. Causal masking is not discounted (the PaLM MFU convention).
         """
-        d, vocab = self.config["d_model"], self.config["vocab_size"]
+        d, vocab = self.config.d_model, self.config.vocab_size
         p_enc = sum(p.numel() for p in self.encoder.layers.parameters())
         p_dec = sum(p.numel() for p in self.decoder.layers.parameters())
         p_kv = sum(p.numel() for layer in self.decoder.layers for p in layer.cross_attn.kv_proj.parameters())

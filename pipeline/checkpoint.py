@@ -31,6 +31,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.fsutil import atomic_file, sha256_file, write_json
+from pipeline.retired import RetiredOptionError, drop_retired, drop_retired_fields
 
 log = logging.getLogger("aiayn.train")
 
@@ -183,7 +184,21 @@ def _try_load(path: Path) -> tuple[dict | None, str | None]:
         return None, f"holds a {type(state).__name__}, not a checkpoint (a dict with format {CHECKPOINT_FORMAT!r})"
     if state.get("format") != CHECKPOINT_FORMAT:
         return None, f"format {state.get('format')!r}, expected {CHECKPOINT_FORMAT!r}"
-    return state, None
+    return _without_retired(state, path), None
+
+
+def _without_retired(state: dict, path: Path) -> dict:
+    """A checkpoint written before an option left the product, as this version reads it (:mod:`pipeline.retired`):
+    the option dropped from its architecture and its config; a :class:`CheckpointError` where it was trained with
+    the option on."""
+    try:
+        if isinstance(state.get("model_config"), dict):
+            state["model_config"] = drop_retired_fields("model", state["model_config"], str(path))
+        if isinstance(state.get("config"), dict):
+            state["config"] = drop_retired(state["config"], str(path))
+    except RetiredOptionError as e:
+        raise CheckpointError(str(e)) from None
+    return state
 
 
 def verify_and_load(folder: Path, entry: dict) -> tuple[dict | None, str | None]:

@@ -271,7 +271,7 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
                                              truncated=truncated):
         print(line)
     if truncated:
-        log.warning("%s: %s", name, truncation_summary(len(truncated), len(lines), model.config["max_positions"]))
+        log.warning("%s: %s", name, truncation_summary(len(truncated), len(lines), model.config.max_positions))
 
 
 def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence, get_args
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Mapping, Sequence, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -27,6 +27,10 @@ from pydantic.fields import FieldInfo
 
 from pipeline.errors import UserError
 from pipeline.fsutil import write_text
+from pipeline.retired import RetiredOptionError, drop_retired
+
+if TYPE_CHECKING:
+    from model import TransformerConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -337,16 +341,6 @@ class ModelConfig(_Strict):
         "paper; needs the shared vocabulary)."))
     max_positions: int = Field(default=1024, ge=1, description=(
         "Longest sequence the model accepts, in tokens; a longer input is cut to fit (with a warning)."))
-    activation: Literal["relu", "relu2"] = Field(default="relu", description=(
-        "The feed-forward network's activation. relu: max(0, x) (the paper). relu2: its square (Primer, So et al., "
-        "2021; the nanoGPT speedrun). Not in the paper; CTranslate2 has no relu2, so such a model cannot be "
-        "exported to it."))
-    qk_norm: bool = Field(default=False, description=(
-        "Layer-normalise each head's queries and keys before their dot product, which bounds the attention logits "
-        "(QK-norm: Dehghani et al., 2023; the nanoGPT speedrun). false = the paper."))
-    zero_init_output: bool = Field(default=False, description=(
-        "Initialise every sub-layer's output projection (W^O, the feed-forward network's W2) to zero, so each "
-        "layer starts as the identity on the residual stream (the nanoGPT speedrun). false = the paper."))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -358,11 +352,11 @@ class ModelConfig(_Strict):
     def d_k(self) -> int:
         return self.d_model // self.n_heads
 
-    def ctranslate2_gaps(self) -> list[str]:
-        """The options set here that our CTranslate2 export cannot map (it maps the paper's ReLU and attention),
-        as ``model.<field>: <value>``; empty when the model exports."""
-        return [f"model.{f}: {getattr(self, f)!r}" for f in ("activation", "qk_norm")
-                if getattr(self, f) != type(self).model_fields[f].default]
+    def architecture(self, vocab_size: int, pad_id: int) -> TransformerConfig:
+        """This section with the vocabulary: what :class:`model.Transformer` is built from."""
+        from model import TransformerConfig  # imports torch: only where a model is built
+
+        return TransformerConfig(vocab_size=vocab_size, pad_id=pad_id, **self.model_dump())
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -406,15 +400,6 @@ class TrainConfig(_Strict):
     adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="Adam's beta1. Paper: 0.9.")
     adam_beta2: float = Field(default=0.98, ge=0, lt=1, description="Adam's beta2. Paper: 0.98.")
     adam_eps: float = Field(default=1e-9, gt=0, description="Adam's epsilon. Paper: 1e-9.")
-    optimizer: Literal["adam", "muon"] = Field(default="adam", description=(
-        "adam: Adam over every parameter (the paper). muon: Muon (torch.optim.Muon: momentum orthogonalised by a "
-        "Newton-Schulz iteration) over the encoder and decoder layers' weight matrices, Adam over the rest "
-        "(embeddings and the tied pre-softmax projection, biases, layer norms), both at the schedule's rate, Muon's "
-        "matched to Adam's update size per matrix and times muon_lr_scale. Not in the paper."))
-    muon_momentum: float = Field(default=0.95, ge=0, lt=1, description=(
-        "With optimizer muon: Muon's (Nesterov) momentum. 0.95: Muon's own default."))
-    muon_lr_scale: float = Field(default=1.0, gt=0, description=(
-        "With optimizer muon: Muon's rate is this times the schedule's (which Adam steps at)."))
     label_smoothing: float = Field(default=0.1, ge=0, lt=1, description=(
         "Label smoothing of the cross-entropy loss (hurts perplexity, helps BLEU). Paper: 0.1."))
     rdrop_alpha: float = Field(default=0.0, ge=0, description=(
@@ -849,16 +834,6 @@ class RunConfig(_Strict):
                              f"score; use auto or one of {list(fits)}")
         return self
 
-    @model_validator(mode="after")
-    def _exportable(self) -> "RunConfig":
-        # refused here, not after training: the export stage comes at the end of the run
-        gaps = self.model.ctranslate2_gaps() if self.export.engine == "ctranslate2" else []
-        if gaps:
-            raise ValueError(f"export.engine 'ctranslate2' cannot run {', '.join(gaps)} (our export maps the paper's "
-                             "ReLU and attention only); set export.engine: none (the registered model then serves "
-                             "with PyTorch) or drop the option")
-        return self
-
     def section_hash(self, *sections: str, exclude: Mapping[str, set[str]] | None = None) -> str:
         """Stable short hash of the named sections (all when none), without the fields of ``exclude`` (section ->
         field names): names folders and cache keys."""
@@ -1136,8 +1111,17 @@ def _config_error(errors: list, items: list[tuple[str, Any, str]], path: Path) -
     return ConfigError(lines[0] if len(lines) == 1 else "invalid config:\n" + "\n".join(f"  {line}" for line in lines))
 
 
+def _without_retired(tree: dict, items: list[tuple[str, Any, str]], path: Path) -> dict:
+    try:
+        return drop_retired(tree, lambda r: _error_source((r.section, r.field), items, path))
+    except RetiredOptionError as e:
+        raise ConfigError(str(e)) from None
+
+
 def _validate(tree: dict, items: list[tuple[str, Any, str]], path: Path) -> RunConfig:
-    """The typed config of a merged tree; a :class:`ConfigError` naming, per bad field, where its value came from."""
+    """The typed config of a merged tree; a :class:`ConfigError` naming, per bad field, where its value came from.
+    A retired option is dropped at the product's value and refused at any other (:mod:`pipeline.retired`)."""
+    tree = _without_retired(tree, items, path)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
@@ -1196,7 +1180,7 @@ def _check_recipe(tree: dict, recipe_items: list, items: list, path: Path) -> No
     on every machine, not only on the class it was written for."""
     both = [*recipe_items, *items]
     try:
-        RunConfig.model_validate(_apply(tree, both))
+        RunConfig.model_validate(_without_retired(_apply(tree, both), both, path))
     except ValidationError as e:
         labels = {label for _, _, label in recipe_items}
         ours = [err for err in e.errors() if _error_source(err["loc"], both, path) in labels]

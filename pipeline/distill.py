@@ -252,7 +252,7 @@ def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pa
         shutil.rmtree(partial)
     if report["truncated"]:
         log.warning("distillation: %s", truncation_summary(report["truncated"], report["read"],
-                                                           model.config["max_positions"]))
+                                                           model.config.max_positions))
     log.info("distilled corpus written to %s: %d training sources, %d kept (%.1f s)", out, report["read"],
              report["kept"], time.perf_counter() - started)
     return out

@@ -90,7 +90,7 @@ class TorchEngine:
 
         self.model = load_model(Path(checkpoint), tokenizer=tokenizer)
         self.tokenizer = tokenizer
-        self.max_positions = int(self.model.config["max_positions"])
+        self.max_positions = self.model.config.max_positions
 
     def translate(self, sentences: Sequence[str], decode: DecodeConfig, nbest: int = 1) -> list[list[str]]:
         from pipeline.inference import translate_nbest

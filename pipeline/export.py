@@ -40,7 +40,7 @@ import torch
 
 from model.positional import sinusoid_table
 from pipeline.checkpoint import check_tokenizer, load_checkpoint
-from pipeline.config import DecodeConfig, ExportConfig, ModelConfig, RunConfig
+from pipeline.config import DecodeConfig, ExportConfig, RunConfig
 from pipeline.data import read_manifest
 from pipeline.engines import EXPORT_META, GATE, VMAP_FILE, CTranslate2Engine, translate_options, vocabulary_pieces
 from pipeline.errors import UserError
@@ -105,13 +105,6 @@ def transformer_spec(state: dict, pieces: list[str], special: dict[str, str]):
     from ctranslate2.specs import TransformerSpec, common_spec
 
     config, weights = state["model_config"], state["model"]
-    # a checkpoint's own architecture (the run config refuses these before training; a checkpoint exported by hand
-    # meets no run config): older checkpoints lack the newer fields, which are then the paper's
-    architecture = ModelConfig.model_validate({k: v for k, v in config.items() if k in ModelConfig.model_fields})
-    gaps = architecture.ctranslate2_gaps()
-    if gaps:
-        raise ExportError(f"the checkpoint's model has {', '.join(gaps)}, which CTranslate2 cannot run: serve it "
-                          "with PyTorch (export.engine: none)")
     if len(pieces) != config["vocab_size"]:
         raise ExportError(f"the tokenizer has {len(pieces)} pieces, the checkpoint's model {config['vocab_size']}: "
                           "export the checkpoint with the tokenizer it was trained with")

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from model import Ensemble, Transformer
+from model import Ensemble, Transformer, TransformerConfig
 from model.decoding import beam_search
 from model.static_decoding import static_beam_search
 from pipeline.allocator import keep_freed_memory
@@ -64,7 +64,7 @@ def models_from_states(states: Sequence[dict], device: torch.device | str = "cpu
 
 def model_from_state(state: dict, device: torch.device | str = "cpu") -> Transformer:
     """A model in eval mode from a loaded checkpoint's state."""
-    model = Transformer(**state["model_config"])
+    model = Transformer(TransformerConfig.from_dict(state["model_config"]))
     model.load_state_dict(state["model"])
     return model.to(device).eval()
 
@@ -107,7 +107,7 @@ def translate_nbest(model: Transformer, tokenizer: Tokenizer, sentences: Sequenc
     """
     model = decoding_model(model, decode.precision)
     device = next(model.parameters()).device
-    ids = encode_sources(tokenizer, sentences, model.config["max_positions"], source, truncated)
+    ids = encode_sources(tokenizer, sentences, model.config.max_positions, source, truncated)
     order = sorted(to_decode(sentences), key=lambda i: -len(ids[i]))
     out: list[list[str]] = [[""] for _ in ids]
     if progress and len(order) < len(ids):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import Transformer
+from model import Transformer, TransformerConfig
 from pipeline.average import average_checkpoints
 from pipeline.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -19,8 +19,8 @@ def write_checkpoints(folder: Path, steps: list[int], seed: int = 0, **arch) -> 
     states = []
     for i, step in enumerate(steps):
         torch.manual_seed(seed + i)
-        m = Transformer(20, 0, **{**ARCH, **arch})
-        state = {"model": m.state_dict(), "model_config": m.config, "config": {"name": "t"},
+        m = Transformer(TransformerConfig(20, 0, **{**ARCH, **arch}))
+        state = {"model": m.state_dict(), "model_config": m.config.to_dict(), "config": {"name": "t"},
                  "shards": {"fingerprint": "f" * 64}, "step": step}
         save_checkpoint(folder, state, step, keep_last=50)
         states.append(state)
@@ -36,7 +36,7 @@ def test_average_of_the_last_n_by_step(tmp_path: Path) -> None:
         expected = sum(s["model"][k].double() for s in states[1:]) / 3
         assert torch.equal(v, expected.to(v.dtype)), k
     assert [e["step"] for e in avg["averaged_from"]] == [200, 300, 400] and avg["step"] == 400
-    model = Transformer(**avg["model_config"])
+    model = Transformer(TransformerConfig.from_dict(avg["model_config"]))
     model.load_state_dict(avg["model"])  # a standalone model
     assert "optimizer" not in avg
 

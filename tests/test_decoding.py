@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from model import Ensemble, Transformer
+from model import Ensemble, Transformer, TransformerConfig
 from model.decoding import Hypothesis, beam_search, length_penalty, max_output_lengths
 
 PAD, BOS, EOS, VOCAB = 0, 2, 3, 24
@@ -17,7 +17,8 @@ PAD, BOS, EOS, VOCAB = 0, 2, 3, 24
 @pytest.fixture(scope="module")
 def model() -> Transformer:
     torch.manual_seed(0)
-    m = Transformer(VOCAB, PAD, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
+    m = Transformer(TransformerConfig(VOCAB, PAD, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64,
+                                      n_heads=4, dropout=0.0))
     with torch.no_grad():  # sharper distributions than at init, so hypotheses differ in length and ending
         m.output_projection.weight.mul_(4.0)
     return m.eval()
@@ -179,10 +180,11 @@ def test_an_ensemble_of_one_and_of_identical_models_decodes_as_the_model(model, 
 
 def test_an_ensemble_step_is_the_normalised_mean_of_its_members_log_probabilities(model, sources) -> None:
     torch.manual_seed(5)
-    other = Transformer(VOCAB, PAD, encoder_layers=1, decoder_layers=3, d_model=16, d_ff=32, n_heads=2,
-                        dropout=0.0, max_positions=64).eval()
+    other = Transformer(TransformerConfig(VOCAB, PAD, encoder_layers=1, decoder_layers=3, d_model=16, d_ff=32,
+                                          n_heads=2,
+                                          dropout=0.0, max_positions=64)).eval()
     ens = Ensemble([model, other])
-    assert ens.config["max_positions"] == 64 and ens.num_parameters() == model.num_parameters() + other.num_parameters()
+    assert ens.config.max_positions == 64 and ens.num_parameters() == model.num_parameters() + other.num_parameters()
     tgt = torch.full((len(sources), 1), BOS)
     with torch.no_grad():
         memory, mask = ens.encode(sources)
@@ -207,6 +209,7 @@ def _perturb(module: torch.nn.Module) -> None:
 def test_an_ensemble_refuses_members_of_other_vocabularies(model) -> None:
     with pytest.raises(ValueError, match=r"ensemble members must share vocab_size, got \[24, 30\]: use models "
                                          r"trained with one tokenizer"):
-        Ensemble([model, Transformer(30, PAD, encoder_layers=1, decoder_layers=1, d_model=16, d_ff=32, n_heads=2)])
+        Ensemble([model, Transformer(TransformerConfig(30, PAD, encoder_layers=1, decoder_layers=1, d_model=16,
+                                                       d_ff=32, n_heads=2))])
     with pytest.raises(ValueError, match="an ensemble needs at least one model"):
         Ensemble([])

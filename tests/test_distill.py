@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import pipeline.distill as distill_module
-from model import Transformer
+from model import Transformer, TransformerConfig
 from pipeline.checkpoint import CHECKPOINT_FORMAT, CheckpointError
 from pipeline.cli import _print_corpus, main
 from pipeline.config import ConfigError, DistillConfig, RunConfig, load_config
@@ -75,9 +75,10 @@ def write_toy_data(root: Path) -> None:
 def write_teacher(path: Path, tokenizer: Tokenizer, seed: int, tokenizer_sha256: str | None = None) -> Path:
     """A random tiny Transformer saved as a checkpoint trained with ``tokenizer`` (or the one of the sha256)."""
     torch.manual_seed(seed)
-    model = Transformer(tokenizer.vocab_size, tokenizer.pad_id, encoder_layers=1, decoder_layers=1, d_model=32,
-                        d_ff=64, n_heads=2, max_positions=POSITIONS)
-    torch.save({"format": CHECKPOINT_FORMAT, "model_config": model.config, "model": model.state_dict(),
+    model = Transformer(TransformerConfig(tokenizer.vocab_size, tokenizer.pad_id, encoder_layers=1,
+                                          decoder_layers=1, d_model=32,
+                                          d_ff=64, n_heads=2, max_positions=POSITIONS))
+    torch.save({"format": CHECKPOINT_FORMAT, "model_config": model.config.to_dict(), "model": model.state_dict(),
                 "tokenizer_sha256": tokenizer_sha256 or tokenizer.sha256}, path)
     return path
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +15,7 @@ from model import (
     PositionalEncoding,
     ScaledEmbedding,
     Transformer,
+    TransformerConfig,
     reorder_cache,
     sinusoid_table,
 )
@@ -29,7 +30,7 @@ def tiny(**overrides) -> Transformer:
     kwargs = dict(encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.1)
     kwargs.update(overrides)
     torch.manual_seed(0)
-    return Transformer(VOCAB, PAD, **kwargs).eval()
+    return Transformer(TransformerConfig(VOCAB, PAD, **kwargs)).eval()
 
 
 def batch(lengths: list[int], max_len: int | None = None, seed: int = 1) -> torch.Tensor:
@@ -46,8 +47,6 @@ ARCHITECTURES = [
     dict(norm="pre", positions="sinusoidal"),
     dict(norm="post", positions="learned"),
     dict(norm="pre", positions="learned"),
-    # the nanoGPT speedrun's levers (not in the paper): QK-norm sits between the projections and the cache
-    dict(norm="post", positions="sinusoidal", qk_norm=True, activation="relu2"),
 ]
 
 
@@ -61,32 +60,36 @@ def arch_id(arch: dict) -> str:
 def test_base_and_big_parameter_counts_match_table_3():
     # Shared 37k vocabulary. Base is built for real; big (214M parameters) on the meta device: same module,
     # no memory or init time.
-    base = Transformer(37_000, PAD, **ModelConfig().model_dump())
+    base = Transformer(ModelConfig().architecture(37_000, PAD))
     big_cfg = ModelConfig(d_model=1024, d_ff=4096, n_heads=16, dropout=0.3)
     with torch.device("meta"):
-        big = Transformer(37_000, PAD, **big_cfg.model_dump())
+        big = Transformer(big_cfg.architecture(37_000, PAD))
     assert abs(base.num_parameters() / 65e6 - 1) < 0.03, base.num_parameters()
     assert abs(big.num_parameters() / 213e6 - 1) < 0.03, big.num_parameters()
     # The shared matrix is counted once; without sharing it is counted three times.
     with torch.device("meta"):
-        unshared = Transformer(37_000, PAD, **ModelConfig(share_embeddings=False).model_dump())
+        unshared = Transformer(ModelConfig(share_embeddings=False).architecture(37_000, PAD))
     assert unshared.num_parameters() - base.num_parameters() == 2 * 37_000 * 512
     assert base.num_parameters(non_embedding=True) == base.num_parameters() - 37_000 * 512
 
 
-def test_constructor_takes_exactly_the_model_config_fields_with_equal_defaults():
-    params = inspect.signature(Transformer).parameters
+def test_the_architecture_has_exactly_the_model_config_fields_with_equal_defaults():
+    """One config object from the schema to the layers: ModelConfig's fields are TransformerConfig's (with the
+    vocabulary), with the same defaults, and a checkpoint's dict rebuilds the same architecture."""
+    params = {f.name: f for f in dataclasses.fields(TransformerConfig)}
     fields = ModelConfig.model_fields
     assert set(params) - {"vocab_size", "pad_id"} == set(fields)
     for name, field in fields.items():
         assert params[name].default == field.default, name
-    model = Transformer(vocab_size=VOCAB, pad_id=PAD, **ModelConfig(d_model=32, d_ff=64, n_heads=4).model_dump())
-    assert Transformer(**model.config).num_parameters() == model.num_parameters()
+    model = Transformer(ModelConfig(d_model=32, d_ff=64, n_heads=4).architecture(VOCAB, PAD))
+    assert TransformerConfig.from_dict(model.config.to_dict()) == model.config
+    with pytest.raises(ValueError, match="not fields of the model's architecture: qk_norm"):
+        TransformerConfig.from_dict({**model.config.to_dict(), "qk_norm": False})
 
 
 def test_d_model_not_divisible_by_heads_raises():
     with pytest.raises(ValueError, match="divisible"):
-        Transformer(VOCAB, PAD, d_model=30, n_heads=4)
+        Transformer(TransformerConfig(VOCAB, PAD, d_model=30, n_heads=4))
     with pytest.raises(ValueError, match="divisible"):
         MultiHeadAttention(30, 4)
 
@@ -334,7 +337,7 @@ def test_bf16_autocast_training_step_stays_close_to_fp32():
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_residual_connections_place_the_layer_norm(norm):
-    layer = EncoderLayer(16, 2, 32, dropout=0.0, pre_norm=norm == "pre").eval()
+    layer = EncoderLayer(TransformerConfig(VOCAB, PAD, d_model=16, n_heads=2, d_ff=32, dropout=0.0, norm=norm)).eval()
     # Silence both sub-layers: the layer is then the bare residual path.
     for linear in (layer.self_attn.out_proj, layer.ffn.w_2):
         torch.nn.init.zeros_(linear.weight)
@@ -348,7 +351,8 @@ def test_residual_connections_place_the_layer_norm(norm):
 
 
 def test_initialisation_xavier_linear_and_normal_embeddings():
-    model = Transformer(VOCAB, PAD, encoder_layers=1, decoder_layers=1, d_model=64, d_ff=256, n_heads=4)
+    model = Transformer(TransformerConfig(VOCAB, PAD, encoder_layers=1, decoder_layers=1, d_model=64, d_ff=256,
+                                          n_heads=4))
     d, ff = 64, 256
     matrices = {
         "qkv block": (model.encoder.layers[0].self_attn.qkv_proj.weight[:d], d, d),
@@ -363,64 +367,6 @@ def test_initialisation_xavier_linear_and_normal_embeddings():
         assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.1), name
     assert model.encoder.layers[0].ffn.w_1.bias.abs().max() == 0
     assert model.encoder.embed_tokens.weight.std().item() == pytest.approx(d**-0.5, rel=0.1)
-
-
-def test_relu2_squares_the_feed_forward_activation():
-    model = tiny(activation="relu2")
-    ffn = model.encoder.layers[0].ffn
-    x = torch.randn(2, 5, 32)
-    expected = ffn.w_2(F.relu(ffn.w_1(x)) ** 2)
-    assert torch.allclose(ffn(x), expected, atol=1e-6)
-    assert not torch.allclose(tiny().encoder.layers[0].ffn(x), expected, atol=1e-3)
-    with pytest.raises(ValueError, match="activation"):
-        tiny(activation="gelu")
-
-
-@pytest.mark.parametrize("self_attention", [True, False])
-def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(self_attention):
-    """Layer-normalised queries and keys: scaling W^Q and W^K (and their biases) leaves the output as it was;
-    without QK-norm the same scaling sharpens the softmax."""
-    x, memory = torch.randn(2, 6, 32), torch.randn(2, 4, 32)
-
-    def outputs(qk_norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        torch.manual_seed(0)
-        attn = MultiHeadAttention(32, 4, self_attention=self_attention, qk_norm=qk_norm).eval()
-        run = (lambda: attn(x)[0]) if self_attention else (lambda: attn(x, memory)[0])
-        scaled = [(attn.qkv_proj, slice(0, 64))] if self_attention else [(attn.q_proj, slice(0, 32)),
-                                                                         (attn.kv_proj, slice(0, 32))]
-        with torch.no_grad():
-            for linear, rows in scaled:
-                linear.bias[rows] = 0.3  # not zero, so the biases take part in the scaling
-            before = run()
-            for linear, rows in scaled:
-                linear.weight[rows] *= 7
-                linear.bias[rows] *= 7
-            return before, run()
-
-    before, after = outputs(qk_norm=True)
-    assert torch.allclose(before, after, atol=5e-4)  # up to the norm's epsilon
-    before, after = outputs(qk_norm=False)
-    assert not torch.allclose(before, after, atol=1e-2)
-
-
-def test_zero_init_output_starts_each_layer_as_its_residual_path_and_still_learns():
-    model = tiny(zero_init_output=True, dropout=0.0).train()
-    layers = [*model.encoder.layers, *model.decoder.layers]
-    zeroed = [m.weight for layer in layers for m in (layer.self_attn.out_proj, layer.ffn.w_2)]
-    zeroed += [layer.cross_attn.out_proj.weight for layer in model.decoder.layers]
-    assert all(w.abs().max() == 0 for w in zeroed)
-    assert model.encoder.layers[0].self_attn.qkv_proj.weight.abs().max() > 0  # the rest as the paper's
-    x = torch.randn(2, 5, 32) * 3 + 1
-    assert torch.allclose(model.encoder.layers[0](x, None)[0], F.layer_norm(x, (32,)), atol=1e-5)  # post-norm
-    # The first update reaches the decoder's projections alone: the encoder feeds the loss only through the
-    # encoder-decoder attention's W^O, still zero; from the second on, every projection learns.
-    src, tgt = batch([5, 3]), batch([4, 4], seed=2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        optimizer.zero_grad()
-        F.cross_entropy(model(src, tgt).flatten(0, 1), tgt.flatten()).backward()
-        optimizer.step()
-    assert all(w.grad.abs().max() > 0 for w in zeroed)
 
 
 def test_pre_norm_stacks_end_in_a_layer_norm():

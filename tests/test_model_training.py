@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (LabelSmoothedCrossEntropy, Transformer, TransformerLRLambda, cooldown_factor, ramped_lr,
-                   symmetric_kl, transformer_lr, transformer_lr_scheduler)
+from model import (LabelSmoothedCrossEntropy, Transformer, TransformerConfig, TransformerLRLambda, cooldown_factor,
+                   ramped_lr, symmetric_kl, transformer_lr, transformer_lr_scheduler)
 from tests.conftest import OpCounter
 
 PAD = 0
@@ -282,7 +282,8 @@ def test_a_tiny_model_learns_to_copy(one_thread):
     src = torch.randint(4, vocab, (8, 6))
     tgt_in = torch.cat([torch.full((8, 1), bos), src], dim=1)  # copy task: output = input
     tgt_out = torch.cat([src, torch.full((8, 1), eos)], dim=1)
-    model = Transformer(vocab, PAD, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
+    model = Transformer(TransformerConfig(vocab, PAD, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=64,
+                                          n_heads=4, dropout=0.0))
     optimizer = torch.optim.Adam(model.parameters(), betas=(0.9, 0.98), eps=1e-9)
     scheduler = transformer_lr_scheduler(optimizer, d_model=32, warmup_steps=10, lr_scale=0.3)
     criterion = LabelSmoothedCrossEntropy(0.0, PAD)

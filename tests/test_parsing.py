@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from model import Transformer
+from model import Transformer, TransformerConfig
 from model.decoding import beam_search
 from pipeline.average import average_checkpoints
 from pipeline.config import ConfigError, load_config
@@ -278,7 +278,8 @@ def tree_tokens_ok(tokens: list[int], n: int, words: list[int] | None = None) ->
 @pytest.mark.parametrize("leaves", ["XX", "words"])
 def test_constrained_beam_search_writes_only_trees_over_the_input(room, leaves) -> None:
     torch.manual_seed(3)
-    model = Transformer(12, 0, encoder_layers=1, decoder_layers=1, d_model=16, d_ff=32, n_heads=2).eval()
+    model = Transformer(TransformerConfig(12, 0, encoder_layers=1, decoder_layers=1, d_model=16, d_ff=32,
+                                          n_heads=2)).eval()
     sources = [[9, 10, 11, 9], [10], [11, 9, 9, 10, 11, 10, 9]]
     src = torch.zeros(len(sources), max(map(len, sources)) + 1, dtype=torch.long)
     for r, ids in enumerate(sources):

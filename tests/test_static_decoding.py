@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import Ensemble, StaticBeamSearch, Transformer, reorder_cache, static_beam_search
+from model import Ensemble, StaticBeamSearch, Transformer, TransformerConfig, reorder_cache, static_beam_search
 from model.decoding import Hypothesis, beam_search, max_output_lengths
 from tests import test_decoding
 from tests.test_decoding import BOS, EOS, PAD, VOCAB
@@ -55,8 +55,9 @@ def test_same_hypotheses_as_beam_search_on_a_random_model(model, sources, case) 
 @pytest.mark.parametrize("arch", [dict(norm="pre", positions="learned"), dict(norm="post", positions="sinusoidal")])
 def test_same_hypotheses_for_both_position_kinds_and_norms(sources, arch) -> None:
     torch.manual_seed(3)
-    m = Transformer(VOCAB, PAD, encoder_layers=1, decoder_layers=2, d_model=16, d_ff=32, n_heads=2, dropout=0.0,
-                    **arch).eval()
+    m = Transformer(TransformerConfig(VOCAB, PAD, encoder_layers=1, decoder_layers=2, d_model=16, d_ff=32,
+                                      n_heads=2, dropout=0.0,
+                                      **arch)).eval()
     with torch.no_grad():
         m.output_projection.weight.mul_(4.0)
     assert_same(*both(m, sources, beam_size=3, nbest=2))
@@ -78,7 +79,8 @@ def trained() -> Transformer:
     """A tiny model trained briefly (30 Adam updates) to reverse its source: it ends its outputs on eos, at
     various lengths well below the maximum."""
     torch.manual_seed(0)
-    m = Transformer(VOCAB, PAD, encoder_layers=1, decoder_layers=1, d_model=32, d_ff=64, n_heads=4, dropout=0.0)
+    m = Transformer(TransformerConfig(VOCAB, PAD, encoder_layers=1, decoder_layers=1, d_model=32, d_ff=64,
+                                      n_heads=4, dropout=0.0))
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)
     for _ in range(30):

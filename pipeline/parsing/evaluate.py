@@ -110,7 +110,7 @@ def evaluate_parsing(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: P
         outputs, parsed = parse(model, tokenizer, src, decode, tags, setup.advance, leaves=leaves, source=key,
                                 truncated=truncated)
         if truncated:
-            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config["max_positions"]))
+            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config.max_positions))
         trees, repairs = [t for t, _ in parsed], [r for _, r in parsed]
         write_text(out_dir / f"{key}.hyp", "".join(f"{t}\n" for t in trees))
         write_text(out_dir / f"{key}.gold", "".join(f"{g}\n" for g in golds))

@@ -59,8 +59,8 @@ def attention_figures(model: Transformer, tokenizer: Tokenizer, source: str, tar
     """Heat-maps of a teacher-forced pass over (``source``, ``target``): per layer one PNG of encoder
     self-attention and one of encoder-decoder attention, each with one panel per head (as in the paper's
     appendix figures). Returns the files written."""
-    src_ids = tokenizer.encode_batch([source])[0][: model.config["max_positions"] - 1] + [tokenizer.eos_id]
-    tgt_ids = [tokenizer.bos_id] + tokenizer.encode_batch([target])[0][: model.config["max_positions"] - 1]
+    src_ids = tokenizer.encode_batch([source])[0][: model.config.max_positions - 1] + [tokenizer.eos_id]
+    tgt_ids = [tokenizer.bos_id] + tokenizer.encode_batch([target])[0][: model.config.max_positions - 1]
     src = torch.tensor([src_ids])  # (1, src_len)
     tgt_in = torch.tensor([tgt_ids])  # (1, tgt_len)
     maps = model.attention_maps(src, tgt_in)

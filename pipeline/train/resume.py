@@ -73,7 +73,7 @@ def resume(ckpt_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer,
 def _restore(state: dict, path: Path, model: Transformer, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
              seed: int, shards_fingerprint: str, info: DistInfo) -> Start:
     """Continue from the run's own checkpoint ``state`` (read from ``path``): everything, RNG streams included."""
-    check_compatible(state, model.config, shards_fingerprint, path)
+    check_compatible(state, model.config.to_dict(), shards_fingerprint, path)
     model.load_state_dict(state["model"])
     load_optimizer(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -94,7 +94,7 @@ def _restore(state: dict, path: Path, model: Transformer, optimizer: torch.optim
 
 def _init_from(path: Path, model: Transformer, tokenizer_sha256: str) -> Start:
     """Start a new run from another run's weights at ``path``; optimizer, schedule and step count start fresh."""
-    state = load_init_checkpoint(path, model.config, tokenizer_sha256)
+    state = load_init_checkpoint(path, model.config.to_dict(), tokenizer_sha256)
     model.load_state_dict(state["model"])  # in place: the optimizer and DDP hold these same parameters
     log.info("initialised from %s (step %d of its run)", path, state["step"])
     return _fresh({"path": str(path), "sha256": sha256_file(path), "step": state["step"]})

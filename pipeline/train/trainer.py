@@ -410,7 +410,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
     pad = train_ds.special.pad
 
     seed_everything(t.seed)  # identical initial weights on every rank
-    model = Transformer(train_ds.manifest["tokenizer"]["vocab_size"], pad, **cfg.model.model_dump()).to(info.device)
+    model = Transformer(cfg.model.architecture(train_ds.manifest["tokenizer"]["vocab_size"], pad)).to(info.device)
     step_fn = TrainStep(model, cfg, info, pad)
     seed_everything(t.seed + info.rank)  # distinct dropout streams per rank
 
@@ -471,7 +471,7 @@ def _train(cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, out_dir: Pat
             state = {"model": model.state_dict(), "optimizer": step_fn.optimizer.state_dict(),
                      "scheduler": step_fn.scheduler.state_dict(), "step": step, "epoch": epoch,
                      "batch_pos": batch_pos, "totals": totals.tolist(), "rng": rngs, "world_size": info.world_size,
-                     "config": cfg.model_dump(mode="json"), "model_config": model.config, "shards": shards,
+                     "config": cfg.model_dump(mode="json"), "model_config": model.config.to_dict(), "shards": shards,
                      "tokenizer_sha256": tokenizer_sha256, "init_checkpoint": init, "dev": last_dev,
                      "train_seconds": trained_seconds(), "skipped_updates": skipped}
             entry = save_checkpoint(ckpt_dir, state, step, t.keep_last_checkpoints)

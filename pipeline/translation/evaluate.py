@@ -55,7 +55,7 @@ def evaluate_translation(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_di
         truncated: list[int] = []
         hyps = translate(model, tokenizer, src, decode, setup.advance, source=key, truncated=truncated)
         if truncated:
-            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config["max_positions"]))
+            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config.max_positions))
         write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
         write_text(out_dir / f"{key}.ref", "".join(r + "\n" for r in refs))
         samples = list(zip(src, refs, hyps))[:SAMPLE_ROWS]
