@@ -66,7 +66,7 @@ def _other_table(ledger: Ledger, rows: list[CurrentRow]) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         e = ledger[r.entry]
-        figures = "; ".join(f"{cur.measures[m]} {_value(ledger, r, m, 'ledger.md')}" for m in cur.measures
+        figures = "; ".join(f"{cur.measures[m]}: {_value(ledger, r, m, 'ledger.md')}" for m in cur.measures
                             if m in r.figures)
         lines.append(f"| {_job(cur, r)} | {text_cell(r.machine_class)} | {r.precision or '-'} | {figures} | "
                      f"{text_cell(e.machine.describe())} | {e.date} | {_link(e.id, 'ledger.md')} |")
