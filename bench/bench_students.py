@@ -135,7 +135,7 @@ def ledger_entry(result: dict, entry_id: str, commit: str, command: str, date: s
     figures = {f"{slug(name)}.{k}.vs_default_int8_beam": round(m["median"][k] / base, 2)
                for name, m in models.items() for k in ("ct2_int8.beam.threads2", "ct2_int8.greedy.threads2")}
     return {
-        "id": entry_id, "date": date,
+        "id": entry_id, "topic": "distillation", "date": date,
         "title": "What a student architecture gains in decoding speed and size, apart from its training "
                  "(Multi30k En-De test2016, outputs of one forced length)",
         "what": (f"bench/bench_students.py: each architecture's config after a few updates, every output forced to "

@@ -416,7 +416,7 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
                                    "ct2_int8_1t", "ct2_int8_2t"],
                        "rows": serving})
     return {
-        "id": entry_id, "date": date,
+        "id": entry_id, "topic": "distillation", "date": date,
         "title": f"Distillation on Multi30k {pair}: students on the teachers' translations "
                  "against the original data",
         "what": what, "machine": {"cpu": features, **cpu_features(features), "threads": result["cpus"]},

@@ -1,4 +1,5 @@
-"""Write the generated reference pages (config fields, commands, deployments, MLflow, the results ledger).
+"""Write the generated pages (config fields, commands, deployments, MLflow, the results ledger, the current
+results) and README's "What you get" table.
 
     python docs/generate.py          # rewrite the pages that changed
     python docs/generate.py --check  # exit 1, listing them, when any is stale (what the build and a test do)

@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "docs" / "_ext"))
 
-from aiayn_docs import commands, ledger, reference  # noqa: E402
+from aiayn_docs import commands, current, ledger, reference  # noqa: E402
 
 LEDGER = REPO / "docs" / "results" / "ledger.yaml"
 
@@ -82,36 +82,88 @@ def test_every_repository_path_the_docs_name_exists():
 
 
 def test_the_ledger_refuses_what_it_cannot_trust(tmp_path):
-    good = ("current_default: {x: L01}\nentries:\n- {id: L01, date: 2026-01-01, title: t, what: w, "
-            "machine: {cpu: c}, commit: abc1234, command: c}\n")
+    good = ("topics: {t1: {title: T, about: a}}\n"
+            "current: {job: x, measures: {dev: dev BLEU}, default: [{class: c, entry: L01, figures: {dev: d}}]}\n"
+            "entries:\n- {id: L01, topic: t1, date: 2026-01-01, title: t, what: w, "
+            "machine: {cpu: c}, commit: abc1234, command: c, figures: {d: 1.0}}\n")
     path = tmp_path / "ledger.yaml"
     path.write_text(good)
     assert ledger.load(path).ids == {"L01"}
-    for bad, says in [(good.replace("entries:\n", "entries:\n- {id: L01, date: 2026-01-02, title: t, what: w, "
-                                    "machine: {cpu: c}, commit: abc, command: c}\n"), "duplicate entry ids"),
+    for bad, says in [(good.replace("entries:\n", "entries:\n- {id: L01, topic: t1, date: 2026-01-02, title: t, "
+                                    "what: w, machine: {cpu: c}, commit: abc, command: c}\n"), "duplicate entry ids"),
                       (good.replace("title: t, ", ""), "L01.title"),
-                      (good.replace("command: c}", "command: c, figure: 3}"), "L01.figure"),
-                      (good.replace("{x: L01}", "{x: L09}"), "no entry L09"),
+                      (good.replace("command: c,", "command: c, figure: 3,"), "L01.figure"),
+                      (good.replace("entry: L01", "entry: L09"), "no entry L09"),
+                      (good.replace("{dev: d}", "{dev: e}"), "no figure 'e' in L01"),
+                      (good.replace("{dev: d}", "{dev: 'L07:d'}"), "dev: no entry L07"),
+                      (good.replace("{dev: d}", "{bleu: d}"), "measure 'bleu'"),
+                      (good.replace("topic: t1, ", "topic: t2, "), "L01: topic 't2'"),
+                      (good.replace("topic: t1, ", ""), "L01: topic None"),
+                      (good.replace("command: c,", "command: c, labels: {e: x},"), "labels of figures it does not"),
                       (good.replace("machine: {cpu: c}", "machine: {threads: 2}"), "needs a cpu or a gpu")]:
         path.write_text(bad)
         with pytest.raises(ledger.LedgerError, match=re.escape(says)):
             ledger.load(path)
 
 
-def test_the_readme_what_you_get_table_is_the_current_default_entries():
-    """One row group per CPU class, each the figures of that class's current default entry."""
+# The classes of machine the current results must have a row for, each by a word its row's class names.
+CLASSES = ("Zen 5", "Zen 4", "AMX", "AVX2", "GPU")
+
+
+def test_the_current_results_have_a_row_per_class_each_citing_its_entry_and_figures():
+    """One row per CPU class and the GPU, each naming an existing entry and, per measure, an existing figure; the
+    generated page shows every row with its values, machine, date and entry, by plain labels: no figure key and
+    no internal issue number."""
     led = ledger.load(LEDGER)
-    current = led.defaults("multi30k-cpu")
-    rows = ledger.readme_figures((REPO / "README.md").read_text(encoding="utf-8"))
-    assert rows, "README's What you get table has no rows"
-    for figure, value, eid in rows:
-        assert eid in current.values(), f"README row {figure} cites {eid}, the current defaults are {current}"
-        assert figure in led[eid].figures, f"README row {figure}: no such figure in {eid}"
-        assert value == ledger.format_value(led[eid].figures[figure]), (
-            f"README row {figure} says {value}, ledger {eid} says {ledger.format_value(led[eid].figures[figure])}")
-    for machine, eid in current.items():
-        shown = {".".join(f.split(".")[-2:]) for f, _, e in rows if e == eid}
-        assert {"dev.sacrebleu", "test2016.sacrebleu"} <= shown, f"the table must show {machine}'s dev and test2016"
+    rows = led.current.default
+    for word in CLASSES:
+        assert sum(word in r.machine_class for r in rows) == 1, f"the current results need one row for {word}"
+    text = (REPO / current.PAGE).read_text(encoding="utf-8")
+    assert text == current.page(led)
+    for r in led.current.rows:
+        assert r.entry in led.ids
+        assert {"dev", "test2016"} <= set(r.figures) or r not in rows, f"{r.machine_class}: dev and test2016"
+        cells = [ledger.format_value(led.figure(r, m)[1]) for m in r.figures]
+        line = next((ln for ln in text.splitlines() if r.machine_class in ln and f"[{r.entry}](ledger.md#" in ln
+                     and all(c in ln for c in cells)), None)
+        assert line, f"the page has no row for {r.machine_class} with {cells} and {r.entry}"
+        assert str(led[r.entry].date) in line and ledger.text_cell(led[r.entry].machine.describe()) in line
+        for m in r.figures:
+            eid, key = r.ref(m)
+            assert key in led[eid].figures
+            assert "." not in key or key not in text, f"the page shows the figure key {key}"
+    assert not re.search(r"\b[Ii]ssues? \d", text), "the current results show an internal issue number"
+
+
+def test_the_readme_what_you_get_table_is_the_current_results_table():
+    """README's table is the current results' default-job rows as the generator renders them, one per CPU class,
+    each linking to the current-results page and its entry."""
+    led = ledger.load(LEDGER)
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = current.readme_block(readme)
+    assert block == current.readme_table(led), "run `python docs/generate.py`: README's What you get is stale"
+    rows = current.readme_rows(led)
+    assert len(rows) == len([w for w in CLASSES if w != "GPU"])
+    lines = block.splitlines()[2:]
+    assert len(lines) == len(rows)
+    for r, line in zip(rows, lines):
+        assert "(docs/results/current.md#" in line and f"[{r.entry}](docs/results/ledger.md#{r.entry.lower()})" in line
+        for m in ("dev", "test2016"):
+            assert ledger.format_value(led.figure(r, m)[1]) in line
+
+
+def test_the_ledger_page_is_the_archive_by_topic_with_every_entry_anchored_once():
+    """Every entry under its topic's section, by id within, under one ``### Lnn`` heading (the #lnn anchor that
+    citations use)."""
+    led = ledger.load(LEDGER)
+    text = (REPO / "docs" / "results" / "ledger.md").read_text(encoding="utf-8")
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert [s.splitlines()[0] for s in sections] == [t.title for t in led.topics.values()]
+    for section, (key, topic) in zip(sections, led.topics.items()):
+        ids = re.findall(r"^### (L\d+)$", section, flags=re.M)
+        assert ids == [e.id for e in sorted(led.entries, key=lambda e: e.number) if e.topic == key], topic.title
+    headings = re.findall(r"^### (L\d+)$", text, flags=re.M)
+    assert sorted(headings) == sorted(led.ids) and len(headings) == len(set(headings))
 
 
 def test_the_readme_fits_a_screen_and_keeps_its_two_commands():
@@ -235,7 +287,7 @@ def test_a_distillation_study_becomes_a_ledger_entry_and_its_plot(tmp_path):
     study = _bench_module("distill_study")
     entry = study.ledger_entry(_measure_result(tmp_path), "en-de", "L99", "abc1234", "python bench/...", "2026-11-27")
     path = tmp_path / "ledger.yaml"
-    path.write_text(yaml.safe_dump({"current_default": {}, "entries": [entry]}, sort_keys=False))
+    path.write_text(yaml.safe_dump({"entries": [entry]}, sort_keys=False))
     led = ledger.load(path)
     assert led["L99"].figures["distilled.beam.test2016.sacrebleu.mean"] == 40.75
     assert plots.distillation(led, REPO, tmp_path / "plots") is not None
@@ -285,7 +337,7 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
     assert all(c["delta"] > 0 and c["p"] < 0.05 for c in claims.values())
     entry = study.ledger_entry(result, "en-de", "L99", "abc1234", "python bench/...", "2026-11-27")
     path = tmp_path / "ledger.yaml"
-    path.write_text(yaml.safe_dump({"current_default": {}, "entries": [entry]}, sort_keys=False))
+    path.write_text(yaml.safe_dump({"entries": [entry]}, sort_keys=False))
     led = ledger.load(path)
     assert [t.name for t in led["L99"].tables] == ["distill_per_seed"]
     assert led["L99"].figures["distilled.beam.dev.sacrebleu.mean"] == 41.5
@@ -363,7 +415,7 @@ def test_the_cost_of_student_architectures_becomes_a_ledger_entry_and_its_plot(t
               "models": {"default 3+3": model(3, 3, 1.0), "deep-shallow 6+1": model(6, 1, 1.5)}}
     entry = bench.ledger_entry(result, "L99", "abc1234", "python bench/bench_students.py", "2026-11-27")
     path = tmp_path / "ledger.yaml"
-    path.write_text(yaml.safe_dump({"current_default": {}, "entries": [entry]}, sort_keys=False))
+    path.write_text(yaml.safe_dump({"entries": [entry]}, sort_keys=False))
     led = ledger.load(path)
     figures = led["L99"].figures
     assert (led["L99"].machine.amx, led["L99"].machine.avx512_bf16) == (False, False)  # "no AMX" names none

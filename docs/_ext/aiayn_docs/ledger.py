@@ -1,9 +1,10 @@
 """The results ledger: every measurement of the project written once, as a dated entry with an id.
 
 ``docs/results/ledger.yaml`` is the one place a figure lives. This module reads it strictly (an unknown key, a
-duplicate id or a missing field fails, naming it), renders it as the ledger page, finds the ids that other
-files cite, and reads the README's "What you get" table so a test can hold it equal to the current default's
-entry.
+duplicate id, a missing field, an unknown topic or a current result naming a figure that is not there fails,
+naming it), renders it as the ledger page (the archive, one section per topic), and finds the ids that other files
+cite. The current result per class of machine, which the ledger's ``current`` section names, is rendered by
+:mod:`aiayn_docs.current`.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ class Machine(_Strict):
     def describe(self) -> str:
         if self.gpu:
             return self.gpu
+        cpu = self.cpu or "CPU"
         flags = [("AMX" if self.amx else "no AMX") if self.amx is not None else None,
-                 ("AVX512-BF16" if self.avx512_bf16 else "no AVX512-BF16") if self.avx512_bf16 is not None else None,
-                 f"{self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads else None]
-        return ", ".join([self.cpu or "CPU"] + [f for f in flags if f])
+                 ("AVX512-BF16" if self.avx512_bf16 else "no AVX512-BF16") if self.avx512_bf16 is not None else None]
+        flags = [f for f in flags if f and f not in cpu]  # not where the CPU's name already says it
+        threads = [f"{self.threads} thread{'s' if self.threads != 1 else ''}"] if self.threads else []
+        return ", ".join([cpu, *flags, *threads])
 
 
 class Table(_Strict):
@@ -73,6 +76,7 @@ class Significance(_Strict):
 
 class Entry(_Strict):
     id: str
+    topic: str | None = None  # a key of the ledger's topics (required where the ledger has topics)
     date: dt.date
     title: str
     what: str
@@ -80,6 +84,7 @@ class Entry(_Strict):
     commit: str | None
     command: str | list[str]
     config: str | None = None
+    labels: dict[str, str] = {}  # figure key -> what it is, in plain words
     figures: dict[str, Any] = {}
     tables: list[Table] = []
     significance: list[Significance] = []
@@ -94,19 +99,67 @@ class Entry(_Strict):
             raise ValueError(f"id {v!r} is not of the form L01")
         return v
 
+    @model_validator(mode="after")
+    def _labels(self) -> "Entry":
+        unknown = sorted(set(self.labels) - set(self.figures))
+        if unknown:
+            raise ValueError(f"labels of figures it does not have: {unknown}")
+        return self
+
     @property
     def anchor(self) -> str:
         return self.id.lower()
+
+    @property
+    def number(self) -> int:
+        return int(self.id[1:])
 
     @property
     def commands(self) -> list[str]:
         return [self.command] if isinstance(self.command, str) else list(self.command)
 
 
+class Topic(_Strict):
+    title: str
+    about: str
+
+
+class CurrentRow(_Strict):
+    """One class of machine's current result: its entry, and per measure the figure that gives it (``KEY`` of the
+    row's entry, or ``ENTRY:KEY`` of another)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    machine_class: str = Field(alias="class")
+    job: str | None = None  # Markdown; None: the current section's job
+    precision: str | None = None
+    entry: str
+    figures: dict[str, str]
+    note: str | None = None
+
+    def ref(self, measure: str) -> tuple[str, str] | None:
+        """(entry id, figure key) of ``measure``, or None where the row does not give it."""
+        ref = self.figures.get(measure)
+        if ref is None:
+            return None
+        eid, sep, key = ref.partition(":")
+        return (eid, key) if sep and _ID_RE.match(eid) else (self.entry, ref)
+
+
+class Current(_Strict):
+    job: str  # the embedded default job's config
+    measures: dict[str, str]  # measure -> its label, in column order
+    default: list[CurrentRow]  # the default job (and the GPU's job), one row per class of machine
+    other: list[CurrentRow] = []  # the other jobs
+
+    @property
+    def rows(self) -> list[CurrentRow]:
+        return [*self.default, *self.other]
+
+
 class Ledger(_Strict):
-    # run config -> the entry with the current default's own figures, or one per CPU class (amx, avx512-bf16,
-    # avx2, ...: what each class of machine gets from the same config)
-    current_default: dict[str, str | dict[str, str]]
+    topics: dict[str, Topic] = {}  # the archive's sections, in page order
+    current: Current | None = None
     entries: list[Entry]
 
     @model_validator(mode="after")
@@ -120,16 +173,24 @@ class Ledger(_Strict):
             missing = [s for s in e.supersedes if s not in known]
             if missing:
                 raise ValueError(f"{e.id}: supersedes unknown entries {missing}")
-        for config in self.current_default:
-            for machine, eid in self.defaults(config).items():
-                if eid not in known:
-                    raise ValueError(f"current_default.{config}{'.' + machine if machine else ''}: no entry {eid}")
+            if self.topics and e.topic not in self.topics:
+                raise ValueError(f"{e.id}: topic {e.topic!r} is not one of {sorted(self.topics)}")
+        for row in self.current.rows if self.current else []:
+            self._check_row(row)
         return self
 
-    def defaults(self, config: str) -> dict[str, str]:
-        """The current default entries of ``config``: CPU class -> entry id (one entry for every machine: key "")."""
-        value = self.current_default.get(config, {})
-        return {"": value} if isinstance(value, str) else dict(value)
+    def _check_row(self, row: CurrentRow) -> None:
+        where = f"current: {row.machine_class}"
+        if row.entry not in self.ids:
+            raise ValueError(f"{where}: no entry {row.entry}")
+        for measure in row.figures:
+            if measure not in self.current.measures:
+                raise ValueError(f"{where}: measure {measure!r} is not one of {list(self.current.measures)}")
+            eid, key = row.ref(measure)
+            if eid not in self.ids:
+                raise ValueError(f"{where}.{measure}: no entry {eid}")
+            if key not in self[eid].figures:
+                raise ValueError(f"{where}.{measure}: no figure {key!r} in {eid}")
 
     def __getitem__(self, eid: str) -> Entry:
         for e in self.entries:
@@ -140,6 +201,11 @@ class Ledger(_Strict):
     @property
     def ids(self) -> set[str]:
         return {e.id for e in self.entries}
+
+    def figure(self, row: CurrentRow, measure: str) -> tuple[str, Any] | None:
+        """(entry id, value) of a current row's measure, or None where the row does not give it."""
+        ref = row.ref(measure)
+        return None if ref is None else (ref[0], self[ref[0]].figures[ref[1]])
 
 
 class LedgerError(ValueError):
@@ -205,64 +271,110 @@ def _ci(s: Significance) -> str:
     return f"[{s.ci95[0]:+.2f}, {s.ci95[1]:+.2f}]" if s.ci95 else "-"
 
 
-def render(ledger: Ledger, repo_url_for: str = "../../") -> str:
-    """The ledger page (Markdown): an index, then one section per entry, newest first."""
-    current = {eid: f"{cfg}` on {machine}" if machine else f"{cfg}`" for cfg in ledger.current_default
-               for machine, eid in ledger.defaults(cfg).items()}
+def current_of(ledger: Ledger) -> dict[str, list[str]]:
+    """Entry id -> what it gives the current results: the result of a class of machine (and job), or some of
+    its figures."""
+    out: dict[str, list[str]] = {}
+    if ledger.current:
+        for row in ledger.current.rows:
+            what = row.machine_class + (f", {row.job}" if row.job else "")
+            out.setdefault(row.entry, []).append(f"the [current result](current.md) for {what}")
+            borrowed: dict[str, list[str]] = {}
+            for m in row.figures:
+                eid = row.ref(m)[0]
+                if eid != row.entry:
+                    borrowed.setdefault(eid, []).append(ledger.current.measures[m])
+            for eid, labels in borrowed.items():
+                out.setdefault(eid, []).append(f"the {', '.join(labels)} of the [current result](current.md) "
+                                               f"for {what}")
+    return out
+
+
+def _figures_table(e: Entry) -> list[str]:
+    if e.labels:
+        return _md_table(["figure", "what it is", "value"],
+                         [[f"`{k}`", e.labels.get(k), v] for k, v in e.figures.items()])
+    return _md_table(["figure", "value"], [[f"`{k}`", v] for k, v in e.figures.items()])
+
+
+def _entry_section(e: Entry, current: list[str], superseded_by: str | None) -> list[str]:
+    lines = ["", f"### {e.id}", "", f"**{e.title}** ({e.date})", ""]
+    if current:
+        gives = "; ".join(current)
+        lines += [f"Gives {gives}.", ""]
+    if superseded_by:
+        lines += [f"Superseded by [{superseded_by}](#{superseded_by.lower()}).", ""]
+    lines += [e.what.strip(), "",
+              f"- machine: {e.machine.describe()}",
+              f"- commit: `{e.commit}`" if e.commit else "- commit: not recorded"]
+    if e.config:
+        lines.append(f"- config: `{e.config}`")
+    if e.supersedes:
+        lines.append("- supersedes: " + ", ".join(f"[{s}](#{s.lower()})" for s in e.supersedes))
+    if e.files:
+        lines.append("- files: " + ", ".join(f"`{f}`" for f in e.files))
+    lang = "text" if e.commands[0].startswith("not recorded") else "bash"
+    lines += ["", f"```{lang}", *e.commands, "```"]
+    if e.figures:
+        lines += ["", *_figures_table(e)]
+    for t in e.tables:
+        lines += ["", f"*{t.caption or t.name}*", "", *_md_table(t.columns, t.rows)]
+    if e.significance:
+        lines += ["", *_md_table(["claim", "set", "delta", "95% CI", "p", "test"],
+                                 [[s.claim, s.set, None if s.delta is None else f"{s.delta:+.2f}", _ci(s),
+                                   s.p, s.test] for s in e.significance])]
+    if e.notes:
+        lines += ["", e.notes.strip()]
+    return lines
+
+
+def by_topic(ledger: Ledger) -> list[tuple[Topic, list[Entry]]]:
+    """(topic, its entries by id) in the ledger's topic order, topics with no entry left out; a ledger without
+    topics is one group."""
+    def ordered(entries: Any) -> list[Entry]:
+        return sorted(entries, key=lambda e: e.number)
+
+    if not ledger.topics:
+        return [(Topic(title="Entries", about=""), ordered(ledger.entries))]
+    groups = [(t, ordered(e for e in ledger.entries if e.topic == k)) for k, t in ledger.topics.items()]
+    return [g for g in groups if g[1]]
+
+
+def render(ledger: Ledger) -> str:
+    """The ledger page (Markdown): the archive behind the current results, one section per topic, its entries
+    by id within; every entry under a ``### Lnn`` heading, so that ``ledger.md#lnn`` reaches it."""
+    current = current_of(ledger)
     superseded = {s: e.id for e in ledger.entries for s in e.supersedes}
-    order = sorted(ledger.entries, key=lambda e: (e.date, e.id), reverse=True)
+    groups = by_topic(ledger)
     lines = ["# Results ledger", "",
              "<!-- generated by `python docs/generate.py` from docs/results/ledger.yaml: edit that, not this page -->",
              "",
-             "Every measurement of the project, written once: what was measured, the command, the machine, the commit, "
-             "the figures and their significance. The README, the configs and the docs cite entries by id and never "
-             "copy a figure. The plots on [the results page](index.md) are drawn from these entries and the result "
-             "files they list.", "",
-             "| id | date | what | machine |", "|---|---|---|---|"]
-    for e in order:
-        mark = f" (current default of `{current[e.id]})" if e.id in current else ""
-        mark += f" (superseded by {superseded[e.id]})" if e.id in superseded else ""
-        lines.append(f"| [{e.id}](#{e.anchor}) | {e.date} | {_cell(e.title)}{mark} | {_cell(e.machine.describe())} |")
-    for e in order:
-        lines += ["", f"## {e.id}", "", f"**{e.title}** ({e.date})", ""]
-        if e.id in current:
-            lines += [f"The current default's own figures for `{current[e.id]}.", ""]
-        if e.id in superseded:
-            lines += [f"Superseded by [{superseded[e.id]}](#{superseded[e.id].lower()}).", ""]
-        lines += [e.what.strip(), "",
-                  f"- machine: {e.machine.describe()}",
-                  f"- commit: `{e.commit}`" if e.commit else "- commit: not recorded"]
-        if e.config:
-            lines.append(f"- config: `{e.config}`")
-        if e.supersedes:
-            lines.append("- supersedes: " + ", ".join(f"[{s}](#{s.lower()})" for s in e.supersedes))
-        if e.files:
-            lines.append("- files: " + ", ".join(f"`{f}`" for f in e.files))
-        lang = "text" if e.commands[0].startswith("not recorded") else "bash"
-        lines += ["", f"```{lang}", *e.commands, "```"]
-        if e.figures:
-            lines += ["", *_md_table(["figure", "value"], [[f"`{k}`", v] for k, v in e.figures.items()])]
-        for t in e.tables:
-            lines += ["", f"*{t.caption or t.name}*", "", *_md_table(t.columns, t.rows)]
-        if e.significance:
-            lines += ["", *_md_table(["claim", "set", "delta", "95% CI", "p", "test"],
-                                     [[s.claim, s.set, None if s.delta is None else f"{s.delta:+.2f}", _ci(s),
-                                       s.p, s.test] for s in e.significance])]
-        if e.notes:
-            lines += ["", e.notes.strip()]
+             "The archive behind [the current results](current.md): every measurement of the project, written once, "
+             "with what was measured, the command, the machine, the commit, the figures and their significance. "
+             "The README, the configs and the docs cite entries by id and never copy a figure. The plots on "
+             "[the results page](index.md) are drawn from these entries and the result files they list. Entries "
+             "are grouped by topic, by id within; an entry's title and notes are its record as written, "
+             "internal issue numbers and all.", "",
+             "| topic | entries | newest |", "|---|---|---|"]
+    for topic, entries in groups:
+        newest = max(entries, key=lambda e: (e.date, e.number))
+        lines.append(f"| [{_cell(topic.title)}](#{slug(topic.title)}) | {len(entries)} | "
+                     f"[{newest.id}](#{newest.anchor}) ({newest.date}) |")
+    for topic, entries in groups:
+        lines += ["", f"## {topic.title}", ""]
+        if topic.about:
+            lines += [topic.about, ""]
+        lines += ["| id | date | what | machine |", "|---|---|---|---|"]
+        for e in entries:
+            mark = " (current)" if any(c.startswith("the [current") for c in current.get(e.id, [])) else ""
+            mark += f" (superseded by {superseded[e.id]})" if e.id in superseded else ""
+            lines.append(f"| [{e.id}](#{e.anchor}) | {e.date} | {_cell(e.title)}{mark} | "
+                         f"{_cell(e.machine.describe())} |")
+        for e in entries:
+            lines += _entry_section(e, current.get(e.id, []), superseded.get(e.id))
     return "\n".join(lines) + "\n"
 
 
-# The README's "What you get" table: rows `| label | value | [Lnn](...) |` between two markers, one per figure of
-# the current default's entry, named in the row's label as `figure.name`.
-WHAT_YOU_GET = re.compile(r"<!-- what-you-get -->\n(.*?)<!-- /what-you-get -->", re.S)
-_ROW = re.compile(r"^\|\s*(?P<label>.*?)`(?P<figure>[^`]+)`.*?\|\s*(?P<value>[^|]+?)\s*\|\s*\[(?P<id>" + ID + r")\]")
-
-
-def readme_figures(readme: str) -> list[tuple[str, str, str]]:
-    """(figure name, value as written, entry id) of each row of the README's "What you get" table."""
-    m = WHAT_YOU_GET.search(readme)
-    if not m:
-        raise LedgerError("README.md has no <!-- what-you-get --> ... <!-- /what-you-get --> table")
-    rows = [r for r in (_ROW.match(line) for line in m.group(1).splitlines()) if r]
-    return [(r["figure"], r["value"], r["id"]) for r in rows]
+def slug(title: str) -> str:
+    """The anchor GitHub and MyST give a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")

@@ -1,10 +1,11 @@
 """The generated reference pages: every config field, every command and flag, every deployment and its
-parameters, every metric and artifact logged to MLflow, and the results ledger.
+parameters, every metric and artifact logged to MLflow, the results ledger and the current results.
 
 Each page is rendered from the code that defines it (the pydantic config models, the argparse parsers,
 ``prefect.yaml`` with the flows' parameter schemas, ``pipeline.tracking.catalog``, ``docs/results/ledger.yaml``),
-never written by hand. ``python docs/generate.py`` writes them; the docs build and a unit test fail when a
-committed page differs from what the code renders (``stale``).
+never written by hand; so is README's "What you get" table, between its markers. ``python docs/generate.py``
+writes them; the docs build and a unit test fail when a committed page differs from what the code renders
+(``stale``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from . import current as current_mod
 from . import ledger as ledger_mod
 
 REPO = Path(__file__).resolve().parents[3]
@@ -424,13 +426,24 @@ def ledger_page() -> str:
     return ledger_mod.render(ledger_mod.load(LEDGER))
 
 
+def current_page() -> str:
+    return current_mod.page(ledger_mod.load(LEDGER))
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "reference/config.md": config_page,
     "reference/cli.md": cli_page,
     "reference/deployments.md": deployments_page,
     "reference/mlflow.md": mlflow_page,
     "results/ledger.md": ledger_page,
+    "results/current.md": current_page,
 }
+README = REPO / "README.md"
+
+
+def readme() -> str:
+    """README.md with its "What you get" table rendered from the ledger (the rest of it as written)."""
+    return current_mod.with_readme_table(README.read_text(encoding="utf-8"), ledger_mod.load(LEDGER))
 
 
 PLOTS = DOCS / "results" / "plots"
@@ -449,7 +462,7 @@ def plot_files() -> dict[Path, str]:
 
 
 def render_all() -> dict[Path, str]:
-    return {**{DOCS / rel: make() for rel, make in PAGES.items()}, **plot_files()}
+    return {**{DOCS / rel: make() for rel, make in PAGES.items()}, README: readme(), **plot_files()}
 
 
 def stale() -> list[str]:
