@@ -9,26 +9,22 @@ self-attention). The two paths alternate call by call (A B A B ...) so that othe
 the median per path is printed with their ratio. ``model.attention.CPU_FP32_EXPLICIT_MAX_KEYS`` is chosen from
 the fp32 rows: the longest keys at which the explicit products are still faster.
 
-    python bench/attention_paths.py                           # fp32, 14-128 keys, 2 threads
-    python bench/attention_paths.py --precisions fp32 bf16 --out bench/results/attention_paths_fp32_zen4.json
+    python -m bench.attention_paths                           # fp32, 14-128 keys, 2 threads
+    python -m bench.attention_paths --precisions fp32 bf16 --out bench/results/attention_paths_fp32_zen4.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.attention import CPU_FP32_EXPLICIT_MAX_KEYS, attention_with_weights, causal_keep_mask  # noqa: E402
-from pipeline.speed import cpu_name  # noqa: E402
+from model.attention import CPU_FP32_EXPLICIT_MAX_KEYS, attention_with_weights, causal_keep_mask
+from bench.harness import common_flags, median, ratio, write_record
+from pipeline.speed import cpu_name
 
 
 def time_pair(keys: int, causal: bool, dtype: torch.dtype, args: argparse.Namespace) -> dict:
@@ -60,10 +56,10 @@ def time_pair(keys: int, causal: bool, dtype: torch.dtype, args: argparse.Namesp
             fn()
             if i >= args.warmup:
                 times[name].append((time.perf_counter() - start) * 1e3)
-    fused_ms, explicit_ms = (statistics.median(times[n]) for n in ("fused", "explicit"))
+    fused_ms, explicit_ms = (median(times[n]) for n in ("fused", "explicit"))
     return {"keys": keys, "batch": batch, "mask": "causal" if causal else "padding",
             "precision": "bf16" if dtype == torch.bfloat16 else "fp32", "fused_ms": round(fused_ms, 3),
-            "explicit_ms": round(explicit_ms, 3), "explicit_over_fused": round(explicit_ms / fused_ms, 3)}
+            "explicit_ms": round(explicit_ms, 3), "explicit_over_fused": ratio(explicit_ms, fused_ms)}
 
 
 def main() -> None:
@@ -73,10 +69,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2048, help="tokens per batch (the fp32 recipe's updates)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--d-k", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=40)
-    p.add_argument("--out", type=Path, help="also write the rows as JSON here")
+    common_flags(p, repeats=40)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -90,9 +84,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['precision']} | {r['keys']} | {r['batch']} | {r['mask']} | {r['fused_ms']:.2f} | "
               f"{r['explicit_ms']:.2f} | {r['explicit_over_fused']:.2f} |")
-    if args.out:
-        args.out.write_text(json.dumps({"cpu": cpu_name(), "args": {k: str(v) for k, v in vars(args).items()},
-                                        "rows": rows}, indent=2) + "\n")
+    write_record(args.out, {"rows": rows}, args.threads, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The data side at WMT scale: data stage, tokenizer training, shard writing and the shard reader, each beside
 its own floor, at several corpus sizes: wall time, pairs/s, peak RSS and disk.
 
-    python bench/bench_data.py --pairs 1000000 4500000 36000000 [--stages data tokenizer shards reader]
+    python -m bench.bench_data --pairs 1000000 4500000 36000000 [--stages data tokenizer shards reader]
         [--config wmt14-en-fr-base] [--workers 2] [--readers 1 2] [--work-dir DIR] [--rss-cap-gb 20] [--out FILE]
 
 Corpora: ``--pairs`` training pairs made by repeating the shared older news test sets (En-De), each repetition
@@ -33,17 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from pipeline.fsutil import disk_mb  # noqa: E402
+from bench.harness import REPO, write_record
+from pipeline.fsutil import disk_mb
 
 NEWS = ["news-test2008", "newssyscomb2009", "newstest2009", "newstest2010", "newstest2011", "newstest2012"]
 STAGES = ("data", "tokenizer", "shards", "reader")
@@ -122,12 +119,13 @@ def ours_tokenizer(corpus: Path, work: Path, config: str, overrides: list[str]) 
 
 def floor_tokenizer(corpus: Path, work: Path, config: str, overrides: list[str]) -> dict:
     from pipeline.data import read_manifest
-    from pipeline.tokenize import _sample, _sentences
+    from pipeline.tokenize import sample_mask, sampled_sentences
 
     train = read_manifest(corpus)["splits"]["train"]
     t, n = time.perf_counter(), 0
     with open(work / "floor-sample.txt", "w", encoding="utf-8") as f:
-        for s in _sentences(corpus / train["file"], _sample(train["rows"], _tokenizer_config(config, overrides))):
+        picked = sample_mask(train["rows"], _tokenizer_config(config, overrides))
+        for s in sampled_sentences(corpus / train["file"], picked):
             f.write(s + "\n")
             n += 1
     return {"pairs": train["rows"], "sample": n, "seconds": time.perf_counter() - t,
@@ -232,7 +230,7 @@ def measured(kind: str, *args, rss_cap_gb: float, parallel: int = 1) -> dict:
 
     load = os.getloadavg()[0]
     payload = json.dumps([str(a) if isinstance(a, Path) else a for a in args])
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", kind, payload], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.bench_data", "--child", kind, payload], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(parallel)]
     roots = [psutil.Process(p.pid) for p in procs]
     peak = peak_anon = polls = 0
@@ -322,7 +320,7 @@ def scale(args, n_pairs: int, results: dict) -> None:
             if rate and "broken" not in r["floor"]:
                 r["floor_over_ours"] = round(r["floor"][rate] / r["ours"][rate], 2)
         runs[key] = r
-        _write(args.out, results)
+        write_record(args.out, results, None, args)
         o = r["ours"]
         print(f"{n_pairs:>11,} {key:<10} " + (f"BROKEN {o['broken']}" if "broken" in o else
               f"{o['wall_s']:>8.1f} s  peak {o['peak_rss_mb']:>7,} MB  disk {o.get('disk_mb', 0):>8,.0f} MB  "
@@ -348,16 +346,9 @@ def scale(args, n_pairs: int, results: dict) -> None:
             if o:
                 each = [e["tgt_tokens_per_s"] for e in o.get("each", [o])]
                 runs[f"reader-x{readers}"]["per_process_vs_10x_l20"] = round(min(each) / need, 2)
-        _write(args.out, results)
+        write_record(args.out, results, None, args)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _write(path: Path, results: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=2), encoding="utf-8")
-    tmp.replace(path)
 
 
 def main() -> None:
@@ -378,14 +369,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(*args.child)
-    from pipeline.speed import cpu_name
-    from pipeline.tracking.runs import short_commit
-
     args.data_root, args.work_dir = args.data_root.resolve(), args.work_dir.resolve()
     args.overrides = args.sets
     results = json.loads(args.out.read_text(encoding="utf-8")) if args.out.is_file() else {}
-    results.update(machine=cpu_name(), cpus=os.cpu_count(), python=platform.python_version(), commit=short_commit(),
-                   config=args.config, overrides=args.overrides, workers=args.workers, rss_cap_gb=args.rss_cap_gb,
+    results.update(config=args.config, overrides=args.overrides, workers=args.workers, rss_cap_gb=args.rss_cap_gb,
                    reader_need_tgt_tokens_per_s=round(10 * l20_base_tgt_tokens_per_s()))
     results.setdefault("scales", {})
     for n in args.pairs:

@@ -15,7 +15,7 @@ the difference with sacreBLEU's paired bootstrap (export against ours), each eng
 split on ``--threads`` threads (ours first, then the export, run after run on an idle machine), each model's
 size (our weights in float32; each export folder on disk) and the CPU.
 
-    python bench/bench_export.py --checkpoint RUN/averaged/last5.pt --tokenizer WORK/tokenizer/<fp> \\
+    python -m bench.bench_export --checkpoint RUN/averaged/last5.pt --tokenizer WORK/tokenizer/<fp> \\
         --corpus WORK/corpus/<fp> --out bench/results/export_parity.json
 """
 
@@ -23,27 +23,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
+import pyarrow.parquet as pq
+import torch
 
-from pipeline.speed import cpu_name  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.data import read_manifest  # noqa: E402
-from pipeline.engines import CTranslate2Engine  # noqa: E402
-from pipeline.export import export_checkpoint  # noqa: E402
-from pipeline.fsutil import disk_mb  # noqa: E402
-from pipeline.inference import load_model, translate  # noqa: E402
-from pipeline.promotion import paired_bootstrap  # noqa: E402
-from pipeline.tokenize import Tokenizer  # noqa: E402
+from bench.harness import common_flags, write_record
+from pipeline.speed import cpu_name
+from pipeline.config import load_config
+from pipeline.data import read_manifest
+from pipeline.engines import CTranslate2Engine
+from pipeline.export import export_checkpoint
+from pipeline.fsutil import disk_mb
+from pipeline.inference import load_model, translate
+from pipeline.promotion import paired_bootstrap
+from pipeline.tokenize import Tokenizer
 
 
 def _measure(args: argparse.Namespace, src: list[str], refs: list[str], searches: dict, work: Path
@@ -81,9 +78,8 @@ def main() -> None:
     p.add_argument("--split", default="dev")
     p.add_argument("--config", default="multi30k-cpu", help="its decode section (alpha, lengths, batch)")
     p.add_argument("--quantizations", nargs="+", default=["float32", "int8"])
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--limit", type=int, default=None, help="first N sentences only")
-    p.add_argument("--out", type=Path, default=None)
+    common_flags(p, repeats=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     table = pq.read_table(args.corpus / read_manifest(args.corpus)["splits"][args.split]["file"],
@@ -104,12 +100,8 @@ def main() -> None:
         print(f"| {r['search']} | {r['quantization']} | {r['identical']:.1%} | {r['ours_bleu']:.2f} | "
               f"{r['export_bleu']:.2f} | {r['delta']:+.2f} [{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | "
               f"{r['p_value']:.3f} | {r['ours_s']} | {r['export_s']} | {r['speedup']}x |")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"checkpoint": str(args.checkpoint), "split": args.split,
-                                        "threads": args.threads, "cpus": os.cpu_count(), "cpu": cpu_name(),
-                                        "sizes_mb": sizes_mb, "rows": rows}, indent=2)
-                            + "\n", encoding="utf-8")
+    write_record(args.out, {"checkpoint": str(args.checkpoint), "split": args.split, "sizes_mb": sizes_mb,
+                            "rows": rows}, args.threads, args)
 
 
 if __name__ == "__main__":

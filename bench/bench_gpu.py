@@ -35,8 +35,8 @@ bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.inference.dec
 
 Needs a CUDA device (it exits with a message otherwise); not part of the tests or CI.
 
-    python bench/bench_gpu.py                                  # base and big, eager
-    python bench/bench_gpu.py --presets base big --steps 30 --compile --out bench/results/gpu_h100.md
+    python -m bench.bench_gpu                                  # base and big, eager
+    python -m bench.bench_gpu --presets base big --steps 30 --compile --out bench/results/gpu_h100.md
 """
 
 from __future__ import annotations
@@ -56,15 +56,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import Transformer  # noqa: E402
-from model.decoding import beam_search  # noqa: E402
-from model.static_decoding import static_beam_search  # noqa: E402
-from pipeline.config import RunConfig, load_config  # noqa: E402
-from pipeline.shards import token_batches  # noqa: E402
-from pipeline.train import Batch, TrainStep, accumulation_steps, setup  # noqa: E402
-from pipeline.train.metrics import peak_flops, peak_memory_mb  # noqa: E402
+from model import Transformer
+from model.decoding import beam_search
+from model.static_decoding import static_beam_search
+from pipeline.config import RunConfig, load_config
+from pipeline.shards import token_batches
+from pipeline.train import Batch, TrainStep, accumulation_steps, setup
+from pipeline.train.metrics import peak_flops, peak_memory_mb
 
 # The paper (section 5.2): base 100k steps in 12 hours, big 300k steps in 3.5 days, on one machine with 8 P100s;
 # each step ~25,000 source + ~25,000 target tokens.
@@ -418,7 +417,7 @@ def main() -> None:
                          "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
                          "cuda": torch.version.cuda, "python": platform.python_version(),
                          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                         "command": "python bench/bench_gpu.py " + shlex.join(sys.argv[1:])},
+                         "command": "python -m bench.bench_gpu " + shlex.join(sys.argv[1:])},
                  "args": {k: str(v) for k, v in vars(args).items()}, "train": [], "decode": [], "errors": []}
     if peak is None:
         print(f"warning: no bf16 peak known for {res['env']['gpu']} (pipeline/train/metrics.py PEAK_BF16_FLOPS): "

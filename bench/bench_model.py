@@ -2,33 +2,27 @@
 
 One step = forward, label-smoothed loss, backward, Adam update, on the same synthetic batch (~3,800 target
 tokens, sentence lengths within +-``--len-spread`` of ``--mean-len`` as a length-bucketed batcher gives) with
-the same sizes and thread count. Each implementation lives in its own worker process (so its peak RSS is its
-own), and the two take steps in turn, one at a time: a burst of load from another process hits both alike.
-Prints target tokens/s from the median step time, ours / torch, and peak RSS per process.
+the same sizes and thread count. Each implementation runs in child processes of its own (so its peak RSS is its
+own), the two alternating repeat by repeat (:mod:`bench.harness`): a burst of load from another process hits both
+alike. Prints target tokens/s from the median step time, ours / torch, and peak RSS per process.
 
-    python bench/bench_model.py                                   # tiny, 2 threads
-    python bench/bench_model.py --sizes tiny base --steps 4 --warmup 1
+    python -m bench.bench_model                                   # tiny, 2 threads
+    python -m bench.bench_model --sizes tiny base --steps 4 --warmup 1 --out model_step.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import resource
-import statistics
-import subprocess
-import sys
+import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from model import LabelSmoothedCrossEntropy, Transformer  # noqa: E402
+from bench.harness import alternate, child_command, common_flags, emit, median, ratio, write_record
+from model import LabelSmoothedCrossEntropy, Transformer
 
 PAD, BOS, EOS = 0, 2, 3
 SIZES = {  # the presets' model sections (configs/presets/tiny.yaml, base.yaml)
@@ -79,7 +73,7 @@ class TorchTransformer(nn.Module):
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Build one implementation, then take one training step per 'step' line on stdin, printing its seconds."""
+    """Build one implementation, take warm-up + timed steps, and emit their seconds."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     src, tgt_in, tgt_out = make_batch(args.tokens, args.mean_len, args.len_spread, args.vocab)
@@ -100,59 +94,45 @@ def worker(args: argparse.Namespace) -> None:
     model.train()
     adam = {"loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[args.adam]
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, **adam)
-    info = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "batch": [*src.shape, tgt_in.size(1)],
-        "target_tokens": n_tokens,
-    }
-    print(json.dumps(info), flush=True)
-    for line in sys.stdin:
-        if line.strip() != "step":
-            break
+    seconds = []
+    for _ in range(args.warmup + args.steps):
         start = time.perf_counter()
         (loss_fn() / n_tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(time.perf_counter() - start, flush=True)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, flush=True)  # peak RSS, MB
+        seconds.append(time.perf_counter() - start)
+    emit({"params": sum(p.numel() for p in model.parameters()), "batch": [*src.shape, tgt_in.size(1)],
+          "target_tokens": n_tokens, "seconds": seconds[args.warmup:]})
 
 
-def run_pair(args: argparse.Namespace, size: int) -> dict[str, dict]:
-    """Start both workers, alternate their steps, return per-implementation results."""
+def run_pair(args: argparse.Namespace, size: str) -> dict[str, dict]:
+    """Both implementations, alternating over the repeats: per implementation its figures."""
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-              ("tokens", "mean_len", "len_spread", "vocab", "threads", "adam")]  # fmt: skip
-    procs = {
-        impl: subprocess.Popen(
-            [sys.executable, __file__, f"--worker={impl}", f"--size={size}", *common],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-        )  # fmt: skip
-        for impl in ("ours", "torch")
-    }
-    results = {impl: json.loads(p.stdout.readline()) | {"seconds": []} for impl, p in procs.items()}
-    for _ in range(args.warmup + args.steps):
-        for impl, p in procs.items():
-            p.stdin.write("step\n")
-            results[impl]["seconds"].append(float(p.stdout.readline()))
-    for impl, p in procs.items():
-        p.stdin.write("done\n")
-        p.stdin.flush()
-        results[impl]["peak_rss_mb"] = float(p.stdout.readline())
-        p.wait()
-        timed = results[impl]["seconds"][args.warmup :]
-        results[impl]["tok_per_s"] = results[impl]["target_tokens"] / statistics.median(timed)
-    return results
+              ("tokens", "mean_len", "len_spread", "vocab", "threads", "adam", "warmup", "steps")]  # fmt: skip
+    commands = {impl: child_command("bench.bench_model", f"--worker={impl}", f"--size={size}", *common)
+                for impl in ("ours", "torch")}
+    with tempfile.TemporaryDirectory(prefix="bench-model-") as work:
+        runs = alternate(commands, args.repeats, work)
+    out = {}
+    for impl, rs in runs.items():
+        seconds = [t for r in rs for t in r["seconds"]]
+        out[impl] = {**{k: rs[0][k] for k in ("params", "batch", "target_tokens")}, "seconds": seconds,
+                     "peak_rss_mb": max(r["peak_rss_mb"] for r in rs),
+                     "tok_per_s": rs[0]["target_tokens"] / median(seconds)}
+    out["ours"]["ours_over_torch"] = ratio(out["ours"]["tok_per_s"], out["torch"]["tok_per_s"])
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_flags(parser, repeats=2)
     parser.add_argument("--sizes", nargs="+", default=["tiny"], choices=sorted(SIZES))
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per implementation and repeat")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first, in each child")
     parser.add_argument("--tokens", type=int, default=3800, help="target tokens per batch (approximate)")
     parser.add_argument("--mean-len", type=int, default=16, help="mean sentence length in tokens")
     parser.add_argument("--len-spread", type=int, default=2, help="lengths vary by at most this much")
     parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--adam", choices=["loop", "foreach", "fused"], default="fused")
     parser.add_argument("--worker", choices=["ours", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--size", help=argparse.SUPPRESS)
@@ -162,17 +142,16 @@ def main() -> None:
         return
 
     print(f"torch {torch.__version__}, {args.threads} threads, vocab {args.vocab}, Adam {args.adam}, "
-          f"{args.warmup} + {args.steps} steps each, alternating; tok/s from the median step")  # fmt: skip
+          f"{args.repeats} x ({args.warmup} + {args.steps}) steps each, alternating; tok/s from the median step")
     print(f"{'size':<5} {'impl':<6} {'params':>11} {'batch (n, src, tgt)':>20} {'tgt tokens':>10} {'tgt tok/s':>10} "
-          f"{'ours/torch':>10} {'peak RSS MB':>12}  step seconds")  # fmt: skip
+          f"{'ours/torch':>10} {'peak RSS MB':>12}")  # fmt: skip
+    results = {}
     for size in args.sizes:
-        results = run_pair(args, size)
-        ratio = results["ours"]["tok_per_s"] / results["torch"]["tok_per_s"]
-        for impl, r in results.items():
-            steps = " ".join(f"{s:.2f}" for s in r["seconds"])
+        results[size] = run_pair(args, size)
+        for impl, r in results[size].items():
             print(f"{size:<5} {impl:<6} {r['params']:>11,} {str(tuple(r['batch'])):>20} {r['target_tokens']:>10,} "
-                  f"{r['tok_per_s']:>10,.0f} {ratio if impl == 'ours' else 1.0:>10.2f} {r['peak_rss_mb']:>12,.0f}  "
-                  f"{steps}")  # fmt: skip
+                  f"{r['tok_per_s']:>10,.0f} {r.get('ours_over_torch', 1.0):>10.2f} {r['peak_rss_mb']:>12,.0f}")
+    write_record(args.out, {"sizes": results}, args.threads, args)
 
 
 if __name__ == "__main__":

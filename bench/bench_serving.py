@@ -18,7 +18,7 @@ torch-fp32. Decoding settings are the config's (``--config``: beam 4, alpha 0.6 
 precedes the measurements. Run it on an otherwise idle machine: a second busy process on 2 cores slows a run
 3-10x.
 
-    python bench/bench_serving.py --checkpoint RUN/averaged/last5.pt --tokenizer WORK/tokenizer/<hash> \\
+    python -m bench.bench_serving --checkpoint RUN/averaged/last5.pt --tokenizer WORK/tokenizer/<hash> \\
         --out bench/results/serving.json
 """
 
@@ -37,29 +37,22 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import psutil
 
-import mlflow  # noqa: E402
-import psutil  # noqa: E402
-
-from pipeline.speed import cpu_name  # noqa: E402
-from ops.localstack import free_port  # noqa: E402
-from pipeline.checkpoint import load_checkpoint  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.export import export_checkpoint  # noqa: E402
-from pipeline.promotion import paired_bootstrap  # noqa: E402
-from pipeline.tracking.pyfunc import model_arguments  # noqa: E402
+from bench.harness import REPO, common_flags, write_record
+from pipeline.checkpoint import load_checkpoint
+from pipeline.config import load_config
+from pipeline.export import export_checkpoint
+from pipeline.promotion import paired_bootstrap
+from pipeline.proc import free_port
+from pipeline.tracking.pyfunc import save_translator
 
 SHARED = REPO.parent / "shared" / "data" / "multi30k"
 
 
 def save_variant(folder: Path, checkpoint: Path, tokenizer: Path, decode, export: Path | None) -> Path:
     cleaning = load_checkpoint(checkpoint)["config"]["data"]["cleaning"]
-    arguments = model_arguments(checkpoint, tokenizer, decode, cleaning, export)
-    arguments.pop("input_example")  # validating it loads the model here: not what is measured
-    mlflow.pyfunc.save_model(str(folder), **arguments)
-    return folder
+    return save_translator(folder, checkpoint, tokenizer, decode, cleaning, export)
 
 
 class RssSampler(threading.Thread):
@@ -143,9 +136,8 @@ def main() -> None:
     p.add_argument("--references", type=Path, default=SHARED / "test2016.de")
     p.add_argument("--latency-requests", type=int, default=200)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", type=Path, default=None, help="folder for the saved models and server logs (kept)")
-    p.add_argument("--out", type=Path, default=None)
+    common_flags(p, repeats=1)
     args = p.parse_args()
     args.work = Path(args.work or tempfile.mkdtemp(prefix="aiayn-bench-serving-"))
     args.work.mkdir(parents=True, exist_ok=True)
@@ -185,13 +177,9 @@ def main() -> None:
               f"{r['sentences_per_s']} | {r['throughput_x']} | {r['peak_rss_mb']} ({r['peak_worker_rss_mb']}) | "
               f"{r['memory_x']} | {r['sacrebleu']:.2f} | {r['bleu_vs_torch_fp32']:+.2f} "
               f"[{r['bleu_ci95'][0]:+.2f}, {r['bleu_ci95'][1]:+.2f}] | {r['p_value']:.3f} |")
-    if args.out:
-        meta = {"checkpoint": str(args.checkpoint), "sentences": len(sources), "batch": args.batch,
-                "threads": args.threads, "decode": decode.model_dump(), "date": time.strftime("%Y-%m-%d"),
-                "cpu": cpu_name()}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**meta, "rows": [{k: v for k, v in r.items() if k != "outputs"}
-                                                          for r in rows]}, indent=2) + "\n", encoding="utf-8")
+    write_record(args.out, {"checkpoint": str(args.checkpoint), "sentences": len(sources), "batch": args.batch,
+                            "decode": decode.model_dump(),
+                            "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}, args.threads, args)
 
 
 if __name__ == "__main__":

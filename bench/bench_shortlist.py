@@ -10,7 +10,7 @@ against that baseline, and, with ``--default-record`` (a bench/distill_study.py 
 against the default's own translations. Peak memory: the process's maximum resident set. Run it on an idle
 machine.
 
-    python bench/bench_shortlist.py --config multi30k-student-tiny --work-dir /work/study --checkpoint <last20.pt> \\
+    python -m bench.bench_shortlist --config multi30k-student-tiny --work-dir /work/study --checkpoint <last20.pt> \\
         --default-record bench/results/distill_study/en-de/original-seed1.json --out bench/results/shortlist.json
 """
 
@@ -18,29 +18,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from sacrebleu.metrics import BLEU, CHRF  # noqa: E402
+from sacrebleu.metrics import BLEU, CHRF
 
-from pipeline.config import resolve_config  # noqa: E402
-from pipeline.data import read_manifest  # noqa: E402
-from pipeline.engines import VMAP_FILE, CTranslate2Engine  # noqa: E402
-from pipeline.evalsets import read_split  # noqa: E402
-from pipeline.export import export_checkpoint  # noqa: E402
-from pipeline.fsutil import disk_mb, write_text  # noqa: E402
-from pipeline.promotion import pooled_bootstrap  # noqa: E402
-from pipeline.shortlist import write_vocabulary_map  # noqa: E402
-from pipeline.speed import cpu_name  # noqa: E402
-from pipeline.tokenize import Tokenizer  # noqa: E402
-from pipeline.workdir import build_inputs  # noqa: E402
+from bench.harness import median, peak_rss_mb, ratio, write_record
+from pipeline.config import resolve_config
+from pipeline.data import read_manifest
+from pipeline.engines import VMAP_FILE, CTranslate2Engine
+from pipeline.evalsets import read_split
+from pipeline.export import export_checkpoint
+from pipeline.fsutil import disk_mb
+from pipeline.promotion import pooled_bootstrap
+from pipeline.shortlist import write_vocabulary_map
+from pipeline.tokenize import Tokenizer
+from pipeline.workdir import build_inputs
 
 SPLITS = {"dev": "dev", "test2016": "test.test2016"}  # our name: the corpus's split key
 
@@ -106,12 +102,12 @@ def main() -> None:
         sizes = {k: round(disk_mb(e), 2) for k, e in exports.items()}
 
     default = json.loads(args.default_record.read_text(encoding="utf-8")) if args.default_record else None
-    base_speed = len(sources) / statistics.median(rows[baseline]["seconds"])
+    base_speed = len(sources) / median(rows[baseline]["seconds"])
     result_rows = []
     for name, row in rows.items():
-        speed = len(sources) / statistics.median(row["seconds"])
+        speed = len(sources) / median(row["seconds"])
         out = {"variant": name, "test2016_sentences_per_s": round(speed, 1),
-               "speed_vs_baseline": round(speed / base_speed, 3)}
+               "speed_vs_baseline": ratio(speed, base_speed)}
         for split, (_, refs) in data.items():
             hyps = row["outputs"][split]
             out[f"{split}.sacrebleu"] = round(BLEU().corpus_score(hyps, [refs]).score, 2)
@@ -121,13 +117,13 @@ def main() -> None:
             if default:
                 out[f"{split}.vs_default"] = comparison(default["outputs"][SPLITS[split]], hyps, refs)
         result_rows.append(out)
-    result = {"machine": cpu_name(), "threads": args.threads, "checkpoint": str(args.checkpoint),
+    result = {"checkpoint": str(args.checkpoint),
               "config": args.config, "overrides": args.set, "frequent": args.frequent, "repeats": args.repeats,
               "baseline": baseline, "default_record": str(args.default_record) if default else None,
               "default": default and {k: default["run"][k] for k in ("dev.sacrebleu", "test2016.sacrebleu")},
               "vmap": vmap, "export_mb": sizes,
-              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "rows": result_rows}
-    write_text(args.out, json.dumps(result, indent=1) + "\n")
+              "peak_rss_mb": round(peak_rss_mb(), 1), "rows": result_rows}
+    write_record(args.out, result, args.threads, args)
     for r in result_rows:
         print(f"{r['variant']:>16}  {r['test2016_sentences_per_s']:7.1f} sent/s  x{r['speed_vs_baseline']:.2f}  "
               f"dev {r['dev.sacrebleu']:.2f}  test2016 {r['test2016.sacrebleu']:.2f}")

@@ -13,37 +13,34 @@ threads, each measured ``--repeats`` times with the configs' order rotated betwe
 reported). A student's quality is the distillation study's (bench/distill_study.py); this measures only speed and
 size. Run it on an otherwise idle machine: a second busy process on 2 cores slows a run 3-10x.
 
-    python bench/bench_students.py --out bench/results/students_cost.json
+    python -m bench.bench_students --out bench/results/students_cost.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import pyarrow.parquet as pq
+import torch
 
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
-
-from pipeline.config import RunConfig, resolve_config  # noqa: E402
-from pipeline.data import read_manifest  # noqa: E402
-from pipeline.engines import CTranslate2Engine  # noqa: E402
-from pipeline.evalsets import read_split  # noqa: E402
-from pipeline.export import export_checkpoint  # noqa: E402
-from pipeline.fsutil import disk_mb, write_text  # noqa: E402
-from pipeline.inference import load_model, translate  # noqa: E402
-from pipeline.speed import cpu_features, cpu_name  # noqa: E402
-from pipeline.tokenize import Tokenizer  # noqa: E402
-from pipeline.tracking.runs import short_commit  # noqa: E402
-from pipeline.workdir import build_inputs, run_dir  # noqa: E402
+from bench.harness import REPO, median, ratio, write_record
+from pipeline.config import RunConfig, resolve_config
+from pipeline.data import read_manifest
+from pipeline.engines import CTranslate2Engine
+from pipeline.evalsets import read_split
+from pipeline.export import export_checkpoint
+from pipeline.fsutil import disk_mb
+from pipeline.inference import load_model, translate
+from pipeline.speed import cpu_features
+from pipeline.tokenize import Tokenizer
+from pipeline.provenance import short_commit
+from pipeline.workdir import build_inputs, run_dir
 
 TEST = "test.test2016"
 # Each architecture by its layers (encoder+decoder): the default, the deep-shallow student preset, and one decoder
@@ -126,7 +123,7 @@ def ledger_entry(result: dict, entry_id: str, commit: str, command: str, date: s
     """The results-ledger entry (docs/results/ledger.yaml) of a result: per architecture its size and the median
     sentences/s of every engine, search and thread count (table ``student_cost``), and each one's speed against the
     default's int8 export with beam search (figures), each as measured (nothing retyped)."""
-    models, cpu = result["models"], result["machine"]
+    models, cpu = result["models"], result["machine"]["cpu"]
     base = models[result["baseline"]]["median"]["ct2_int8.beam.threads2"]
     rows = [[name, m["model"]["encoder_layers"], m["model"]["decoder_layers"], m["model"]["norm"], m["parameters"],
              m["updates"], m["size_mb.float32"], m["size_mb.int8_export"], *(m["median"][k] for k in SPEEDS)]
@@ -144,7 +141,7 @@ def ledger_entry(result: dict, entry_id: str, commit: str, command: str, date: s
                  f"greedy, 1 and 2 threads, {result['repeats']} interleaved repeats (medians); size on disk of the "
                  "float32 weights and of the int8 export folder. Speed and size only: a student's quality is the "
                  "distillation study's."),
-        "machine": {"cpu": cpu, **cpu_features(cpu), "threads": result["cpus"]},
+        "machine": {"cpu": cpu, **cpu_features(cpu), "threads": result["machine"]["cpus"]},
         "commit": commit, "command": command, "figures": figures,
         "tables": [{"name": "student_cost",
                     "caption": "Per architecture (encoder+decoder layers): parameters, the updates it had, size on "
@@ -178,7 +175,7 @@ def main() -> None:
         import yaml
 
         commit = args.commit or short_commit()
-        command = args.command or f"python bench/bench_students.py --out {args.out}"
+        command = args.command or f"python -m bench.bench_students --out {args.out}"
         entry = ledger_entry(json.loads(args.out.read_text(encoding="utf-8")), args.ledger, commit, command,
                              datetime.date.today().isoformat())
         entry["files"] = [str(args.out)]
@@ -202,21 +199,17 @@ def main() -> None:
                     runs[name].setdefault(f"{key}.threads{threads}", []).append(value)
                     print(f"repeat {rep} {name:<17} {key:<20} {threads} thread(s): {value:8.2f} sentences/s",
                           flush=True)
-    result = {"machine": cpu_name(), "cpus": os.cpu_count(), "sentences": len(sentences), "forced_length": length,
+    result = {"sentences": len(sentences), "forced_length": length,
               "repeats": args.repeats, "baseline": base, "models": {}}
     base_runs = runs[base]
     for name, m in models.items():
-        median = {k: statistics.median(v) for k, v in runs[name].items()}
+        medians = {k: median(v) for k, v in runs[name].items()}
         result["models"][name] = {
             "config": m["config"], "overrides": m["overrides"], "model": m["model"], "updates": m["updates"],
             "parameters": m["parameters"], "size_mb.float32": m["size_mb.float32"],
             "size_mb.int8_export": m["size_mb.int8_export"], "sentences_per_s": runs[name],
-            "median": median,
-            "vs_baseline": {k: round(v / statistics.median(base_runs[k]), 2) for k, v in median.items()}}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.out, json.dumps(result, indent=2) + "\n")
+            "median": medians, "vs_baseline": {k: ratio(v, median(base_runs[k]), 2) for k, v in medians.items()}}
+    write_record(args.out, result, None, args)
 
 
 if __name__ == "__main__":

@@ -4,38 +4,34 @@ Ours: :class:`pipeline.train.TrainStep` (token-count all-reduce, loss scaling, a
 clipping hook, schedule) with one micro-batch per update. Plain: forward, ``loss_sum / tokens``, backward, Adam
 and LambdaLR steps. Both collate the same Multi30k batches (length-bucketed, ``--max-tokens`` per batch, ~3,800
 target tokens at 4096) from the shards inside the timed step, on the tiny preset's model, with ``--threads``
-threads; no DDP, no checkpoints. Each implementation runs in its own subprocess (so that its peak RSS is its
-own) and the two alternate within each repeat. Prints target tokens/s (median over steps), ours / plain and
-peak RSS.
+threads; no DDP, no checkpoints. Each implementation runs in child processes of its own (so that its peak RSS
+is its own), the two alternating repeat by repeat (:mod:`bench.harness`). Prints target tokens/s (median over
+steps), ours / plain and peak RSS.
 
-    python bench/bench_train.py                          # tiny preset, 2 threads
-    python bench/bench_train.py --steps 20 --repeats 3
-    python bench/bench_train.py --precision fp32 --set model.d_model=128 --set model.d_ff=512   # another shape
-    python bench/bench_train.py --precision bf16 --set tokenizer.vocab_size=4000               # another vocabulary
+    python -m bench.bench_train                          # tiny preset, 2 threads
+    python -m bench.bench_train --steps 20 --repeats 3
+    python -m bench.bench_train --precision fp32 --set model.d_model=128 --set model.d_ff=512   # another shape
+    python -m bench.bench_train --precision bf16 --set tokenizer.vocab_size=4000               # another vocabulary
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import resource
 import statistics
-import subprocess
-import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.data import prepare_corpus  # noqa: E402
-from pipeline.shards import ShardDataset, build_shards  # noqa: E402
-from pipeline.tokenize import train_tokenizer  # noqa: E402
-from pipeline.train import TrainStep, make_batch, setup, usable_batches  # noqa: E402
+from bench.harness import REPO, alternate, child_command, common_flags, emit, median, ratio, write_record
+from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler
+from pipeline.config import load_config
+from pipeline.data import prepare_corpus
+from pipeline.shards import ShardDataset, build_shards
+from pipeline.tokenize import train_tokenizer
+from pipeline.train import TrainStep, make_batch, setup, usable_batches
 
 
 def build(data_root: str, work_dir: Path, overrides: Sequence[str] = ()) -> Path:
@@ -86,22 +82,19 @@ def child(args: argparse.Namespace) -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             tokens.append(n)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"times": times, "tokens": tokens, "peak_rss_mb": rss}))
+    emit({"times": times, "tokens": tokens})
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-root", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    common_flags(p, repeats=2)
+    p.add_argument("--data-root", default=str(REPO.parent / "shared" / "data"))
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="ours: train.precision (fp32 on any CPU: the class without native bf16); plain is fp32")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", type=Path, help="also write the results as JSON here")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override of both implementations' model, training and tokenizer (e.g. "
                         "model.d_model=128, tokenizer.vocab_size=4000)")
@@ -112,26 +105,20 @@ def main() -> None:
         child(args)
         return
     shards = build(args.data_root, args.work_dir, args.set)
-    results: dict[str, dict] = {"ours": {"times": [], "tokens": [], "rss": []},
-                                "plain": {"times": [], "tokens": [], "rss": []}}
-    for _ in range(args.repeats):
-        for impl in ("ours", "plain"):
-            cmd = [sys.executable, __file__, "--impl", impl, "--shards", str(shards), "--data-root", args.data_root,
-                   "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
-                   "--precision", args.precision, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), *[a for o in args.set for a in ("--set", o)]]
-            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-            results[impl]["times"] += r["times"]
-            results[impl]["tokens"] += r["tokens"]
-            results[impl]["rss"].append(r["peak_rss_mb"])
+    flags = ["--shards", shards, "--data-root", args.data_root, "--max-tokens", args.max_tokens, "--threads",
+             args.threads, "--precision", args.precision, "--steps", args.steps, "--warmup", args.warmup,
+             *[a for o in args.set for a in ("--set", o)]]
+    commands = {impl: child_command("bench.bench_train", "--impl", impl, *flags) for impl in ("ours", "plain")}
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as work:
+        runs = alternate(commands, args.repeats, work)
     summary = {}
-    for impl, r in results.items():
+    for impl, rs in runs.items():
+        times, tokens = [t for r in rs for t in r["times"]], [n for r in rs for n in r["tokens"]]
         # tokens/s of the median step: robust to a noisy neighbour on a shared machine
-        per_step = sorted(n / s for n, s in zip(r["tokens"], r["times"]))
-        summary[impl] = {"tgt_tokens_per_s": statistics.median(per_step),
-                         "mean_tgt_tokens_per_batch": statistics.mean(r["tokens"]),
-                         "median_step_s": statistics.median(r["times"]), "peak_rss_mb": max(r["rss"])}
-    ratio = summary["ours"]["tgt_tokens_per_s"] / summary["plain"]["tgt_tokens_per_s"]
+        summary[impl] = {"tgt_tokens_per_s": median([n / t for n, t in zip(tokens, times)]),
+                         "mean_tgt_tokens_per_batch": statistics.mean(tokens), "median_step_s": median(times),
+                         "peak_rss_mb": max(r["peak_rss_mb"] for r in rs)}
+    ours_over_plain = ratio(summary["ours"]["tgt_tokens_per_s"], summary["plain"]["tgt_tokens_per_s"])
     shape = "".join(f" {o}" for o in args.set)
     print(f"tiny preset{shape}, {args.threads} threads, max_tokens {args.max_tokens}, "
           f"precision {args.precision} (ours), {args.steps} steps x {args.repeats}")
@@ -139,10 +126,8 @@ def main() -> None:
     for impl, s in summary.items():
         print(f"{impl:<6} {s['tgt_tokens_per_s']:>10.0f} {s['mean_tgt_tokens_per_batch']:>10.0f} "
               f"{s['median_step_s']:>8.3f} {s['peak_rss_mb']:>12.0f}")
-    print(f"ours / plain: {ratio:.3f}")
-    if args.out:
-        args.out.write_text(json.dumps({**summary, "ratio": ratio, "args": {k: str(v) for k, v in vars(args).items()}},
-                                       indent=2) + "\n")
+    print(f"ours / plain: {ours_over_plain:.3f}")
+    write_record(args.out, {**summary, "ratio": ours_over_plain}, args.threads, args)
 
 
 if __name__ == "__main__":

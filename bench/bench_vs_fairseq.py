@@ -35,12 +35,12 @@ Peer environment (outside the repo; fairseq pins numpy < 2; pip warns about torc
 
 Run (results also in bench/results/vs_fairseq_{train,decode}.json)::
 
-    python bench/bench_vs_fairseq.py train --sizes tiny base
-    python bench/bench_vs_fairseq.py train --sizes tiny --updates 200 --skip 20 --repeats 1   # longer loss curve
-    python bench/bench_vs_fairseq.py decode
-    python bench/bench_vs_fairseq.py train --sizes tiny --tag epyc-no-amx   # results of another CPU beside these
+    python -m bench.bench_vs_fairseq train --sizes tiny base
+    python -m bench.bench_vs_fairseq train --sizes tiny --updates 200 --skip 20 --repeats 1   # longer loss curve
+    python -m bench.bench_vs_fairseq decode
+    python -m bench.bench_vs_fairseq train --sizes tiny --tag epyc-no-amx   # results of another CPU beside these
     git worktree add /tmp/aiayn-before REV   # before and after a change: REV's trainer interleaved with this one's
-    python bench/bench_vs_fairseq.py train --baseline /tmp/aiayn-before --tag before-after
+    python -m bench.bench_vs_fairseq train --baseline /tmp/aiayn-before --tag before-after
 """
 
 from __future__ import annotations
@@ -57,18 +57,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import pyarrow.parquet as pq
 
-import pyarrow.parquet as pq  # noqa: E402
+from bench.harness import REPO, RESULTS, rotations, run_child, write_record
+from pipeline.speed import cpu_name
+from pipeline.config import load_config
+from pipeline.data import prepare_corpus, read_manifest
+from pipeline.shards import ShardDataset, build_shards
+from pipeline.tokenize import train_tokenizer
 
-from pipeline.speed import cpu_name  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.data import prepare_corpus, read_manifest  # noqa: E402
-from pipeline.shards import ShardDataset, build_shards  # noqa: E402
-from pipeline.tokenize import train_tokenizer  # noqa: E402
-
-RESULTS = REPO / "bench" / "results"
 SIZES = {  # the presets' model sections (configs/presets/tiny.yaml, base.yaml; fp32-recipe: tiny's recipes.fp32)
     "tiny": dict(encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, n_heads=4),
     "base": dict(encoder_layers=6, decoder_layers=6, d_model=512, d_ff=2048, n_heads=8),
@@ -111,17 +108,6 @@ def prepare(data_root: str, work_dir: Path, venv: Path) -> dict[str, Path]:
 
 
 # ------------------------------------------------------------------------------------------------ running
-
-
-def run_child(cmd: list, env: dict, log: Path, cwd: Path = REPO) -> tuple[int, float, float, float]:
-    """Run ``cmd`` in ``cwd`` with output to ``log``; returns (exit status, wall seconds, peak RSS MB of the
-    process tree's largest member, CPU seconds of the tree (user + system), from wait4)."""
-    start = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(c) for c in cmd], env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, time.monotonic() - start, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 # --isa avx2: the vector code paths of a CPU with AVX2 only, on one that has AVX-512 too (torch's ATen kernels,
@@ -226,31 +212,29 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-vs-fairseq-") as tmp:
         for size in args.sizes:
             runs: dict[str, list] = {impl: [] for impl in impls}
-            for rep in range(args.repeats):
-                order = impls[rep % len(impls):] + impls[: rep % len(impls)]  # rotate who goes first
-                for impl in order:
-                    out, log = Path(tmp) / f"{size}-{impl}-{rep}", Path(tmp) / f"{size}-{impl}-{rep}.log"
-                    repo = args.baseline if impl.startswith("baseline") else REPO
-                    if impl == "fairseq":
-                        cmd = fairseq_train_cmd(args.venv, paths, size, args.updates, args.log_every, None)
-                    else:
-                        cmd = ours_train_cmd(paths, size, impl.split("-")[1], args.updates, args.log_every, out,
-                                             args.data_root, repo)
-                    rc, wall, rss, cpu = run_child(cmd, env, log, repo)
-                    if rc:
-                        raise SystemExit(f"{impl} failed ({rc}); its log:\n{log.read_text()[-3000:]}")
-                    rows = fairseq_intervals(log, args.log_every) if impl == "fairseq" else ours_intervals(out)
-                    # CPU time is far less sensitive to other work on the cores than wall time, but includes
-                    # start-up (imports, data loading): a whole-process figure, for 1-thread runs
-                    run = {"repeat": rep, **summarize(rows, args.skip), "peak_rss_mb": round(rss),
-                           "process_wall_s": round(wall, 1), "process_cpu_s": round(cpu, 1),
-                           "all_tgt_tokens_per_process_cpu_s": sum(r["tokens"] for r in rows) / cpu}
-                    runs[impl].append(run)
-                    print(f"  {size} {impl:<12} repeat {rep}: {run['tgt_tokens_per_s']:7.0f} tgt tok/s "
-                          f"(best interval {run['best_interval_tgt_tokens_per_s']:5.0f}), "
-                          f"{run['tgt_tokens_per_update']:5.0f} tok/update, peak RSS {rss:6.0f} MB, "
-                          f"{wall:5.0f} s, {run['all_tgt_tokens_per_process_cpu_s']:5.0f} tok per process CPU-s",
-                          flush=True)
+            for rep, impl in rotations(impls, args.repeats):
+                out, log = Path(tmp) / f"{size}-{impl}-{rep}", Path(tmp) / f"{size}-{impl}-{rep}.log"
+                repo = args.baseline if impl.startswith("baseline") else REPO
+                if impl == "fairseq":
+                    cmd = fairseq_train_cmd(args.venv, paths, size, args.updates, args.log_every, None)
+                else:
+                    cmd = ours_train_cmd(paths, size, impl.split("-")[1], args.updates, args.log_every, out,
+                                         args.data_root, repo)
+                child = run_child(cmd, log, env, repo)
+                if child.returncode:
+                    raise SystemExit(f"{impl} failed ({child.returncode}); its log:\n{log.read_text()[-3000:]}")
+                rows = fairseq_intervals(log, args.log_every) if impl == "fairseq" else ours_intervals(out)
+                # CPU time is far less sensitive to other work on the cores than wall time, but includes
+                # start-up (imports, data loading): a whole-process figure, for 1-thread runs
+                run = {"repeat": rep, **summarize(rows, args.skip), "peak_rss_mb": round(child.peak_rss_mb),
+                       "process_wall_s": round(child.wall_s, 1), "process_cpu_s": round(child.cpu_s, 1),
+                       "all_tgt_tokens_per_process_cpu_s": sum(r["tokens"] for r in rows) / child.cpu_s}
+                runs[impl].append(run)
+                print(f"  {size} {impl:<12} repeat {rep}: {run['tgt_tokens_per_s']:7.0f} tgt tok/s "
+                      f"(best interval {run['best_interval_tgt_tokens_per_s']:5.0f}), "
+                      f"{run['tgt_tokens_per_update']:5.0f} tok/update, peak RSS {child.peak_rss_mb:6.0f} MB, "
+                      f"{child.wall_s:5.0f} s, {run['all_tgt_tokens_per_process_cpu_s']:5.0f} tok per process "
+                      "CPU-s", flush=True)
             results[size] = runs
     return results
 
@@ -348,12 +332,12 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
     ours_ckpt = work / "ours" / "checkpoints"
     if not any(ours_ckpt.glob("ckpt-*.pt")):
         cmd = ours_train_cmd(paths, "tiny", "fp32", args.train_updates, 10, work / "ours", args.data_root)
-        assert run_child(cmd, env, work / "ours.log")[0] == 0, (work / "ours.log").read_text()[-3000:]
+        assert run_child(cmd, work / "ours.log", env).returncode == 0, (work / "ours.log").read_text()[-3000:]
     checkpoint = sorted(ours_ckpt.glob("ckpt-*.pt"))[-1]
     fs_ckpt = work / "fairseq" / "checkpoint_last.pt"
     if not fs_ckpt.is_file():
         cmd = fairseq_train_cmd(args.venv, paths, "tiny", args.train_updates, 10, work / "fairseq")
-        assert run_child(cmd, env, work / "fairseq.log")[0] == 0, (work / "fairseq.log").read_text()[-3000:]
+        assert run_child(cmd, work / "fairseq.log", env).returncode == 0, (work / "fairseq.log").read_text()[-3000:]
     ct2_dir = work / "ct2"
     if not (ct2_dir / "model.bin").is_file():
         subprocess.run([args.venv / "bin" / "python", "-c", FULL_LOAD + "from ctranslate2.converters.fairseq "
@@ -366,43 +350,43 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
     results: dict = {}
     for beam in args.beams:
         runs: dict[str, list] = {impl: [] for impl in impls}
-        for rep in range(args.repeats):
-            for impl in impls[rep % len(impls):] + impls[: rep % len(impls)]:
-                log = work / f"{impl}-beam{beam}-{rep}.log"
-                if impl.startswith("ours"):
-                    cmd = [sys.executable, __file__, "decode-child", "--checkpoint", checkpoint, "--tokenizer",
-                           paths["tokenizer"], "--corpus", paths["corpus"], "--beam", beam, "--batch", args.batch,
-                           "--length", args.length, "--threads", args.threads, "--sentences", args.sentences,
-                           "--precision", impl.split("-")[1]]
-                elif impl == "fairseq":
-                    # fairseq stops at max_len and then appends eos: --max-len-b L gives L tokens + eos.
-                    cmd = [args.venv / "bin" / "python", "-c", FULL_LOAD + "from fairseq_cli.generate import "
-                           "cli_main; cli_main()", paths["fairseq_data"], "--path", fs_ckpt,
-                           "--gen-subset", "test", "--beam", beam, "--batch-size", args.batch, "--max-len-a", 0,
-                           "--max-len-b", args.length, "--min-len", args.length, "--lenpen", 0.6, "--cpu",
-                           "--quiet", "--max-source-positions", 1024, "--max-target-positions", 1024,
-                           "--num-workers", 0]
-                else:
-                    cmd = [args.venv / "bin" / "python", work / "ct2_bench.py", ct2_dir, src_text, beam, args.batch,
-                           args.length, args.threads, args.sentences]
-                rc, wall, rss, _ = run_child(cmd, env, log)
-                text = log.read_text()
-                if rc:
-                    raise SystemExit(f"{impl} failed ({rc}); its log:\n{text[-3000:]}")
-                if impl == "fairseq":
-                    m = re.search(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s", text)
-                    r = {"sentences": int(m[1].replace(",", "")), "tokens": int(m[2].replace(",", "")),
-                         "seconds": float(m[3])}
-                else:
-                    r = json.loads(text.strip().splitlines()[-1])
-                run = {"repeat": rep, "sentences_per_s": r["sentences"] / r["seconds"],
-                       "tgt_tokens_per_s": r["tokens"] / r["seconds"],
-                       "tokens_per_sentence": r["tokens"] / r["sentences"],
-                       "seconds": round(r["seconds"], 2), "peak_rss_mb": round(rss)}
-                runs[impl].append(run)
-                print(f"  beam {beam} {impl:<12} repeat {rep}: {run['sentences_per_s']:6.1f} sent/s, "
-                      f"{run['tgt_tokens_per_s']:7.0f} tok/s, {run['tokens_per_sentence']:.1f} tok/sent, "
-                      f"peak RSS {rss:5.0f} MB", flush=True)
+        for rep, impl in rotations(impls, args.repeats):
+            log = work / f"{impl}-beam{beam}-{rep}.log"
+            if impl.startswith("ours"):
+                cmd = [sys.executable, "-m", "bench.bench_vs_fairseq", "decode-child", "--checkpoint", checkpoint,
+                       "--tokenizer",
+                       paths["tokenizer"], "--corpus", paths["corpus"], "--beam", beam, "--batch", args.batch,
+                       "--length", args.length, "--threads", args.threads, "--sentences", args.sentences,
+                       "--precision", impl.split("-")[1]]
+            elif impl == "fairseq":
+                # fairseq stops at max_len and then appends eos: --max-len-b L gives L tokens + eos.
+                cmd = [args.venv / "bin" / "python", "-c", FULL_LOAD + "from fairseq_cli.generate import "
+                       "cli_main; cli_main()", paths["fairseq_data"], "--path", fs_ckpt,
+                       "--gen-subset", "test", "--beam", beam, "--batch-size", args.batch, "--max-len-a", 0,
+                       "--max-len-b", args.length, "--min-len", args.length, "--lenpen", 0.6, "--cpu",
+                       "--quiet", "--max-source-positions", 1024, "--max-target-positions", 1024,
+                       "--num-workers", 0]
+            else:
+                cmd = [args.venv / "bin" / "python", work / "ct2_bench.py", ct2_dir, src_text, beam, args.batch,
+                       args.length, args.threads, args.sentences]
+            child = run_child(cmd, log, env)
+            text = log.read_text()
+            if child.returncode:
+                raise SystemExit(f"{impl} failed ({child.returncode}); its log:\n{text[-3000:]}")
+            if impl == "fairseq":
+                m = re.search(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s", text)
+                r = {"sentences": int(m[1].replace(",", "")), "tokens": int(m[2].replace(",", "")),
+                     "seconds": float(m[3])}
+            else:
+                r = json.loads(text.strip().splitlines()[-1])
+            run = {"repeat": rep, "sentences_per_s": r["sentences"] / r["seconds"],
+                   "tgt_tokens_per_s": r["tokens"] / r["seconds"],
+                   "tokens_per_sentence": r["tokens"] / r["sentences"],
+                   "seconds": round(r["seconds"], 2), "peak_rss_mb": round(child.peak_rss_mb)}
+            runs[impl].append(run)
+            print(f"  beam {beam} {impl:<12} repeat {rep}: {run['sentences_per_s']:6.1f} sent/s, "
+                  f"{run['tgt_tokens_per_s']:7.0f} tok/s, {run['tokens_per_sentence']:.1f} tok/sent, "
+                  f"peak RSS {child.peak_rss_mb:5.0f} MB", flush=True)
         results[f"beam{beam}"] = runs
     return results
 
@@ -472,7 +456,6 @@ def main() -> None:
         args.baseline_commit = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"],
                                               capture_output=True, text=True).stdout.strip() or "not a git checkout"
     paths = prepare(args.data_root, args.work_dir, args.venv)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     if args.command == "train":
         results = cmd_train(args, paths)
         capped = f", instructions capped at {args.isa} ({ISA_LIMITS[args.isa]})" if args.isa else ""
@@ -481,12 +464,10 @@ def main() -> None:
     else:
         results = cmd_decode(args, paths)
         print_decode(results, args)
-    meta = {"args": {k: str(v) for k, v in vars(args).items()}, "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-            "loadavg_at_end": os.getloadavg(), "isa_limits": ISA_LIMITS.get(args.isa or "", {})}
+    meta = {"loadavg_at_end": os.getloadavg(), "isa_limits": ISA_LIMITS.get(args.isa or "", {})}
     sizes = "_" + "_".join(args.sizes) if args.command == "train" else ""
     out = RESULTS / f"vs_fairseq_{args.command}{sizes}_t{args.threads}{'_' + args.tag if args.tag else ''}.json"
-    out.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    print(f"\nresults: {out}")
+    write_record(out, {**meta, "results": results}, args.threads, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a session runs when its CPU is of a class the results ledger has no end-to-end entry for yet (issue 53: the
 # AVX2 class above all), on the idle machine, in about an hour:
-#   1. the README's main job end to end on its own fresh stack, timed, with what it gave (bench/default_e2e.py);
+#   1. the README's main job end to end on its own fresh stack, timed, with what it gave (ops/default_e2e.py);
 #   2. the trainer against fairseq side by side in the precision this class trains in (bench/bench_vs_fairseq.py
 #      train, the tiny size), fairseq's venv made first where it is missing (the recipe in that script's docstring);
 #   3. on a class that trains in fp32, the same at the shape its recipe trains (fp32-recipe: d_model 128, updates of
@@ -16,15 +16,15 @@ fm=$(awk -F': ' '/^cpu family/{f=$2} /^model\t/{m=$2} END{print "f" f "m" m}' /p
 precision=$($py -c "from pipeline.hardware import training_precision; print(training_precision('auto')[0])")
 tag="$class-$fm"
 echo "CPU class $class ($fm), training precision $precision; records tagged $tag"
-$py bench/default_e2e.py --tag "$tag"
+$py -m ops.default_e2e --tag "$tag"
 venv=${FAIRSEQ_VENV:-/work/peers/fairseq-venv}
 if [ ! -x "$venv/bin/fairseq-train" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q torch==2.13.0
   "$venv/bin/pip" install -q fairseq-fixed==0.12.3.1 "numpy<2"
 fi
-$py bench/bench_vs_fairseq.py train --sizes tiny --precisions "$precision" --venv "$venv" --tag "$tag"
+$py -m bench.bench_vs_fairseq train --sizes tiny --precisions "$precision" --venv "$venv" --tag "$tag"
 if [ "$precision" = fp32 ]; then
-  $py bench/bench_vs_fairseq.py train --sizes fp32-recipe --precisions fp32 --repeats 3 --updates 160 --skip 20 \
+  $py -m bench.bench_vs_fairseq train --sizes fp32-recipe --precisions fp32 --repeats 3 --updates 160 --skip 20 \
     --log-every 20 --venv "$venv" --tag "$tag"
 fi

@@ -18,7 +18,7 @@ lineage: file sha256, config, commit), ``teacher.json`` (every teacher's and the
 choice, the chosen teacher's dev and test2016 outputs, the GPU, the timings) and ``gpu_teacher.log``. Weights stay
 on the GPU machine. The student then trains here on the translations (``distill.translations``), e.g.:
 
-    python bench/distill_study.py students --arms original gpu-distilled --translations <out>/translations
+    python -m bench.distill_study students --arms original gpu-distilled --translations <out>/translations
 
 The device call (``bash bench/gpu_slot.sh wheels`` first, for pydantic on the device machine; the data travels in
 the ignored folder .carry/data):
@@ -39,18 +39,16 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from pipeline.average import averaged_path  # noqa: E402
-from pipeline.config import RunConfig, resolve_config  # noqa: E402
-from pipeline.distill import write_translations  # noqa: E402
-from pipeline.evaluate import eval_dir  # noqa: E402
-from pipeline.inference import decode_device  # noqa: E402
-from pipeline.speed import cpu_name  # noqa: E402
-from pipeline.workdir import build_inputs, run_dir  # noqa: E402
+from bench.harness import REPO
+from pipeline.average import averaged_path
+from pipeline.config import RunConfig, resolve_config
+from pipeline.distill import write_translations
+from pipeline.evaluate import eval_dir
+from pipeline.inference import decode_device
+from pipeline.speed import cpu_name
+from pipeline.workdir import build_inputs, run_dir
 
 TEST = "test.test2016"
 LIMIT_FILES, LIMIT_MB = 8, 16  # what the device tool brings back

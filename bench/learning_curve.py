@@ -2,7 +2,7 @@
 sacreBLEU of checkpoints along the run (and of the averaged models the run chose among), decoded with the run's
 own decoding settings.
 
-    .venv/bin/python bench/learning_curve.py --run WORK/train/<run> --tokenizer WORK/tokenizer/<fp> \
+    .venv/bin/python -m bench.learning_curve --run WORK/train/<run> --tokenizer WORK/tokenizer/<fp> \
         --corpus WORK/corpus/<fp> [--every 500] --out bench/results/learning_curve_<tag>.json
 
 A checkpoint is decoded when its step is a multiple of --every (and the last one); keep enough checkpoints for
@@ -21,16 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from pipeline.checkpoint import load_checkpoint, read_index  # noqa: E402
-from pipeline.config import DecodeConfig  # noqa: E402
-from pipeline.data import read_manifest  # noqa: E402
-from pipeline.evalsets import read_split  # noqa: E402
-from pipeline.inference import load_model, translate  # noqa: E402
-from pipeline.tokenize import Tokenizer  # noqa: E402
-from pipeline.translation.bleu import score_translations  # noqa: E402
+from bench.harness import write_record
+from pipeline.checkpoint import load_checkpoint, read_index
+from pipeline.config import DecodeConfig
+from pipeline.data import read_manifest
+from pipeline.evalsets import read_split
+from pipeline.inference import load_model, translate
+from pipeline.tokenize import Tokenizer
+from pipeline.translation.bleu import score_translations
 
 
 def dev_curve(metrics: Path) -> list[dict]:
@@ -84,10 +83,7 @@ def main() -> int:
     out = {"run": args.run.name, "decode": decode.model_dump(mode="json"), "dev_sentences": len(src),
            "dev_curve": dev_curve(args.run / "metrics.jsonl"), "checkpoints": points, "averaged": averaged,
            "time_to_target": {"target": args.target, "every": args.every, "first": reached}}
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(args.out)
-    print(f"wrote {args.out}")
+    write_record(args.out, out, None, args)
     return 0
 
 

@@ -23,8 +23,8 @@ Per variant, from the profiler's device events (the GPU's own time, not the host
 On a CPU (``--device cpu``, no CUDA) it profiles the host's operators instead, to check the script before a GPU
 slot; the table then means host time. Writes markdown to ``--out`` and the JSON beside it.
 
-    python bench/profile_gpu.py --out bench/results/profile_gpu_h100.md
-    python bench/profile_gpu.py --device cpu --presets tiny --updates 2 --max-tokens 1024   # a dry run
+    python -m bench.profile_gpu --out bench/results/profile_gpu_h100.md
+    python -m bench.profile_gpu --device cpu --presets tiny --updates 2 --max-tokens 1024   # a dry run
 """
 
 from __future__ import annotations
@@ -41,16 +41,14 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import synthetic_updates  # noqa: E402
+from bench.bench_gpu import synthetic_updates
 
-from model import Transformer  # noqa: E402
-from model.decoding import beam_search  # noqa: E402
-from model.static_decoding import static_beam_search  # noqa: E402
-from pipeline.config import RunConfig, load_config  # noqa: E402
-from pipeline.train import Batch, TrainStep, setup  # noqa: E402
+from model import Transformer
+from model.decoding import beam_search
+from model.static_decoding import static_beam_search
+from pipeline.config import RunConfig, load_config
+from pipeline.train import Batch, TrainStep, setup
 
 # Kernel (or, on a CPU, operator) name fragments per category, first match wins; lower case.
 CATEGORIES = [

@@ -14,17 +14,15 @@ Printed per variant:
   ``torch.mm`` at the model's shapes (tokens x d_model -> d_ff, d_ff -> d_model, d_model -> vocab) in the same
   precision. Their ratio, the model FLOPs utilisation against this machine's own peak, is the headline.
 
-    python bench/profile_train.py                               # tiny and base, fp32 and bf16, 2 threads
-    python bench/profile_train.py --presets tiny --precisions bf16 --updates 5 --out profile.json
-    python bench/profile_train.py --presets tiny --precisions fp32 --max-tokens 2048 --set recipe=fp32
+    python -m bench.profile_train                               # tiny and base, fp32 and bf16, 2 threads
+    python -m bench.profile_train --presets tiny --precisions bf16 --updates 5 --out profile.json
+    python -m bench.profile_train --presets tiny --precisions fp32 --max-tokens 2048 --set recipe=fp32
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,16 +30,15 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_train import build  # noqa: E402  (the tiny preset's shards, built once)
+from bench.bench_train import build  # the tiny preset's shards, built once
 
-from model import Transformer  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.shards import ShardDataset  # noqa: E402
-from pipeline.train import TrainStep, make_batch, setup, usable_batches  # noqa: E402
-from pipeline.train.metrics import matmul_roofline  # noqa: E402
+from bench.harness import REPO, write_record
+from model import Transformer
+from pipeline.config import load_config
+from pipeline.shards import ShardDataset
+from pipeline.train import TrainStep, make_batch, setup, usable_batches
+from pipeline.train.metrics import matmul_roofline
 
 PRESETS = {"tiny": "multi30k-cpu", "base": "wmt14-en-de-base"}
 # Operator name fragments -> category, first match wins (names as torch.profiler reports them).
@@ -113,7 +110,7 @@ def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Na
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-root", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    p.add_argument("--data-root", default=str(REPO.parent / "shared" / "data"))
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
     p.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=sorted(PRESETS))
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
@@ -144,9 +141,7 @@ def main() -> None:
         print(f"\n{r['preset']} {r['precision']}: heaviest operators (share of self CPU time, calls)")
         for op in r["top_ops"]:
             print(f"  {op['share']:6.1%}  {op['calls']:>6}  {op['op']}")
-    if args.out:
-        args.out.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(args).items()}},
-                                       indent=2) + "\n")
+    write_record(args.out, {"rows": rows}, args.threads, args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Choose the beam size and length penalty on dev: a grid of (beam, alpha) decoded over one split.
 
-    .venv/bin/python bench/tune_decode.py --checkpoint RUN/averaged/last3.pt --tokenizer WORK/tokenizer/<fp> \
+    .venv/bin/python -m bench.tune_decode --checkpoint RUN/averaged/last3.pt --tokenizer WORK/tokenizer/<fp> \
         --corpus WORK/corpus/<fp> [--split dev] [--beams 1,4,8] [--alphas 0,0.6,1.0] [--out results.json]
 
 ``alpha`` is decode.length_penalty; the other decoding settings are the run's. Only dev is for choosing (every
@@ -11,21 +11,19 @@ on. Prints sacreBLEU and chrF per point with the decoding speed, writes JSON, na
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from pipeline.checkpoint import load_checkpoint  # noqa: E402
-from pipeline.config import DecodeConfig  # noqa: E402
-from pipeline.data import read_manifest  # noqa: E402
-from pipeline.evalsets import read_split  # noqa: E402
-from pipeline.inference import load_model, translate  # noqa: E402
-from pipeline.tokenize import Tokenizer  # noqa: E402
-from pipeline.translation.bleu import score_translations  # noqa: E402
+from bench.harness import write_record
+from pipeline.checkpoint import load_checkpoint
+from pipeline.config import DecodeConfig
+from pipeline.data import read_manifest
+from pipeline.evalsets import read_split
+from pipeline.inference import load_model, translate
+from pipeline.tokenize import Tokenizer
+from pipeline.translation.bleu import score_translations
 
 
 def floats(text: str) -> list[float]:
@@ -65,9 +63,8 @@ def main() -> int:
                   f"({r['sentences_per_s']} sentences/s)", flush=True)
     best = max(rows, key=lambda r: r["sacrebleu"])
     print(f"best on {args.split}: beam {best['beam']}, alpha {best['alpha']}: {best['sacrebleu']:.2f}")
-    if args.out:
-        args.out.write_text(json.dumps({"checkpoint": str(args.checkpoint), "split": args.split,
-                                        "sentences": len(src), "grid": rows, "best": best}, indent=1) + "\n")
+    write_record(args.out, {"checkpoint": str(args.checkpoint), "split": args.split, "sentences": len(src),
+                            "grid": rows, "best": best}, None, args)
     return 0
 
 

@@ -46,6 +46,7 @@ import yaml
 
 from pipeline.config import load_config
 from pipeline.fsutil import write_json
+from pipeline.proc import free_port  # noqa: F401  (the tests and ops.localstack callers name it here too)
 from pipeline.promotion import lock_name
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,13 +99,6 @@ def _running(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now (tests start servers on these)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def port_in_use(port: int) -> bool:

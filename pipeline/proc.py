@@ -3,6 +3,9 @@
 A child started in its own session (torchrun) or a pool worker re-parented to PID 1 keeps running when its parent
 is killed outright (kill -9, the OOM killer): it holds memory, GPUs and output folders with nothing left to own
 it. The kernel can instead send the child a signal at the parent's death.
+
+A server started as a child (the local stack's, a benchmark's model server) listens on a port free now
+(:func:`free_port`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import socket
 import sys
 from typing import Callable
 
@@ -44,3 +48,10 @@ def preexec_exit_with_parent() -> Callable[[], None] | None:
         return None
     _prctl()
     return functools.partial(exit_with_parent, os.getpid())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now (tests and benchmarks start servers on these)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

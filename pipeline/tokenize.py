@@ -121,14 +121,14 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
     path = corpus_dir / train["file"]
     verify_file(path, train["sha256"], corpus_dir / MANIFEST, "re-run the data stage (prepare_corpus)")
     sentences = 2 * train["rows"]
-    picked = _sample(train["rows"], cfg)  # bool [rows, 2] (src, tgt)
+    picked = sample_mask(train["rows"], cfg)  # bool [rows, 2] (src, tgt)
     used = int(picked.sum())
     text = (f"{path} (input_sentence_size={used} sampled of its {sentences} sentences)" if used < sentences
             else f"{path} ({sentences} sentences)")
 
     started = time.perf_counter()
     with atomic_dir(out) as tmp:
-        model = _train(_sentences(path, picked), cfg, text, symbols)
+        model = _train(sampled_sentences(path, picked), cfg, text, symbols)
         (tmp / MODEL_FILE).write_bytes(model)
         sp = spm.SentencePieceProcessor(model_proto=model)
         (tmp / VOCAB_FILE).write_text(
@@ -165,7 +165,7 @@ def verify_file(path: Path, sha256: str, manifest: Path, fix: str,
                     f"(the file changed after it was written); {fix}")
 
 
-def _sample(rows: int, cfg: TokenizerConfig) -> np.ndarray:
+def sample_mask(rows: int, cfg: TokenizerConfig) -> np.ndarray:
     """bool [rows, 2]: which (src, tgt) sentences train the model; ``input_sentence_size`` uniformly at random."""
     picked = np.ones((rows, 2), dtype=bool)
     if 0 < cfg.input_sentence_size < picked.size:
@@ -175,7 +175,7 @@ def _sample(rows: int, cfg: TokenizerConfig) -> np.ndarray:
     return picked
 
 
-def _sentences(path: Path, picked: np.ndarray) -> Iterator[str]:
+def sampled_sentences(path: Path, picked: np.ndarray) -> Iterator[str]:
     """The picked source then target sentences of each block of rows, streamed from the Parquet file."""
     start = 0
     # pre_buffer off: with it, the reader keeps every row group it has read until the end (the whole file)

@@ -32,7 +32,7 @@ def test_generated_reference_pages_are_fresh():
 def test_the_ledger_loads_and_every_cited_id_exists():
     led = ledger.load(LEDGER)
     cited: dict[str, set[str]] = {}
-    code = [p for d in ("pipeline", "flows", "tasks", "model", "ops", "bench", "scripts")
+    code = [p for d in ("pipeline", "flows", "tasks", "model", "ops", "bench", "studies", "scripts")
             for p in sorted((REPO / d).rglob("*.py"))]
     for path in [*_pages(), *sorted((REPO / "configs").rglob("*.yaml")), *code]:
         for eid in ledger.cited_ids(path.read_text(encoding="utf-8")):
@@ -58,8 +58,8 @@ def test_every_ledger_link_points_at_the_entry_it_names():
 
 
 # The repository's top-level folders: a code span starting with one of them is a claim that the path exists.
-REPO_DIRS = ("configs", "pipeline", "flows", "tasks", "model", "bench", "docs", "tests", "ops", "deploy", "scripts",
-             "requirements", ".ci")
+REPO_DIRS = ("configs", "pipeline", "flows", "tasks", "model", "bench", "studies", "docs", "tests", "ops", "deploy",
+             "scripts", "requirements", ".ci")
 
 
 def test_every_repository_path_the_docs_name_exists():
@@ -254,7 +254,7 @@ def test_the_site_builds_strictly_and_shows_its_plots_in_a_browser(tmp_path, chr
 
 
 def _measure_result(tmp_path: Path) -> dict:
-    """A result shaped as ``bench/distill_study.py measure`` writes it: two seeds, two arms (beam and greedy)."""
+    """A result shaped as ``python -m studies.distill measure`` writes it: two seeds, two arms (beam and greedy)."""
     def run(arm: str, seed: int, test: float) -> dict:
         return {"seed": seed, "dev.sacrebleu": test + 1, "test2016.sacrebleu": test, "test2016.chrf": 60.0,
                 "checkpoint": str(tmp_path / f"{arm}-{seed}" / "averaged" / "choose" / "last5.pt"), "updates": 4400,
@@ -284,7 +284,7 @@ def test_a_distillation_study_becomes_a_ledger_entry_and_its_plot(tmp_path):
     import yaml
     from aiayn_docs import plots
 
-    study = _bench_module("distill_study")
+    from studies import distill as study
     entry = study.ledger_entry(_measure_result(tmp_path), "en-de", "L99", "abc1234", "python bench/...", "2026-11-27")
     path = tmp_path / "ledger.yaml"
     path.write_text(yaml.safe_dump({"entries": [entry]}, sort_keys=False))
@@ -310,7 +310,7 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
     naming it."""
     import yaml
 
-    study = _bench_module("distill_study")
+    from studies import distill as study
     refs = {"dev": [f"ein Hund läuft über die Wiese {i}" for i in range(30)],
             "test.test2016": [f"zwei Männer spielen Fußball {i}" for i in range(30)]}
     # the distilled arm's outputs are the references themselves; the original arm's lose a word in each
@@ -351,7 +351,7 @@ def test_a_study_reads_each_record_from_the_first_records_folder_that_holds_it(t
     record goes to the first folder."""
     from types import SimpleNamespace
 
-    study = _bench_module("distill_study")
+    from studies import distill as study
     first, second = tmp_path / "gpu" / "en-de", tmp_path / "study" / "en-de"
     for folder, name in ((first, "gpu-distilled-seed1.json"), (second, "original-seed1.json"),
                          (second, "gpu-distilled-seed1.json")):
@@ -368,7 +368,7 @@ def test_each_distilled_arm_of_the_study_trains_on_the_targets_it_names_whatever
     still train on the teachers' translations alone, as its ledger entries did, and gpu-mixed on both."""
     import argparse
 
-    study = _bench_module("distill_study")
+    from studies import distill as study
     args = argparse.Namespace(work_dir=tmp_path / "work", data_root=str(tmp_path), teachers=3, seeds=[1],
                               pair="en-de", arms=["original", *study.GPU_ARMS], translations=tmp_path / "t",
                               records=[tmp_path / "records"], max_steps=10)
@@ -381,7 +381,7 @@ def test_each_distilled_arm_of_the_study_trains_on_the_targets_it_names_whatever
 def test_a_measurement_names_its_commit_short_and_marked_when_the_tree_differs():
     """short_commit, which the bench scripts write into ledger entries and study records: HEAD's first 7 hex
     digits, with + exactly when tracked files differ from HEAD."""
-    from pipeline.tracking.runs import short_commit
+    from pipeline.provenance import short_commit
 
     git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,  # noqa: E731
                                     check=True).stdout.strip()
@@ -389,31 +389,22 @@ def test_a_measurement_names_its_commit_short_and_marked_when_the_tree_differs()
     assert short_commit() == git("rev-parse", "HEAD")[:7] + ("+" if dirty else "")
 
 
-def _bench_module(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_cost_of_student_architectures_becomes_a_ledger_entry_and_its_plot(tmp_path):
-    """bench/bench_students.py's result becomes an entry the ledger reads, with each architecture's speed against
-    the default's int8 beam search, and the plot draws every architecture against the goal's 2x."""
+    """The result of ``python -m bench.bench_students`` becomes an entry the ledger reads, with each architecture's
+    speed against the default's int8 beam search, and the plot draws every architecture against the goal's 2x."""
     import yaml
     from aiayn_docs import plots
 
-    bench = _bench_module("bench_students")
+    from bench import bench_students as bench
     speeds = lambda scale: {k: 100.0 * scale * (3 if "greedy" in k else 1) for k in bench.SPEEDS}  # noqa: E731
     model = lambda enc, dec, scale: {  # noqa: E731
         "config": "multi30k-cpu", "overrides": [], "updates": 20, "parameters": 8_000_000, "size_mb.float32": 30.0,
         "size_mb.int8_export": 9.0, "median": speeds(scale), "model": {
             "encoder_layers": enc, "decoder_layers": dec, "d_model": 256, "d_ff": 1024, "heads": 4, "norm": "pre"}}
-    result = {"machine": "AMD EPYC, family 25 model 1 (no AMX, no AVX512-BF16)", "cpus": 2, "sentences": 1000,
+    result = {"machine": {"cpu": "AMD EPYC, family 25 model 1 (no AMX, no AVX512-BF16)", "cpus": 2}, "sentences": 1000,
               "forced_length": 14, "repeats": 3, "baseline": "default 3+3",
               "models": {"default 3+3": model(3, 3, 1.0), "deep-shallow 6+1": model(6, 1, 1.5)}}
-    entry = bench.ledger_entry(result, "L99", "abc1234", "python bench/bench_students.py", "2026-11-27")
+    entry = bench.ledger_entry(result, "L99", "abc1234", "python -m bench.bench_students", "2026-11-27")
     path = tmp_path / "ledger.yaml"
     path.write_text(yaml.safe_dump({"entries": [entry]}, sort_keys=False))
     led = ledger.load(path)

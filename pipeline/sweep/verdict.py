@@ -68,7 +68,7 @@ def judge(sweep: SweepConfig, candidates: list[Arm], split: str, score_name: str
     (``score_name``, e.g. ``multi30k-val.sacrebleu``) as mean and standard deviation, and the pooled paired
     bootstrap of ``metric`` over the seeds both completed; significant at ``confirm.alpha`` / (candidates)."""
     base, others = candidates[0], candidates[1:]
-    threshold = sweep.confirm.alpha / max(len(others), 1)
+    threshold = bonferroni(sweep.confirm.alpha, len(others))
     out = []
     for arm in others:
         seeds = sorted(s for s in sweep.confirm.seeds if arm.outcomes.get(s) and base.outcomes.get(s)
@@ -76,16 +76,30 @@ def judge(sweep: SweepConfig, candidates: list[Arm], split: str, score_name: str
         if not seeds:
             continue
         outputs = {name: [_read(a.outcomes[s], split) for s in seeds] for name, a in (("base", base), ("arm", arm))}
-        refs = outputs["base"][0][1]
-        comparison = pooled_bootstrap(metric, [h for h, _ in outputs["base"]], [h for h, _ in outputs["arm"]], refs,
-                                      sweep.confirm.resamples)
         scores = {name: [a.outcomes[s].metrics[score_name] for s in seeds]
                   for name, a in (("base", base), ("arm", arm))}
-        significant = comparison.p_value < threshold
-        verdict = ("better" if comparison.delta > 0 else "worse") if significant else "no significant difference"
-        out.append(Verdict(arm.label, split, seeds, statistics.fmean(scores["base"]), _std(scores["base"]),
-                           statistics.fmean(scores["arm"]), _std(scores["arm"]), comparison, threshold, verdict))
+        out.append(paired_verdict(arm.label, split, seeds, (scores["base"], [h for h, _ in outputs["base"]]),
+                                  (scores["arm"], [h for h, _ in outputs["arm"]]), outputs["base"][0][1], metric,
+                                  threshold, sweep.confirm.resamples))
     return out
+
+
+def bonferroni(alpha: float, candidates: int) -> float:
+    """The significance threshold of each of ``candidates`` comparisons against one base: alpha / candidates."""
+    return alpha / max(candidates, 1)
+
+
+def paired_verdict(label: str, split: str, seeds: list[int], base: tuple[list[float], list[list[str]]],
+                   arm: tuple[list[float], list[list[str]]], references: list[str], metric: str, threshold: float,
+                   resamples: int = 1000) -> Verdict:
+    """One arm against the base on ``split`` over paired ``seeds``: ``base`` and ``arm`` are (each seed's score,
+    each seed's outputs) in the seeds' order; the pooled paired bootstrap of ``metric`` on ``references`` decides,
+    significant below ``threshold`` (:func:`bonferroni`)."""
+    comparison = pooled_bootstrap(metric, base[1], arm[1], references, resamples)
+    significant = comparison.p_value < threshold
+    verdict = ("better" if comparison.delta > 0 else "worse") if significant else "no significant difference"
+    return Verdict(label, split, seeds, statistics.fmean(base[0]), _std(base[0]), statistics.fmean(arm[0]),
+                   _std(arm[0]), comparison, threshold, verdict)
 
 
 def _std(values: list[float]) -> float:

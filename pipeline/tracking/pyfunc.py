@@ -91,6 +91,16 @@ def model_arguments(checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig,
             "input_example": INPUT_EXAMPLE}
 
 
+def save_translator(folder: Path, checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, cleaning: dict,
+                    export: Path | None = None) -> Path:
+    """The translator pyfunc saved to a local ``folder`` (what ``mlflow models serve -m`` serves), without its
+    input example: validating that loads the model in this process."""
+    arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export)
+    arguments.pop("input_example")
+    mlflow.pyfunc.save_model(str(folder), **arguments)
+    return folder
+
+
 def _bad_request(message: str) -> MlflowException:
     return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)  # the scoring server answers 400
 

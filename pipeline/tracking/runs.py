@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +20,9 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from pipeline.config import REPO_ROOT, RunConfig, dump_config
+from pipeline.config import RunConfig, dump_config
 from pipeline.errors import UserError
+from pipeline.provenance import git_commit, short_commit  # noqa: F401  (short_commit: this module's name too)
 
 log = logging.getLogger("aiayn.tracking")
 
@@ -108,28 +107,6 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, str]:
     for k, v in items:
         out.update(flatten(v, f"{prefix}{k}."))
     return out
-
-
-def git_commit() -> tuple[str, bool] | None:
-    """(HEAD commit, whether tracked files differ from it) of the repository, or None outside a git checkout."""
-    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read only: never rewrite the index
-    try:
-        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10, env=env)
-        if head.returncode != 0:
-            return None
-        status = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=30, env=env)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return head.stdout.strip(), bool(status.stdout.strip())
-
-
-def short_commit() -> str:
-    """HEAD's short hash, ``+`` when tracked files differ from it (``unknown`` outside a git checkout): how the
-    results ledger names the commit a measurement ran at."""
-    found = git_commit()
-    return "unknown" if found is None else found[0][:7] + ("+" if found[1] else "")
 
 
 def log_params(run_id: str, params: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ task times from the Prefect API, the run's files (training summary, the choice o
 the chosen model's translations) from the work dir, and the promotion decision from the MLflow registry, stops
 the stack, and writes the record the ledger cites (``job_seconds`` from ``up`` to the flow run finished)::
 
-    python bench/default_e2e.py --tag zen3        # bench/results/default_e2e/multi30k-cpu_zen3_<date>.json
+    python -m ops.default_e2e --tag zen3        # bench/results/default_e2e/multi30k-cpu_zen3_<date>.json
 
 Run it on an idle machine: the job trains on a clock budget, so what it gets depends on what else runs.
 """
@@ -27,15 +27,13 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from ops.localstack import free_port, prefect_api  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.fsutil import write_json  # noqa: E402
-from pipeline.hardware import cpu_class  # noqa: E402
-from pipeline.speed import cpu_name  # noqa: E402
-from pipeline.tracking.runs import short_commit  # noqa: E402
+from ops.localstack import free_port, prefect_api
+from pipeline.config import REPO_ROOT as REPO, load_config
+from pipeline.fsutil import write_json
+from pipeline.hardware import cpu_class
+from pipeline.speed import cpu_name
+from pipeline.provenance import short_commit
 
 FLOW = "train-en-de"
 
@@ -145,7 +143,7 @@ def main() -> None:
         model = load_config(flow["config"]).registered_model_name
         record = {"config": flow["config"], "machine": cpu_name(), "cpu_class": cpu_class(),
                   "cpus": os.cpu_count(), "commit": commit,
-                  "command": " ".join(["python bench/default_e2e.py --deployment", args.deployment, "--tag", args.tag,
+                  "command": " ".join(["python -m ops.default_e2e --deployment", args.deployment, "--tag", args.tag,
                                        *[f"-p {kv}" for kv in args.param]]),
                   "job_seconds": round(job_seconds, 1),
                   "job_seconds_what": "localstack up (servers, worker, deployments) to the flow run finished",

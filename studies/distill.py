@@ -29,9 +29,9 @@ on the machine or on a busy moment, and a study can be split over sessions on di
 is in its train_summary.json. Speeds are measured by the ``measure`` phase: run that on an otherwise idle machine
 (a second busy process on 2 cores slows a run 3-10x).
 
-    python bench/distill_study.py all --work-dir runs/distill-study --out bench/results/distill_study.json
-    python bench/distill_study.py all --pair en-fr --work-dir runs/distill-study --out bench/results/distill_fr.json
-    python bench/distill_study.py quality --out bench/results/distill_quality_en-de.json
+    python -m studies.distill all --work-dir runs/distill-study --out bench/results/distill_study.json
+    python -m studies.distill all --pair en-fr --work-dir runs/distill-study --out bench/results/distill_fr.json
+    python -m studies.distill quality --out bench/results/distill_quality_en-de.json
 """
 
 from __future__ import annotations
@@ -44,35 +44,28 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from sacrebleu.metrics import BLEU  # noqa: E402
-import torch  # noqa: E402
+from sacrebleu.metrics import BLEU
+import torch
 
-from pipeline.speed import cpu_features, cpu_name  # noqa: E402
-from pipeline.average import averaged_path  # noqa: E402
-from pipeline.config import RunConfig, resolve_config  # noqa: E402
-from pipeline.data import read_manifest  # noqa: E402
-from pipeline.engines import CTranslate2Engine  # noqa: E402
-from pipeline.evaluate import eval_dir  # noqa: E402
-from pipeline.evalsets import read_split  # noqa: E402
-from pipeline.export import export_checkpoint  # noqa: E402
-from pipeline.fsutil import disk_mb, write_text  # noqa: E402
-from pipeline.inference import load_model, load_models, translate  # noqa: E402
-from pipeline.promotion import pooled_bootstrap  # noqa: E402
-from pipeline.tokenize import Tokenizer  # noqa: E402
-from pipeline.tracking.runs import short_commit  # noqa: E402
-from pipeline.workdir import build_inputs, run_dir  # noqa: E402
+from bench.harness import REPO
+from pipeline.speed import cpu_features, cpu_name
+from pipeline.average import averaged_path
+from pipeline.config import RunConfig, resolve_config
+from pipeline.data import read_manifest
+from pipeline.engines import CTranslate2Engine
+from pipeline.evaluate import eval_dir
+from pipeline.evalsets import read_split
+from pipeline.export import export_checkpoint
+from pipeline.fsutil import disk_mb, write_text
+from pipeline.inference import load_model, load_models, translate
+from pipeline.tokenize import Tokenizer
+from pipeline.provenance import short_commit
+from pipeline.workdir import build_inputs, run_dir
+from studies.common import load_arms, verdicts
 
-# Per language pair: the teachers' config (the current default) and each student arm's config.
-PAIRS = {
-    "en-de": ("multi30k-cpu", {"original": "multi30k-student-tiny", "distilled": "multi30k-student-tiny",
-                               "deep-shallow": "multi30k-student-deep-shallow",
-                               "gpu-distilled": "multi30k-student-tiny", "gpu-mixed": "multi30k-student-tiny"}),
-    "en-fr": ("multi30k-en-fr-cpu", {"original": "multi30k-en-fr-student-tiny",
-                                     "distilled": "multi30k-en-fr-student-tiny"}),
-}
+# Per language pair: the teachers' config (the current default) and each student arm's config
+PAIRS = {pair: (spec["teachers"], spec["arms"]) for pair, spec in load_arms("distill")["pairs"].items()}
 TEST = "test.test2016"
 GPU_ARM = "gpu-distilled"  # the student on a GPU teacher's translations (--translations), issue 55
 # the student on those translations and the human references together (distill.keep_original): the distilled arms
@@ -299,13 +292,8 @@ def significance(outputs: dict[str, dict[str, list[list[str]]]], refs: dict[str,
     claims += [(arm, k, f"{arm} (greedy) against {arm} (beam)") for k in outputs
                if k.endswith(".greedy") and (arm := k.removesuffix(".greedy")) != "original"]  # original's is above
     claims += [(GPU_ARM, MIXED_ARM, f"{MIXED_ARM} against {GPU_ARM}")] if {GPU_ARM, MIXED_ARM} <= set(outputs) else []
-    out = []
-    for base, key, claim in claims:
-        for split in ("dev", TEST):
-            c = pooled_bootstrap("sacrebleu", outputs[base][split], outputs[key][split], refs[split])
-            out.append({"claim": claim, "set": split, "base": c.champion, "system": c.challenger, "delta": c.delta,
-                        "ci95": [c.ci_low, c.ci_high], "p": c.p_value, "test": c.signature})
-    return out
+    seeds = list(range(1, len(next(iter(outputs.values()))["dev"]) + 1))  # paired by position
+    return verdicts(claims, outputs, refs, ("dev", TEST), seeds)
 
 
 def _write(result: dict, out: Path | None) -> dict:
@@ -392,7 +380,7 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
     figures |= {f"{name}.{k}": t[k] for name, t in teachers.items() for k in ("dev.sacrebleu", "test2016.sacrebleu")}
     figures |= {"original.runs": len(costs), "original.updates_each": costs[0]["updates"],
                 "original.train_hours_total": round(sum(c["train_hours"] for c in costs), 2)}
-    what = ("bench/distill_study.py: a teacher ensemble of the current default's runs (seeds 1..k, a fixed number of "
+    what = ("studies/distill.py: a teacher ensemble of the current default's runs (seeds 1..k, a fixed number of "
             "updates each; the original arm's runs are those teachers), its translations of the training sources as "
             "the distilled corpus, and each student arm trained on paired seeds; dev and test2016 scored by "
             "sacreBLEU; every arm against original by the paired bootstrap pooled over the seeds")
@@ -462,7 +450,7 @@ def main() -> None:
         commit = args.commit or short_commit()
         result = json.loads(args.out.read_text(encoding="utf-8"))
         phase = "all" if result["teachers"] else "quality"  # a quality result has no teachers
-        command = args.command or f"python bench/distill_study.py {phase} --pair {args.pair} --out {args.out}"
+        command = args.command or f"python -m studies.distill {phase} --pair {args.pair} --out {args.out}"
         entry = ledger_entry(result, args.pair, args.ledger_id, commit, command, datetime.date.today().isoformat())
         print(yaml.safe_dump([entry], sort_keys=False, allow_unicode=True, width=120))
         return

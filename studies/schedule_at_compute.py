@@ -1,0 +1,207 @@
+"""Issue 53: learning-rate schedules compared at a fixed compute, with paired seeds, on any CPU.
+
+A slow machine's 30 minutes are a number of updates of 4,096 target tokens, and a budget of updates reproduces them
+on any machine: each arm trains ``--updates`` updates of the embedded default (``multi30k-cpu``, its clock off),
+seeds paired, and is chosen and scored as the default is (N on dev, dev and test2016 with the config's beam search;
+no newstest2014, no export). Arms are override sets, data in ``studies/schedule_at_compute.yaml``; its ``baseline``
+(``paper``) is the one the others face. Each finished run leaves a record under ``--records`` (scores, dev and
+test2016 outputs, the schedule it trained with, machine, commit): commit them as they come, since run folders live
+only as long as the machine. ``compare`` reads the records alone: every arm against ``--baseline`` (``paper``) by
+the paired bootstrap pooled over the seeds, on dev (the choosing set) and test2016 (reported), each significant
+below 0.05 / the number of arms compared (Bonferroni; the sweeps' verdict, ``studies.common``).
+
+    python -m studies.schedule_at_compute runs --updates 780 --seeds 1 2 --work-dir /work/sched
+    python -m studies.schedule_at_compute compare --updates 780 --seeds 1 2 --out bench/results/schedule_780.json
+    python -m studies.schedule_at_compute runs --updates 4400 --speed bf16 --seeds 1 --arms budget slim   # a bf16 CPU
+    python -m studies.schedule_at_compute compare --updates 4400 --seeds 1 --arms default slim --baseline default
+    python -m studies.schedule_at_compute runs --tokens 3 --seeds 1 --arms narrow-lr2    # a budget of target tokens
+    python -m studies.schedule_at_compute compare --updates 2267 --seeds 1 --arms default cool --baseline default \
+        --default-records bench/results/default_e2e/multi30k-cpu_epyc-zen4_2026-11-28.json   # a Zen 4's own 30 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.harness import REPO, machine, write_record
+from pipeline.average import averaged_path
+from pipeline.config import resolve_config
+from pipeline.data import read_manifest
+from pipeline.evalsets import read_split
+from pipeline.evaluate import eval_dir
+from pipeline.fsutil import write_text
+from pipeline.provenance import short_commit
+from pipeline.workdir import build_inputs, run_dir
+from studies.common import load_arms, verdicts
+
+TEST = "test.test2016"
+DEFAULT = "default"  # compare only: the default's own runs at the bf16 CPUs' compute (see load_record)
+STUDY = load_arms("schedule_at_compute")
+CONFIG = STUDY["config"]
+
+
+def arm_overrides(arm: str) -> list[str]:
+    """An arm's overrides: its shared sets (``use``) in order, then its own."""
+    spec = STUDY["arms"][arm]
+    return [*(o for name in spec.get("use", []) for o in STUDY["shared"][name]), *spec.get("overrides", [])]
+
+
+ARMS = list(STUDY["arms"])
+
+
+def arm_steps(arm: str, updates: int, speed: str = "fp32", tokens: float | None = None) -> int:
+    """The updates ``arm`` trains in the time of ``updates`` updates of 4,096 target tokens of the preset's shape
+    on a CPU that trains in ``speed`` (fp32 or bf16); with ``tokens`` (millions of target tokens, the time-to-target
+    table's measure, which needs no throughput), the updates of the arm's update size that make them (nominally)."""
+    size = next((int(o.split("=")[1]) for o in arm_overrides(arm) if o.startswith("train.update_tokens=")), 4096)
+    if tokens is not None:
+        return round(tokens * 1e6 / size)
+    measured = STUDY["arms"][arm].get("speed", {})
+    if speed not in measured:
+        raise SystemExit(f"studies/schedule_at_compute.yaml: arm {arm!r} has no measured {speed} speed; measure it "
+                         f"first (python -m bench.bench_train --precision {speed}) and add it to the arm")
+    return round(updates * 4096 / size * measured[speed])
+
+
+# test2016 only: newstest2014 (news, out of the captions' domain) is the default's slowest evaluation and decides
+# nothing here
+TESTS = "data.test=[{name: test2016, format: text, path: multi30k/test2016}]"
+
+
+def overrides(arm: str, steps: int, seed: int, keep: int | None = None) -> list[str]:
+    keeping = [f"train.keep_last_checkpoints={keep}"] if keep else []
+    return [*arm_overrides(arm), "train.max_minutes=null", f"train.max_steps={steps}",
+            f"train.seed={seed}", "export.engine=none", TESTS, *keeping]
+
+
+def budget(args: argparse.Namespace) -> str:
+    """The budget's tag in record names: u<updates> (a class's compute) or t<millions>M (target tokens)."""
+    return f"t{args.tokens:g}M" if args.tokens is not None else f"u{args.updates}"
+
+
+def record_path(args: argparse.Namespace, arm: str, seed: int) -> Path:
+    return args.records / f"{arm}-{budget(args)}-seed{seed}.json"
+
+
+def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
+    """Train, choose and score one arm and seed (a finished run is reused), and write its record."""
+    steps = arm_steps(arm, args.updates, args.speed, args.tokens)
+    sets = overrides(arm, steps, seed, args.keep_checkpoints)
+    cmd = [sys.executable, "-m", "pipeline", "run", "--config", CONFIG, "--work-dir", str(args.work_dir),
+           *[a for o in sets for a in ("--set", o)]]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+    cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), *sets])
+    run_folder = run_dir(cfg, build_inputs(cfg).shards)
+    averaged = averaged_path(cfg, run_folder)
+    scores = eval_dir(cfg, averaged) / "scores.json"
+    splits = json.loads(scores.read_text(encoding="utf-8"))["splits"]
+    summary = json.loads((run_folder / "train_summary.json").read_text(encoding="utf-8"))
+    # the step budget is not part of a run's identity (a longer one extends the run): a finished run of this arm at
+    # another budget in the same work dir would be taken for this one
+    if summary["steps"] != steps:
+        raise SystemExit(f"{run_folder} holds a run of {summary['steps']} updates, not the {steps} asked for: the same "
+                         "arm at another budget in this --work-dir; give each budget its own --work-dir")
+    record = {"arm": arm, "seed": seed, "updates": summary["steps"], "overrides": sets, "machine": machine(None),
+              "commit": short_commit(), "schedule": summary["schedule"],
+              "train_seconds": summary["train_seconds"], "chosen_checkpoint": averaged.name,
+              "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
+              "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"], "test2016.chrf": splits[TEST]["chrf"]["score"],
+              "final_dev_nll": (summary.get("final_dev") or {}).get("dev_nll"),
+              "outputs": {s: (scores.parent / f"{s}.hyp").read_text(encoding="utf-8").splitlines()
+                          for s in ("dev", TEST)}}
+    path = record_path(args, arm, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+def load_record(args: argparse.Namespace, arm: str, seed: int) -> dict:
+    """The record of ``arm`` and ``seed``; ``default``: the default's own run at this compute, in this study's keys,
+    from ``--default-records``: a folder of the distillation study's original arm (the default's model and recipe at
+    the bf16 CPUs' 4,400 updates, ``original-seed<N>.json``, ``studies/distill.py students``), or one record of
+    the default job end to end (``ops/default_e2e.py``: a machine's own 30 minutes, its seed alone)."""
+    if arm != DEFAULT:
+        return json.loads(record_path(args, arm, seed).read_text(encoding="utf-8"))
+    e2e = args.default_records.is_file()
+    path = args.default_records if e2e else args.default_records / f"original-seed{seed}.json"
+    r = json.loads(path.read_text(encoding="utf-8"))
+    where = {"arm": DEFAULT, "seed": seed, "record": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else
+             str(path), "machine": r["machine"], "commit": r["commit"]}
+    if e2e:
+        # one run: it pairs with the arms' runs of its own seed only (the same batches)
+        ran = resolve_config(r["config"], r.get("overrides") or []).train.seed
+        if ran != seed:
+            raise SystemExit(f"{path}: the default's run of train.seed {ran}, not {seed}: compare --seeds {ran} "
+                             "against it, or give --default-records a folder of original-seed<N>.json")
+        summary, scores = r["train_summary"], r["scores"]
+        return {**where, "updates": summary["steps"], "train_seconds": round(summary["train_seconds"]),
+                "dev.sacrebleu": scores["dev"]["sacrebleu"], "test2016.sacrebleu": scores[TEST]["sacrebleu"],
+                "test2016.chrf": scores[TEST]["chrf"], "outputs": {"dev": r["outputs"]["dev"],
+                                                                   TEST: r["outputs"]["test2016"]}}
+    run = r["run"]
+    return {**where, "updates": run["updates"], "train_seconds": round(run["train_hours"] * 3600),
+            "dev.sacrebleu": run["dev.sacrebleu"], "test2016.sacrebleu": run["test2016.sacrebleu"],
+            "test2016.chrf": run["test2016.chrf"], "outputs": r["outputs"]}
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Every arm against ``--baseline`` from the records: per-seed scores and the pooled paired bootstrap."""
+    records = {(a, s): load_record(args, a, s) for a in args.arms for s in args.seeds}
+    cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), TESTS])
+    corpus = build_inputs(cfg).corpus
+    refs = {split: read_split(corpus, read_manifest(corpus), split)[1] for split in ("dev", TEST)}
+    runs = [{k: v for k, v in r.items() if k != "outputs"} for r in records.values()]
+    keys = ("dev.sacrebleu", "test2016.sacrebleu", "test2016.chrf", "updates", "train_seconds")
+    means = {arm: {k: round(sum(records[arm, s][k] for s in args.seeds) / len(args.seeds), 2) for k in keys}
+             for arm in args.arms}
+    base = args.baseline
+    splits = ("dev", TEST)
+    outputs = {a: {split: [records[a, s]["outputs"][split] for s in args.seeds] for split in splits} for a in args.arms}
+    claims = [(base, arm, f"{arm} against {base}") for arm in args.arms if arm != base]
+    return write_record(args.out, {"budget": budget(args), "seeds": args.seeds, "runs": runs, "means": means,
+                                   "significance": verdicts(claims, outputs, refs, splits, args.seeds)}, None, args)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("phase", choices=["runs", "compare"])
+    p.add_argument("--updates", type=int, default=780, help="updates per run (the compute of the class studied)")
+    p.add_argument("--tokens", type=float, default=None, metavar="M",
+                   help="instead of --updates' compute: the updates of each arm's train.update_tokens that make M "
+                        "million target tokens, whatever its speed (the time-to-target table's budget; batches hold "
+                        "a few percent fewer: the run's metrics count the real tokens)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--speed", choices=["fp32", "bf16"], default="fp32",
+                   help="the class whose compute --updates measures: fp32 (AVX2 only) or bf16 (bf16 matrix units)")
+    p.add_argument("--arms", nargs="+", default=ARMS, choices=[*ARMS, DEFAULT],
+                   help=f"{DEFAULT} (compare only): the default's runs at 4,400 updates, from --default-records")
+    p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
+                   help="runs: keep the last N checkpoints (every 100 updates) for python -m bench.learning_curve; the "
+                        "choice of N averaged still takes the last 1/5/10/20")
+    p.add_argument("--work-dir", type=Path, default=REPO / "runs" / "schedule-at-compute")
+    p.add_argument("--records", type=Path, default=REPO / "bench" / "results" / "schedule_at_compute")
+    p.add_argument("--out", type=Path, default=None, help="compare: the result JSON")
+    p.add_argument("--baseline", default=STUDY["baseline"], choices=[*ARMS, DEFAULT],
+                   help="compare: the arm the others face")
+    p.add_argument("--default-records", type=Path, default=REPO / "bench" / "results" / "distill_study" / "en-de",
+                   help="compare: where the default's runs at this compute are: a folder of original-seed<N>.json "
+                        "(4,400 updates), or a ops/default_e2e.py record (a machine's own 30 minutes, one seed)")
+    args = p.parse_args()
+    args.work_dir = args.work_dir.resolve()
+    if args.phase == "compare":
+        compare(args)
+        return
+    if DEFAULT in args.arms:
+        p.error(f"{DEFAULT} is not run here: its records come from studies/distill.py students --arms original")
+    for seed in args.seeds:  # seed by seed: an interrupted study leaves paired arms
+        for arm in args.arms:
+            print(f"record: {run(args, arm, seed)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
