@@ -10,9 +10,8 @@ most ``max_tokens`` = sentences x longest pair) over synthetic sentence pairs of
 length the source's times U(0.8, 1.25), each side framed with bos/eos as :func:`pipeline.train.make_batch` does.
 An update holds ~25,000 target tokens (``train.update_tokens``), the paper's batch. Each preset runs with every
 ``--max-tokens`` (default: the config's ``train.max_tokens``, i.e. several micro-batches per update, and
-``train.update_tokens``, i.e. one micro-batch per update, which a GPU's memory allows), eager and, with
-``--compile``, under ``train.compile=true`` (``torch.compile`` as the trainer applies it; compiled variants run
-last, their compile time is the reported warm-up). ``--warmup`` updates are untimed; then ``--steps`` updates
+``train.update_tokens``, i.e. one micro-batch per update, which a GPU's memory allows). ``--warmup`` updates are
+untimed; then ``--steps`` updates
 run twice. The first pass meets every batch shape for the first time, and eager CUDA pays a one-off host cost
 per new shape, so it is reported only as "1st pass s/update". The second pass over the same updates is the
 measurement: it is the steady state of a long run, whose batch shapes recur. Its updates run back to back
@@ -36,7 +35,7 @@ bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.inference.dec
 Needs a CUDA device (it exits with a message otherwise); not part of the tests or CI.
 
     python -m bench.bench_gpu                                  # base and big, eager
-    python -m bench.bench_gpu --presets base big --steps 30 --compile --out bench/results/gpu_h100.md
+    python -m bench.bench_gpu --presets base big --steps 30 --out bench/results/gpu_h100.md
 """
 
 from __future__ import annotations
@@ -121,23 +120,19 @@ def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argpa
 # --------------------------------------------------------------------------------------------- training
 
 
-def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, args: argparse.Namespace,
+def bench_train(preset: str, max_tokens: int, precision: str, args: argparse.Namespace,
                 lever: str | None = None) -> dict:
     """``warmup`` untimed updates of our TrainStep in ``precision`` (bf16 autocast or fp32), then ``args.steps``
     updates twice (first pass: new shapes; second pass, timed: the same shapes again); one result row. ``lever``:
     one more config override, or several joined by commas (``--levers``), measured against the same variant
     without it."""
-    overrides = [f"train.max_tokens={max_tokens}", f"train.compile={str(compiled).lower()}",
-                 f"train.precision={precision}", *(lever.split(",") if lever else [])]
+    overrides = [f"train.max_tokens={max_tokens}", f"train.precision={precision}", *(lever.split(",") if lever else [])]
     cfg = load_config(f"wmt14-en-de-{preset}", overrides)
-    compiled = cfg.train.compile is not False  # a lever may compile (train.compile=layers)
     info = setup()
-    if compiled:
-        torch._dynamo.reset()  # a fresh cache per model: earlier variants' graphs must not use up the recompile limit
-    warmup = max(args.warmup, args.compile_warmup) if compiled else args.warmup
+    warmup = args.warmup
     groups = synthetic_updates(cfg, max_tokens, warmup + args.steps, args)
     torch.manual_seed(0)
-    model = Transformer(cfg.tokenizer.vocab_size, cfg.tokenizer.special.pad, **cfg.model.model_dump()).to(info.device)
+    model = Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, cfg.tokenizer.special.pad)).to(info.device)
     step_fn = TrainStep(model, cfg, info, cfg.tokenizer.special.pad)
     dev = info.device
 
@@ -185,7 +180,7 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, ar
     fpt = model.flops_per_token(n_src / n_sent, n_tgt / n_sent)  # the trainer's MFU formula
     peak = peak_flops(dev)
     row = {
-        "preset": preset, "variant": ("compile" if compiled else "eager") + (f" + {lever}" if lever else ""),
+        "preset": preset, "variant": "eager" + (f" + {lever}" if lever else ""),
         "precision": precision,
         "max_tokens": max_tokens,
         "accumulation": len(timed[0]), "updates": len(timed), "params": model.num_parameters(),
@@ -199,8 +194,6 @@ def bench_train(preset: str, max_tokens: int, compiled: bool, precision: str, ar
         "first_pass_s_per_update": first_pass_s / len(timed),
         "loss_per_token": float(loss[0]) / n_tgt,
     }
-    if compiled:
-        row["dynamo_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     step_fn = model = groups = None  # free GPU memory for the next variant (update() closes over these names)
     torch.cuda.empty_cache()
     return row
@@ -222,7 +215,8 @@ def _ctranslate2(base: Transformer, precision: str, vocab_size: int, sp, out_dir
     pieces = [f"p{i}" for i in range(vocab_size)]
     for name in ("pad", "unk", "bos", "eos"):
         pieces[getattr(sp, name)] = f"<{name}>"
-    state = {"model": {k: v.detach().float().cpu() for k, v in base.state_dict().items()}, "model_config": base.config}
+    state = {"model": {k: v.detach().float().cpu() for k, v in base.state_dict().items()},
+             "model_config": base.config.to_dict()}
     spec = transformer_spec(state, pieces, {k: f"<{k}>" for k in ("pad", "unk", "bos", "eos")})
     spec.validate()
     spec.optimize(quantization=CT2_COMPUTE[precision])
@@ -242,7 +236,7 @@ def bench_decode(preset: str, precision: str, search: str, args: argparse.Namesp
     info = setup()
     dev, sp, d = info.device, cfg.tokenizer.special, cfg.decode
     torch.manual_seed(0)  # the same random model for every search
-    base = Transformer(cfg.tokenizer.vocab_size, sp.pad, **cfg.model.model_dump()).to(dev).eval()
+    base = Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, sp.pad)).to(dev).eval()
     gen = torch.Generator().manual_seed(1)  # and the same sources
 
     def sources() -> torch.Tensor:  # (batch, longest + 1): ids + eos, right-padded
@@ -388,10 +382,6 @@ def main() -> None:
                    help="train.max_tokens values to run (default: the config's, and train.update_tokens)")
     p.add_argument("--train-precisions", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                    help="train.precision values to run (bf16 autocast; fp32, the paper's)")
-    p.add_argument("--compile", action="store_true", help="also run each variant with train.compile=true (last)")
-    p.add_argument("--compile-warmup", type=int, default=8, help="untimed updates for compiled variants")
-    p.add_argument("--time-budget", type=float, help="seconds after which compiled variants not yet started are "
-                   "skipped (so that a run under a wall-clock limit still reports)")
     p.add_argument("--min-len", type=int, default=10, help="shortest synthetic source sentence (tokens)")
     p.add_argument("--max-len", type=int, default=60, help="longest synthetic source sentence (tokens)")
     p.add_argument("--no-decode", action="store_true", help="skip the decoding benchmark")
@@ -409,7 +399,6 @@ def main() -> None:
         sys.exit("bench_gpu.py: no CUDA device visible (torch.cuda.is_available() is False; torch "
                  f"{torch.__version__}). This benchmark needs a GPU; it is not part of the tests or CI.")
 
-    started = time.perf_counter()
     dev = setup().device
     props = torch.cuda.get_device_properties(dev)
     peak = peak_flops(dev)
@@ -444,23 +433,16 @@ def main() -> None:
             variants.append((preset, mt))
     for preset, mt in variants:
         for precision in args.train_precisions:
-            attempt("train", f"train {preset} {precision} eager max_tokens={mt}", bench_train, preset, mt, False,
+            attempt("train", f"train {preset} {precision} eager max_tokens={mt}", bench_train, preset, mt,
                     precision, args)
         for lever in args.levers:  # each lever on its own, next to the bf16 eager row it changes
             attempt("train", f"train {preset} bf16 eager + {lever} max_tokens={mt}", bench_train, preset, mt,
-                    False, "bf16", args, lever)
+                    "bf16", args, lever)
     if not args.no_decode:
         for precision in ("fp32", "bf16"):
             for search in ("dynamic", "static", "ctranslate2"):  # the same random model and sources: side by side
                 attempt("decode", f"decode {args.decode_preset} {precision} {search}", bench_decode,
                         args.decode_preset, precision, search, args)
-    if args.compile:  # largest batches first: the GPU's setting matters most if the time budget runs out
-        for preset, mt in sorted(variants, key=lambda v: (-v[1], args.presets.index(v[0]))):
-            if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
-                res["errors"].append(f"train {preset} bf16 compile max_tokens={mt}: skipped (--time-budget)")
-                continue
-            attempt("train", f"train {preset} bf16 compile max_tokens={mt}", bench_train, preset, mt, True, "bf16",
-                    args)
     res["train"].sort(key=lambda r: (args.presets.index(r["preset"]), r["max_tokens"], r["precision"], r["variant"]))
     write(res, args.out)
     print()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.harness import alternate, child_command, common_flags, emit, median, ratio, write_record
-from model import LabelSmoothedCrossEntropy, Transformer
+from model import LabelSmoothedCrossEntropy, Transformer, TransformerConfig
 
 PAD, BOS, EOS = 0, 2, 3
 SIZES = {  # the presets' model sections (configs/presets/tiny.yaml, base.yaml)
@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
     src, tgt_in, tgt_out = make_batch(args.tokens, args.mean_len, args.len_spread, args.vocab)
     n_tokens = int(tgt_out.ne(PAD).sum())
     if args.worker == "ours":
-        model = Transformer(args.vocab, PAD, **SIZES[args.size])
+        model = Transformer(TransformerConfig(args.vocab, PAD, **SIZES[args.size]))
         criterion = LabelSmoothedCrossEntropy(0.1, PAD)
 
         def loss_fn() -> torch.Tensor:

@@ -52,7 +52,7 @@ def child(args: argparse.Namespace) -> None:
     ds = ShardDataset(args.shards, "train", verify=False)
     batches = usable_batches(ds, args.max_tokens, cfg.model.max_positions, seed=1, epoch=0)[: args.warmup + args.steps]
     torch.manual_seed(0)
-    model = Transformer(ds.manifest["tokenizer"]["vocab_size"], ds.special.pad, **cfg.model.model_dump())
+    model = Transformer(cfg.model.architecture(ds.manifest["tokenizer"]["vocab_size"], ds.special.pad))
     if args.impl == "ours":
         trainer = TrainStep(model, cfg, info, ds.special.pad)
 

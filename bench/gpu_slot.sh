@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU comparison of issue 42 in one call of about 8 minutes on one H100 or H200: where a training update and a
 # beam-search call spend the GPU's time (profile_gpu.py), then the training levers beside the default update
-# (autocast instead of the bf16 copy, the grouped Adam instead of the fused one, train.compile=layers;
+# (autocast instead of the bf16 copy, the grouped Adam instead of the fused one;
 # train.fused_output_loss, a memory lever, is in the results ledger's L28) and the decoding searches (dynamic,
 # static with CUDA graphs, CTranslate2) side by side (bench_gpu.py), at the paper presets' shape
 # (train.max_tokens: update).
@@ -26,5 +26,5 @@ mkdir -p "$out"
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))") || exit 1
 timeout 200 python3 -m bench.profile_gpu --updates 3 --out "$out/profile_gpu_$gpu.md"
 timeout 300 python3 -m bench.bench_gpu --presets base big --steps 10 --train-precisions bf16 \
-  --levers train.bf16_copy=off train.fused_adam=false train.compile=layers \
+  --levers train.bf16_copy=off train.fused_adam=false \
   --out "$out/gpu_levers_$gpu.md"

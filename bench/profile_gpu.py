@@ -104,7 +104,7 @@ def profile_train(cfg: RunConfig, preset: str, max_tokens: int, args: argparse.N
     info = setup()
     groups = synthetic_updates(cfg, max_tokens, args.warmup + args.updates, args)
     torch.manual_seed(0)
-    model = Transformer(cfg.tokenizer.vocab_size, cfg.tokenizer.special.pad, **cfg.model.model_dump()).to(device)
+    model = Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, cfg.tokenizer.special.pad)).to(device)
     step_fn = TrainStep(model, cfg, info, cfg.tokenizer.special.pad)
 
     def update(group) -> None:
@@ -143,7 +143,7 @@ def profile_decode(preset: str, search: str, args: argparse.Namespace, device: t
     cfg = load_config(f"wmt14-en-de-{preset}") if preset != "tiny" else load_config("multi30k-cpu")
     sp, d = cfg.tokenizer.special, cfg.decode
     torch.manual_seed(0)
-    base = Transformer(cfg.tokenizer.vocab_size, sp.pad, **cfg.model.model_dump()).to(device).eval()
+    base = Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, sp.pad)).to(device).eval()
     model = decoding_model(base, "bf16" if device.type == "cuda" else "fp32")
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(args.decode_src_len - 5, args.decode_src_len + 6, (args.decode_batch,), generator=gen)

@@ -71,7 +71,7 @@ def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Na
     batches = usable_batches(ds, args.max_tokens, cfg.model.max_positions, seed=1, epoch=0)
     batches = batches[: args.warmup + args.updates]
     torch.manual_seed(0)
-    model = Transformer(vocab, ds.special.pad, **cfg.model.model_dump())
+    model = Transformer(cfg.model.architecture(vocab, ds.special.pad))
     step = TrainStep(model, cfg, info, ds.special.pad)
 
     def update(idx) -> tuple[int, int, int]:

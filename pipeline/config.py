@@ -449,12 +449,6 @@ class TrainConfig(_Strict):
         "champion: start from the weights of the registered model's current champion (reusing its tokenizer so "
         "the vocabularies match); the schedule, warm-up included, still runs from step 0. None = a random "
         "initialisation (the paper, which trains from scratch)."))
-    compile: bool | Literal["layers"] = Field(default=False, description=(
-        "Run the model under torch.compile: true compiles the whole model; layers compiles each encoder and decoder "
-        "layer on its own (the layers share their code, so it compiles once per layer kind: far shorter). Off by "
-        "default: the default was chosen by measurement (see the results ledger)."))
-    # why off: on the 2-core CPU compiled steps were no faster than eager ones, after a long compile and a
-    # recompile for dynamic batch shapes
     fused_output_loss: bool = Field(default=False, description=(
         "Compute the pre-softmax linear transformation and the label-smoothed loss together, chunk by chunk, so "
         "that the (tokens x vocabulary) logits and their gradient never exist whole: less memory (a larger "
@@ -477,7 +471,7 @@ class TrainConfig(_Strict):
     # to the config does not rename every run folder. Budgets: raising one continues the run.
     NOT_RUN_IDENTITY: ClassVar[frozenset[str]] = frozenset({
         "max_steps", "max_minutes", "log_every_steps", "dev_every_steps", "dev_max_sentences", "max_nonfinite_updates",
-        "compile", "fused_output_loss", "fused_adam"})
+        "fused_output_loss", "fused_adam"})
 
     @property
     def budget_schedule(self) -> bool:

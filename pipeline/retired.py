@@ -44,9 +44,11 @@ RETIRED: tuple[Retired, ...] = (
     Retired("model.qk_norm", False, "734e28a", "L59"),
     Retired("model.zero_init_output", False, "734e28a", "L59, L60"),
     # Muon over the layers' weight matrices
-    Retired("train.optimizer", "adam", "734e28a", "L41, L50"),
-    Retired("train.muon_momentum", 0.95, "734e28a", "L41, L50"),
-    Retired("train.muon_lr_scale", 1.0, "734e28a", "L41, L50"),
+    Retired("train.optimizer", "adam", "734e28a", "L41, L42, L50"),
+    Retired("train.muon_momentum", 0.95, "734e28a", "L41, L42, L50"),
+    Retired("train.muon_lr_scale", 1.0, "734e28a", "L41, L42, L50"),
+    # torch.compile of the whole model or of each layer
+    Retired("train.compile", False, "734e28a", "L07, L20, L28, L53"),
 )
 
 

@@ -911,24 +911,6 @@ def test_bf16_copy_or_autocast_both_train_and_keep_fp32_weights(shared_data, sha
 
 
 @pytest.mark.integration
-def test_compiling_the_layers_computes_the_eager_loss_and_gradients(shared_data, shards):
-    """train.compile=layers: each encoder and decoder layer compiled on its own (torch.compile, inductor), the rest
-    eager; the same loss and gradients as eager to float32 rounding (one batch shape: one compilation)."""
-    cfg = config(shared_data, "model.dropout=0.0", "train.precision=fp32")
-    ds, info, model, ids = lever_setup(cfg, shards)
-    micro = [make_batch(ds, ids[0], info.device)]
-    out = {}
-    for mode in (False, "layers"):
-        step = lever_step(cfg, model, info, ds.special.pad, compile=mode)
-        sums, _ = step.accumulate(micro)
-        out[mode] = sums, {n: p.grad for n, p in step.model.named_parameters()}
-    assert all(hasattr(layer, "_compiled_call_impl") and layer._compiled_call_impl is not None
-               for layer in step.work.encoder.layers)  # compiled in place
-    torch.testing.assert_close(out["layers"][0], out[False][0], atol=1e-4, rtol=1e-5)
-    assert_close_except_key_biases(out[False][1], out["layers"][1], atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.integration
 def test_max_tokens_update_takes_the_update_in_one_micro_batch_per_process(shared_data, small_stack, tmp_path):
     """train.max_tokens=update (the paper presets'): no accumulation, each update one batch of at most
     train.update_tokens positions on one process, into the next epoch."""

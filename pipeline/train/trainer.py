@@ -132,11 +132,7 @@ class TrainStep:
         self.ddp = (DistributedDataParallel(self.work,
                                             device_ids=[info.device] if info.device.type == "cuda" else None)
                     if info.distributed else None)
-        net = self.ddp if self.ddp is not None else self.work
-        if t.compile == "layers":  # regional compilation: the layers in place, the rest eager
-            for layer in (*self.work.encoder.layers, *self.work.decoder.layers):
-                layer.compile()
-        self.net = torch.compile(net) if t.compile is True else net
+        self.net = self.ddp if self.ddp is not None else self.work
         self.criterion = LabelSmoothedCrossEntropy(t.label_smoothing, pad_id)
         self.rdrop_alpha = t.rdrop_alpha
         self.passes = 2 if t.rdrop_alpha > 0 else 1  # R-Drop: each batch twice, under independent dropout

@@ -74,6 +74,14 @@ class Significance(_Strict):
     test: str
 
 
+class Retirement(_Strict):
+    """Options an entry measured that left the product (the exit rule: docs/explanation/architecture.md); their
+    code is at ``commit``."""
+
+    options: list[str]
+    commit: str
+
+
 class Entry(_Strict):
     id: str
     topic: str | None = None  # a key of the ledger's topics (required where the ledger has topics)
@@ -90,6 +98,7 @@ class Entry(_Strict):
     significance: list[Significance] = []
     files: list[str] = []
     supersedes: list[str] = []
+    retired: Retirement | None = None  # the options it measured that have since left the product
     notes: str | None = None
 
     @field_validator("id")
@@ -311,6 +320,9 @@ def _entry_section(e: Entry, current: list[str], superseded_by: str | None) -> l
         lines.append(f"- config: `{e.config}`")
     if e.supersedes:
         lines.append("- supersedes: " + ", ".join(f"[{s}](#{s.lower()})" for s in e.supersedes))
+    if e.retired:
+        lines.append(f"- retired from the product: {', '.join(f'`{o}`' for o in e.retired.options)}; the code is at "
+                     f"commit `{e.retired.commit}`")
     if e.files:
         lines.append("- files: " + ", ".join(f"`{f}`" for f in e.files))
     lang = "text" if e.commands[0].startswith("not recorded") else "bash"
