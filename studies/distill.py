@@ -38,35 +38,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
-
 
 from sacrebleu.metrics import BLEU
 import torch
 
-from bench.harness import REPO
-from pipeline.speed import cpu_features, cpu_name
-from pipeline.average import averaged_path
+from bench.harness import REPO, write_record
+from pipeline.speed import cpu_features
 from pipeline.config import RunConfig, resolve_config
+from pipeline.average import averaged_path
 from pipeline.data import read_manifest
 from pipeline.engines import CTranslate2Engine
-from pipeline.evaluate import eval_dir
 from pipeline.evalsets import read_split
 from pipeline.export import export_checkpoint
-from pipeline.fsutil import disk_mb, write_text
+from pipeline.fsutil import disk_mb
 from pipeline.inference import load_model, load_models, translate
 from pipeline.tokenize import Tokenizer
 from pipeline.provenance import short_commit
 from pipeline.workdir import build_inputs, run_dir
-from studies.common import load_arms, verdicts
+from studies.common import (TEST, Scored, StudyRecord, evaluation, flat_scores, load_arms, pipeline,
+                            read_record, references, run_record, runs_machine, verdicts, write_study_record)
 
 # Per language pair: the teachers' config (the current default) and each student arm's config
 PAIRS = {pair: (spec["teachers"], spec["arms"]) for pair, spec in load_arms("distill")["pairs"].items()}
-TEST = "test.test2016"
 GPU_ARM = "gpu-distilled"  # the student on a GPU teacher's translations (--translations), issue 55
 # the student on those translations and the human references together (distill.keep_original): the distilled arms
 # gained on dev and not on test2016 (L52), the human targets keep what the teachers' outputs smooth away
@@ -75,13 +70,6 @@ GPU_ARMS = (GPU_ARM, MIXED_ARM)
 # Each student arm is measured with its config's search and greedy (a distilled student is often decoded greedily:
 # Kim & Rush 2016); the teachers with their config's.
 SEARCHES = {"beam": [], "greedy": ["decode.beam_size=1"]}
-
-
-def pipeline(*args: str) -> None:
-    """One ``python -m pipeline`` command, its output on this terminal; a failure stops the study."""
-    cmd = [sys.executable, "-m", "pipeline", *args]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
 
 
 class Study:
@@ -151,7 +139,7 @@ def phase_students(study: Study) -> None:
     for seed in study.seeds:  # seed by seed: an interrupted study leaves paired arms
         for arm, config in study.students.items():
             pipeline("run", *study.flags(config, study.arm_overrides(arm, seed)))
-            write_record(study, arm, seed)
+            save_record(study, arm, seed)
 
 
 def record_path(study: Study, arm: str, seed: int) -> Path:
@@ -161,44 +149,27 @@ def record_path(study: Study, arm: str, seed: int) -> Path:
     return next((q for q in paths if q.is_file()), paths[0])
 
 
-def run_row(cfg: RunConfig, averaged: Path, seed: int) -> tuple[dict, dict[str, list[str]]]:
-    """A finished run's row (seed, dev and test2016 scores, its checkpoint, updates and hours) and its outputs of
-    dev and test2016, as its evaluation (``eval_dir``) wrote them."""
-    scores = eval_dir(cfg, averaged) / "scores.json"
-    splits = json.loads(scores.read_text(encoding="utf-8"))["splits"]
-    row = {"seed": seed, "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
-           "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"], "test2016.chrf": splits[TEST]["chrf"]["score"],
-           "checkpoint": str(averaged), **_run_cost(averaged)}
-    return row, {split: _hypotheses(scores, split) for split in ("dev", TEST)}
-
-
-def write_record(study: Study, arm: str, seed: int) -> Path:
-    """One finished run's evidence as a small file under ``--records`` (commit it): its row, its outputs of dev
-    and test2016 (what the pooled bootstrap reads), the same model's row and outputs with each other search of
-    ``SEARCHES`` (greedy), the machine and the commit it ran at. Run again on a finished run, it decodes what an
-    older record lacks. A record outlives the run folder, so a study whose machine is lost keeps every run it
-    finished (the ``quality`` phase reads them)."""
-    config = study.students[arm]
-    cfg = study.config(config, study.arm_overrides(arm, seed))
-    averaged = study.averaged(cfg)
-    row, outputs = run_row(cfg, averaged, seed)
+def save_record(study: Study, arm: str, seed: int) -> Path:
+    """One finished run's record under ``--records`` (:class:`studies.common.StudyRecord`: commit it), with the
+    same model decoded with each other search of ``SEARCHES`` (greedy). Run again on a finished run, it decodes
+    what an older record lacks. A study whose machine is lost keeps every run it finished (the ``quality`` phase
+    reads the records)."""
+    config, overrides = study.students[arm], study.arm_overrides(arm, seed)
+    averaged = study.averaged(study.config(config, overrides))
     searches = {}
     for search, extra in SEARCHES.items():
         if extra:  # the chosen model decoded again with this search (the run evaluated with its config's)
-            overrides = [*study.arm_overrides(arm, seed), *extra]
-            pipeline("evaluate", *study.flags(config, overrides), "--checkpoint", str(averaged))
-            search_row, search_outputs = run_row(study.config(config, overrides), averaged, seed)
-            searches[search] = {"run": search_row, "outputs": search_outputs}
-    record = {"pair": study.pair, "arm": arm, "config": config, "machine": cpu_name(), "cpus": os.cpu_count(),
-              "commit": short_commit(), "run": row, "outputs": outputs, "searches": searches}
-    path = record_path(study, arm, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, json.dumps(record, ensure_ascii=False) + "\n")
-    return path
+            pipeline("evaluate", *study.flags(config, [*overrides, *extra]), "--checkpoint", str(averaged))
+            searches[search] = evaluation(study.config(config, [*overrides, *extra]), averaged)
+    record = run_record("distill", arm, seed, config, overrides, study.config(config, overrides), averaged, searches,
+                        pair=study.pair)
+    return write_study_record(record, record_path(study, arm, seed))
 
 
-def _hypotheses(scores: Path, split: str) -> list[str]:
-    return (scores.parent / f"{split}.hyp").read_text(encoding="utf-8").splitlines()
+def row(record: StudyRecord, search: Scored | None = None) -> dict:
+    """A run's row in a result: seed, scores (``search``'s, else its config's search's), updates, hours."""
+    return {**record.row(), **flat_scores((search or record).scores),
+            "train_hours": round(record.run["train_seconds"] / 3600, 2)}
 
 
 def speed(cfg: RunConfig, checkpoints: list[Path], tokenizer: Path, sources: list[str], threads: int,
@@ -231,44 +202,39 @@ def phase_measure(study: Study, out: Path | None) -> dict:
     # the teacher ensemble, evaluated as one model (the CLI writes scores.json beside its first member)
     pipeline("evaluate", *study.flags(study.teacher_config, study.teacher_overrides(1)),
              *[a for t in teachers for a in ("--checkpoint", str(t))])
-    result: dict = {"machine": cpu_name(), "cpus": os.cpu_count(), "seeds": study.seeds, "teachers": {}, "arms": {}}
+    result: dict = {"seeds": study.seeds, "teachers": {}, "arms": {}}
     # one teacher is its own ensemble: measured once
     named = {"teacher-1": teachers[:1]} | ({f"teacher-ensemble-{len(teachers)}": teachers} if len(teachers) > 1 else {})
     for name, members in named.items():
-        scores = json.loads((eval_dir(tcfg, members) / "scores.json").read_text())
         result["teachers"][name] = {
-            "dev.sacrebleu": scores["splits"]["dev"]["sacrebleu"]["score"],
-            "test2016.sacrebleu": scores["splits"][TEST]["sacrebleu"]["score"],
-            "test2016.chrf": scores["splits"][TEST]["chrf"]["score"],
+            **flat_scores(evaluation(tcfg, members).scores),
             "size_mb.float32": round(sum(disk_mb(m) for m in members), 2),
             **{f"speed.{k}.threads{t}": v for t in (1, 2)
                for k, v in speed(tcfg, members, tokenizer, sources, t, None).items()}}
-    refs = references(study)
-    outputs: dict[str, dict[str, list]] = {}  # "<arm>" (the config's search) and "<arm>.greedy": per split
+    refs = references(tcfg)
+    runs: dict[str, list[StudyRecord]] = {}  # "<arm>" (the config's search) and "<arm>.greedy": per seed
     for arm, config in study.students.items():
         result["arms"][arm] = {"config": config}
         for search, extra in SEARCHES.items():
             key = arm if search == "beam" else f"{arm}.{search}"
-            rows, outputs[key] = [], {"dev": [], TEST: []}
+            runs[key] = []
             for seed in study.seeds:
                 overrides = [*study.arm_overrides(arm, seed), *extra]
-                cfg = study.config(config, overrides)
                 # the model the run chose (with its config's search), decoded here with this one
                 averaged = study.averaged(study.config(config, study.arm_overrides(arm, seed)))
                 if extra:  # the run evaluated with its config's search; this one is decoded here
                     pipeline("evaluate", *study.flags(config, overrides), "--checkpoint", str(averaged))
-                row, hypotheses = run_row(cfg, averaged, seed)
-                for split in ("dev", TEST):
-                    outputs[key][split].append(hypotheses[split])
-                rows.append(row)
+                runs[key].append(run_record("distill", arm, seed, config, overrides, study.config(config, overrides),
+                                            averaged))
             cfg = study.config(config, [*study.arm_overrides(arm, study.seeds[0]), *extra])
-            averaged = Path(rows[0]["checkpoint"])
+            averaged = Path(runs[key][0].run["checkpoint"])
             export = study.work / "exports" / f"{key}-seed{study.seeds[0]}-int8"  # kept beside the runs it measures
             student_tokenizer = build_inputs(cfg).tokenizer
             export_checkpoint(averaged, student_tokenizer, "int8", export, cfg.export.batch_sentences, cfg.decode)
             measured = {t: speed(cfg, [averaged], student_tokenizer, sources, t, export) for t in (1, 2)}
             result["arms"][arm][search] = {
-                "decode": cfg.decode.model_dump(include={"beam_size", "length_penalty"}), "runs": rows,
+                "decode": cfg.decode.model_dump(include={"beam_size", "length_penalty"}),
+                "runs": [row(r) for r in runs[key]],
                 "parameters": load_model(averaged).num_parameters(), "size_mb.float32": disk_mb(averaged),
                 "size_mb.int8_export": disk_mb(export),
                 # the int8 export's own translations of test2016 (seed 1), scored as the evaluation scores
@@ -276,66 +242,59 @@ def phase_measure(study: Study, out: Path | None) -> dict:
                     measured[2].pop("ct2_int8_hypotheses"), [refs[TEST]]).score, 2),
                 **{f"speed.{k}.threads{t}": v for t, m in measured.items() for k, v in m.items()
                    if not k.endswith("hypotheses")}}
-    result["significance"] = significance(outputs, refs)
-    return _write(result, out)
+    result["significance"] = significance(runs, refs)
+    return write(result, out)
 
 
-def significance(outputs: dict[str, dict[str, list[list[str]]]], refs: dict[str, list[str]]) -> list[dict]:
+def significance(runs: dict[str, list[Scored]], refs: dict[str, list[str]]) -> list[dict]:
     """Every arm (and search) against the original arm, each arm's greedy search against its own beam search
     (what greedy costs that arm), and the mixed arm against the GPU-distilled one (what the human pairs add), by
-    the paired bootstrap pooled over the seeds, on dev and test2016; ``outputs[key][split]``: each seed's outputs,
-    in the seeds' order. None without the original arm."""
-    if "original" not in outputs:
+    the paired bootstrap pooled over the seeds, on dev and test2016; ``runs[key]``: each seed's evaluation, in the
+    seeds' order. None without the original arm."""
+    if "original" not in runs:
         return []
-    claims = [("original", k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in outputs
+    claims = [("original", k, f"{k.replace('.greedy', ' (greedy)')} against original") for k in runs
               if k != "original"]
-    claims += [(arm, k, f"{arm} (greedy) against {arm} (beam)") for k in outputs
+    claims += [(arm, k, f"{arm} (greedy) against {arm} (beam)") for k in runs
                if k.endswith(".greedy") and (arm := k.removesuffix(".greedy")) != "original"]  # original's is above
-    claims += [(GPU_ARM, MIXED_ARM, f"{MIXED_ARM} against {GPU_ARM}")] if {GPU_ARM, MIXED_ARM} <= set(outputs) else []
-    seeds = list(range(1, len(next(iter(outputs.values()))["dev"]) + 1))  # paired by position
-    return verdicts(claims, outputs, refs, ("dev", TEST), seeds)
+    claims += [(GPU_ARM, MIXED_ARM, f"{MIXED_ARM} against {GPU_ARM}")] if {GPU_ARM, MIXED_ARM} <= set(runs) else []
+    seeds = list(range(1, len(runs["original"]) + 1))  # paired by position
+    return verdicts(claims, runs, refs, seeds)
 
 
-def _write(result: dict, out: Path | None) -> dict:
-    print(json.dumps(result, indent=2))
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_text(out, json.dumps(result, indent=2) + "\n")
-    return result
+def write(result: dict, out: Path | None) -> dict:
+    """The result under the harness's provenance header (a quality result keeps its runs' machine), to ``out``
+    (:func:`bench.harness.write_record`); printed without it."""
+    record = write_record(out, result, None)
+    if out is None:
+        print(json.dumps(record, indent=2))
+    return record
 
 
-def references(study: Study) -> dict[str, list[str]]:
-    """The human references of dev and test2016 as the evaluation scores them (raw), from the corpus the teachers'
-    config prepares."""
-    corpus = build_inputs(study.config(study.teacher_config, study.teacher_overrides(1))).corpus
-    return {split: read_split(corpus, read_manifest(corpus), split)[1] for split in ("dev", TEST)}
-
-
-def quality_result(records: list[dict], refs: dict[str, list[str]]) -> dict:
-    """The quality half of a study from its runs' records (``write_record``): every arm's runs in the seeds'
-    order (greedy too where every seed's record holds it), and the pooled paired bootstrap against the original
-    arm; no teachers, speed or size (those need the runs themselves: the ``measure`` phase). Every arm needs a
-    record for every seed the original arm has."""
-    by_arm: dict[str, dict[int, dict]] = {}
+def quality_result(records: list[StudyRecord], refs: dict[str, list[str]]) -> dict:
+    """The quality half of a study from its runs' records: every arm's runs in the seeds' order (greedy too where
+    every seed's record holds it), and the pooled paired bootstrap against the original arm; no teachers, speed or
+    size (those need the runs themselves: the ``measure`` phase). Every arm needs a record for every seed the
+    original arm has."""
+    by_arm: dict[str, dict[int, StudyRecord]] = {}
     for r in records:
-        by_arm.setdefault(r["arm"], {})[r["run"]["seed"]] = r
+        by_arm.setdefault(r.arm, {})[r.seed] = r
     seeds = sorted(by_arm.get("original", {}))
     unpaired = {arm: sorted(set(seeds) ^ set(runs)) for arm, runs in by_arm.items() if set(runs) != set(seeds)}
     if not seeds or unpaired:
         raise SystemExit(f"records: the original arm's seeds {seeds}; arms not paired with them (seeds "
                          f"missing or extra): {unpaired}. Train them (phase students) or pass --seeds")
-    result: dict = {"machine": "; ".join(sorted({r["machine"] for r in records})),
-                    "cpus": max(r["cpus"] for r in records), "seeds": seeds, "teachers": {}, "arms": {}}
-    outputs = {}
-    for arm, runs in by_arm.items():
-        result["arms"][arm] = {"config": runs[seeds[0]]["config"], "beam": {"runs": [runs[s]["run"] for s in seeds]}}
-        outputs[arm] = {split: [runs[s]["outputs"][split] for s in seeds] for split in ("dev", TEST)}
+    result: dict = {"machine": runs_machine(records), "seeds": seeds, "teachers": {}, "arms": {}}
+    runs: dict[str, list[Scored]] = {}
+    for arm, by_seed in by_arm.items():
+        runs[arm] = [by_seed[s] for s in seeds]
+        result["arms"][arm] = {"config": runs[arm][0].config, "beam": {"runs": [row(r) for r in runs[arm]]}}
         for search in SEARCHES:  # a search every seed's record holds (records before greedy have none)
-            held = [runs[s].get("searches", {}).get(search) for s in seeds]
+            held = [r.searches.get(search) for r in runs[arm]]
             if all(held):
-                result["arms"][arm][search] = {"runs": [h["run"] for h in held]}
-                outputs[f"{arm}.{search}"] = {split: [h["outputs"][split] for h in held] for split in ("dev", TEST)}
-    result["significance"] = significance(outputs, refs)
+                result["arms"][arm][search] = {"runs": [row(r, h) for r, h in zip(runs[arm], held)]}
+                runs[f"{arm}.{search}"] = held
+    result["significance"] = significance(runs, refs)
     return result
 
 
@@ -344,15 +303,8 @@ def phase_quality(study: Study, out: Path | None) -> dict:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise SystemExit(f"no record of {len(missing)} runs: {missing}; the students phase writes one per run")
-    records = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
-    return _write(quality_result(records, references(study)), out)
-
-
-def _run_cost(checkpoint: Path) -> dict:
-    """The training run behind an averaged checkpoint (``<run>/averaged/<choice>/<file>.pt``): its updates and
-    hours, from its train_summary.json."""
-    summary = json.loads((checkpoint.parents[2] / "train_summary.json").read_text(encoding="utf-8"))
-    return {"updates": summary["steps"], "train_hours": round(summary["train_seconds"] / 3600, 2)}
+    refs = references(study.config(study.teacher_config, study.teacher_overrides(1)))
+    return write(quality_result([read_record(p) for p in paths], refs), out)
 
 
 def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: str, date: str) -> dict:
@@ -360,7 +312,8 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
     the teachers (with their cost), speed and size per arm, and the pooled paired-bootstrap claims, each figure as
     measured (nothing retyped). A ``quality`` result (from the runs' records) gives the per-seed scores, the
     original arm's cost and the claims only."""
-    teachers, features = result["teachers"], result["machine"]
+    teachers, m = result["teachers"], result["machine"]
+    m = m if isinstance(m, dict) else {"cpu": m, "cpus": result["cpus"]}  # a result written before the harness
     # (arm, search, its measurements) for every arm and search: the arm's config's search and greedy
     arms = [(arm, search, m) for arm, a in result["arms"].items() for search, m in a.items() if search != "config"]
     measured = all("parameters" in m for _, _, m in arms)  # the measure phase's; a quality result has none
@@ -407,7 +360,7 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
         "id": entry_id, "topic": "distillation", "date": date,
         "title": f"Distillation on Multi30k {pair}: students on the teachers' translations "
                  "against the original data",
-        "what": what, "machine": {"cpu": features, **cpu_features(features), "threads": result["cpus"]},
+        "what": what, "machine": {"cpu": m["cpu"], **cpu_features(m["cpu"]), "threads": m["cpus"]},
         "commit": commit, "command": command, "figures": figures, "tables": tables,
         "significance": [{"claim": c["claim"], "set": c["set"], "delta": c["delta"], "ci95": c["ci95"], "p": c["p"],
                           "test": c["test"]} for c in result["significance"]],

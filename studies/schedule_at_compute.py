@@ -22,23 +22,15 @@ below 0.05 / the number of arms compared (Bonferroni; the sweeps' verdict, ``stu
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from bench.harness import REPO, machine, write_record
+from bench.harness import REPO, write_record
 from pipeline.average import averaged_path
 from pipeline.config import resolve_config
-from pipeline.data import read_manifest
-from pipeline.evalsets import read_split
-from pipeline.evaluate import eval_dir
-from pipeline.fsutil import write_text
-from pipeline.provenance import short_commit
 from pipeline.workdir import build_inputs, run_dir
-from studies.common import load_arms, verdicts
+from studies.common import (StudyRecord, load_arms, pipeline, read_record, references, run_record, runs_machine,
+                            verdicts, write_study_record)
 
-TEST = "test.test2016"
 DEFAULT = "default"  # compare only: the default's own runs at the bf16 CPUs' compute (see load_record)
 STUDY = load_arms("schedule_at_compute")
 CONFIG = STUDY["config"]
@@ -91,80 +83,47 @@ def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
     """Train, choose and score one arm and seed (a finished run is reused), and write its record."""
     steps = arm_steps(arm, args.updates, args.speed, args.tokens)
     sets = overrides(arm, steps, seed, args.keep_checkpoints)
-    cmd = [sys.executable, "-m", "pipeline", "run", "--config", CONFIG, "--work-dir", str(args.work_dir),
-           *[a for o in sets for a in ("--set", o)]]
-    print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True)
+    pipeline("run", "--config", CONFIG, "--work-dir", str(args.work_dir), *[a for o in sets for a in ("--set", o)])
     cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), *sets])
-    run_folder = run_dir(cfg, build_inputs(cfg).shards)
-    averaged = averaged_path(cfg, run_folder)
-    scores = eval_dir(cfg, averaged) / "scores.json"
-    splits = json.loads(scores.read_text(encoding="utf-8"))["splits"]
-    summary = json.loads((run_folder / "train_summary.json").read_text(encoding="utf-8"))
+    averaged = averaged_path(cfg, run_dir(cfg, build_inputs(cfg).shards))
+    record = run_record("schedule_at_compute", arm, seed, CONFIG, sets, cfg, averaged)
     # the step budget is not part of a run's identity (a longer one extends the run): a finished run of this arm at
     # another budget in the same work dir would be taken for this one
-    if summary["steps"] != steps:
-        raise SystemExit(f"{run_folder} holds a run of {summary['steps']} updates, not the {steps} asked for: the same "
-                         "arm at another budget in this --work-dir; give each budget its own --work-dir")
-    record = {"arm": arm, "seed": seed, "updates": summary["steps"], "overrides": sets, "machine": machine(None),
-              "commit": short_commit(), "schedule": summary["schedule"],
-              "train_seconds": summary["train_seconds"], "chosen_checkpoint": averaged.name,
-              "dev.sacrebleu": splits["dev"]["sacrebleu"]["score"],
-              "test2016.sacrebleu": splits[TEST]["sacrebleu"]["score"], "test2016.chrf": splits[TEST]["chrf"]["score"],
-              "final_dev_nll": (summary.get("final_dev") or {}).get("dev_nll"),
-              "outputs": {s: (scores.parent / f"{s}.hyp").read_text(encoding="utf-8").splitlines()
-                          for s in ("dev", TEST)}}
-    path = record_path(args, arm, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text(path, json.dumps(record, ensure_ascii=False) + "\n")
-    return path
+    if record.run["updates"] != steps:
+        raise SystemExit(f"{averaged.parents[2]} holds a run of {record.run['updates']} updates, not the {steps} asked "
+                         "for: the same arm at another budget in this --work-dir; give each budget its own --work-dir")
+    return write_study_record(record, record_path(args, arm, seed))
 
 
-def load_record(args: argparse.Namespace, arm: str, seed: int) -> dict:
-    """The record of ``arm`` and ``seed``; ``default``: the default's own run at this compute, in this study's keys,
-    from ``--default-records``: a folder of the distillation study's original arm (the default's model and recipe at
+def load_record(args: argparse.Namespace, arm: str, seed: int) -> StudyRecord:
+    """The record of ``arm`` and ``seed``; ``default``: the default's own run at this compute from
+    ``--default-records``: a folder of the distillation study's original arm (the default's model and recipe at
     the bf16 CPUs' 4,400 updates, ``original-seed<N>.json``, ``studies/distill.py students``), or one record of
     the default job end to end (``ops/default_e2e.py``: a machine's own 30 minutes, its seed alone)."""
     if arm != DEFAULT:
-        return json.loads(record_path(args, arm, seed).read_text(encoding="utf-8"))
+        return read_record(record_path(args, arm, seed))
     e2e = args.default_records.is_file()
     path = args.default_records if e2e else args.default_records / f"original-seed{seed}.json"
-    r = json.loads(path.read_text(encoding="utf-8"))
-    where = {"arm": DEFAULT, "seed": seed, "record": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else
-             str(path), "machine": r["machine"], "commit": r["commit"]}
-    if e2e:
-        # one run: it pairs with the arms' runs of its own seed only (the same batches)
-        ran = resolve_config(r["config"], r.get("overrides") or []).train.seed
-        if ran != seed:
-            raise SystemExit(f"{path}: the default's run of train.seed {ran}, not {seed}: compare --seeds {ran} "
-                             "against it, or give --default-records a folder of original-seed<N>.json")
-        summary, scores = r["train_summary"], r["scores"]
-        return {**where, "updates": summary["steps"], "train_seconds": round(summary["train_seconds"]),
-                "dev.sacrebleu": scores["dev"]["sacrebleu"], "test2016.sacrebleu": scores[TEST]["sacrebleu"],
-                "test2016.chrf": scores[TEST]["chrf"], "outputs": {"dev": r["outputs"]["dev"],
-                                                                   TEST: r["outputs"]["test2016"]}}
-    run = r["run"]
-    return {**where, "updates": run["updates"], "train_seconds": round(run["train_hours"] * 3600),
-            "dev.sacrebleu": run["dev.sacrebleu"], "test2016.sacrebleu": run["test2016.sacrebleu"],
-            "test2016.chrf": run["test2016.chrf"], "outputs": r["outputs"]}
+    record = read_record(path, "schedule_at_compute", DEFAULT)
+    # an end-to-end record is one run: it pairs with the arms' runs of its own seed only (the same batches)
+    if record.seed != seed:
+        raise SystemExit(f"{path}: the default's run of train.seed {record.seed}, not {seed}: compare --seeds "
+                         f"{record.seed} against it, or give --default-records a folder of original-seed<N>.json")
+    return record.model_copy(update={"arm": DEFAULT, "run": {**record.run, "record": str(
+        path.relative_to(REPO) if path.is_relative_to(REPO) else path)}})
 
 
 def compare(args: argparse.Namespace) -> dict:
     """Every arm against ``--baseline`` from the records: per-seed scores and the pooled paired bootstrap."""
-    records = {(a, s): load_record(args, a, s) for a in args.arms for s in args.seeds}
-    cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), TESTS])
-    corpus = build_inputs(cfg).corpus
-    refs = {split: read_split(corpus, read_manifest(corpus), split)[1] for split in ("dev", TEST)}
-    runs = [{k: v for k, v in r.items() if k != "outputs"} for r in records.values()]
+    records = {a: [load_record(args, a, s) for s in args.seeds] for a in args.arms}
+    refs = references(resolve_config(CONFIG, [("work_dir", str(args.work_dir)), TESTS]))
+    rows = {a: [{**r.row(), "machine": r.machine["cpu"], "commit": r.commit} for r in rs] for a, rs in records.items()}
     keys = ("dev.sacrebleu", "test2016.sacrebleu", "test2016.chrf", "updates", "train_seconds")
-    means = {arm: {k: round(sum(records[arm, s][k] for s in args.seeds) / len(args.seeds), 2) for k in keys}
-             for arm in args.arms}
-    base = args.baseline
-    splits = ("dev", TEST)
-    outputs = {a: {split: [records[a, s]["outputs"][split] for s in args.seeds] for split in splits} for a in args.arms}
-    claims = [(base, arm, f"{arm} against {base}") for arm in args.arms if arm != base]
-    return write_record(args.out, {"budget": budget(args), "seeds": args.seeds, "runs": runs, "means": means,
-                                   "significance": verdicts(claims, outputs, refs, splits, args.seeds)}, None, args)
+    means = {a: {k: round(sum(r[k] for r in rs) / len(rs), 2) for k in keys} for a, rs in rows.items()}
+    claims = [(args.baseline, arm, f"{arm} against {args.baseline}") for arm in args.arms if arm != args.baseline]
+    return write_record(args.out, {"machine": runs_machine([r for rs in records.values() for r in rs]),
+                                   "budget": budget(args), "seeds": args.seeds, "runs": rows, "means": means,
+                                   "significance": verdicts(claims, records, refs, args.seeds)}, None, args)
 
 
 def main() -> None:

@@ -311,6 +311,7 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
     import yaml
 
     from studies import distill as study
+    from studies.common import as_record
     refs = {"dev": [f"ein Hund läuft über die Wiese {i}" for i in range(30)],
             "test.test2016": [f"zwei Männer spielen Fußball {i}" for i in range(30)]}
     # the distilled arm's outputs are the references themselves; the original arm's lose a word in each
@@ -321,15 +322,17 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
         "run": {"seed": seed, "dev.sacrebleu": 40.0 + seed, "test2016.sacrebleu": 39.0 + seed, "test2016.chrf": 60.0,
                 "checkpoint": "gone", "updates": 4400, "train_hours": 0.5}}
     records = [record(arm, seed) for seed in (2, 1) for arm in ("distilled", "original")]
+    # records as the study wrote them before studies.common.StudyRecord: the adapter reads them
+    quality = lambda rs: study.quality_result([as_record(r) for r in rs], refs)  # noqa: E731
     greedy = [r | {"searches": {"greedy": {"run": r["run"], "outputs": r["outputs"]}}} for r in records]
-    claimed = {c["claim"] for c in study.quality_result(greedy, refs)["significance"]}
+    claimed = {c["claim"] for c in quality(greedy)["significance"]}
     assert claimed == {"distilled against original", "distilled (greedy) against original",
                        "original (greedy) against original", "distilled (greedy) against distilled (beam)"}
     # a record written before greedy was decoded: the arm's greedy search is left out, not half-paired
-    claimed = {c["claim"] for c in study.quality_result([*greedy[:3], records[3]], refs)["significance"]}
+    claimed = {c["claim"] for c in quality([*greedy[:3], records[3]])["significance"]}
     assert claimed == {"distilled against original", "distilled (greedy) against original",
                        "distilled (greedy) against distilled (beam)"}
-    result = study.quality_result(records, refs)
+    result = quality(records)
     assert result["seeds"] == [1, 2]
     assert [r["seed"] for r in result["arms"]["distilled"]["beam"]["runs"]] == [1, 2]
     claims = {(c["claim"], c["set"]): c for c in result["significance"]}
@@ -343,7 +346,7 @@ def test_a_study_s_records_give_its_quality_half_and_a_ledger_entry(tmp_path):
     assert led["L99"].figures["distilled.beam.dev.sacrebleu.mean"] == 41.5
     assert led["L99"].figures["original.train_hours_total"] == 1.0
     with pytest.raises(SystemExit, match="distilled"):
-        study.quality_result(records[1:], refs)  # the distilled arm's seed 2 is missing
+        quality(records[1:])  # the distilled arm's seed 2 is missing
 
 
 def test_a_study_reads_each_record_from_the_first_records_folder_that_holds_it(tmp_path):
