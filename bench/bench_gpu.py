@@ -35,17 +35,14 @@ bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.inference.dec
 Needs a CUDA device (it exits with a message otherwise); not part of the tests or CI.
 
     python -m bench.bench_gpu                                  # base and big, eager
-    python -m bench.bench_gpu --presets base big --steps 30 --out bench/results/gpu_h100.md
+    python -m bench.bench_gpu --presets base big --steps 30 --out bench/results/gpu_h100.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -55,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
+from bench.harness import write_record
 from model import Transformer
 from model.decoding import beam_search
 from model.static_decoding import static_beam_search
@@ -296,81 +293,19 @@ def bench_decode(preset: str, precision: str, search: str, args: argparse.Namesp
     return row
 
 
-# ----------------------------------------------------------------------------------------------- report
-
-
-def _f(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def markdown(res: dict) -> str:
-    env = res["env"]
-    lines = [f"# GPU benchmark: {env['gpu']}", "",
-             f"- command: `{env['command']}`",
-             f"- date: {env['date']}; torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}",
-             f"- GPU: {env['gpu']}, {env['gpu_memory_gib']:.0f} GiB; dense bf16 peak used for MFU: "
-             f"{_f(env['peak_tflops'], '.0f')} TFLOP/s", ""]
-    if res["train"]:
-        lines += ["## Training (forward + backward + Adam step, synthetic WMT-shaped batches; MFU against the dense "
-                  "bf16 peak for fp32 rows too)", "",
-                  "| preset | precision | variant | max_tokens x accum | tgt tok/update | padding | updates/s "
-                  "| s/update (median) | tgt tok/s | src tok/s | model TFLOP/s | MFU | peak mem GiB "
-                  "| 1st pass s/update | warm-up s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in res["train"]:
-            lines.append(
-                f"| {r['preset']} | {r['precision']} | {r['variant']} | {r['max_tokens']} x {r['accumulation']} "
-                f"| {r['tgt_tokens_per_update']:.0f} | {r['padding_share']:.1%} | {r['updates_per_s']:.2f} "
-                f"| {r['s_per_update']:.3f} ({r['update_s_median']:.3f}) | {r['tgt_tokens_per_s']:,.0f} "
-                f"| {r['src_tokens_per_s']:,.0f} | {r['tflops']:.1f} | {_f(r['mfu'], '.1%')} "
-                f"| {r['peak_memory_gib']:.1f} | {r['first_pass_s_per_update']:.3f} "
-                f"| {r['warmup_s']:.1f} ({r['warmup_updates']}) |")
-        lines += ["", "## Against the paper (8 x P100, ~25,000 target tokens per step)", "",
-                  "| preset | paper s/step | paper tgt tok/s (8 GPUs) | ours: best variant | ours tgt tok/s (1 GPU) "
-                  "| ours s per 25k-token update | ours / paper (tok/s) | paper's training run at our speed |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for preset in dict.fromkeys(r["preset"] for r in res["train"]):
-            best = max((r for r in res["train"] if r["preset"] == preset), key=lambda r: r["tgt_tokens_per_s"])
-            step = paper_step_s(preset)
-            paper_tok = PAPER_TOKENS_PER_STEP / step if step else None
-            ours_step = PAPER_TOKENS_PER_STEP / best["tgt_tokens_per_s"]
-            run_h = ours_step * PAPER[preset]["steps"] / 3600 if preset in PAPER else None
-            lines.append(
-                f"| {preset} | {_f(step, '.3f')} | {_f(paper_tok, ',.0f')} | {best['precision']} {best['variant']}, "
-                f"max_tokens "
-                f"{best['max_tokens']} | {best['tgt_tokens_per_s']:,.0f} | {ours_step:.3f} "
-                f"| {_f(best['tgt_tokens_per_s'] / paper_tok if paper_tok else None, '.2f')} "
-                f"| {_f(run_h, '.1f')} h ({_f(PAPER.get(preset, {}).get('steps'), ',')} steps) |")
-    if res["decode"]:
-        lines += ["", "## Decoding (beam search, random weights, output forced to a fixed length)", "",
-                  "static: `decode.search=static` (its step replayed as a CUDA graph); ctranslate2: the same weights "
-                  "exported, CTranslate2's CUDA beam search; each beside the dynamic search on the same model and "
-                  "sources. x dynamic: its sentences/s over the dynamic row's; same tokens: the first call's best "
-                  "hypotheses equal the dynamic search's (CTranslate2's GPU kernels round differently: a few "
-                  "differences are expected).", "",
-                  "| preset | precision | search | beam | alpha | batch | output tokens (eos incl.) | sentences/s "
-                  "| x dynamic | same tokens | tokens/s | s/call (median) | peak mem GiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        dynamic = {r["precision"]: r for r in res["decode"] if r["search"] == "dynamic"}
-        for r in res["decode"]:
-            base = dynamic.get(r["precision"])
-            ratio = r["sentences_per_s"] / base["sentences_per_s"] if base else None
-            same = "-" if base is None or r is base else ("yes" if r["tokens"] == base["tokens"] else "NO")
-            lines.append(f"| {r['preset']} | {r['precision']} | {r['search']} | {r['beam']} | {r['alpha']} "
-                         f"| {r['batch']} | {r['out_len']}{'' if r['forced_len_ok'] else ' (NOT all)'} "
-                         f"| {r['sentences_per_s']:,.0f} | {_f(ratio, '.2f')} | {same} | {r['tokens_per_s']:,.0f} "
-                         f"| {r['s_per_call_median']:.3f} | {r['peak_memory_gib']:.2f} |")
-    if res["errors"]:
-        lines += ["", "## Errors", ""] + [f"- {e}" for e in res["errors"]]
-    return "\n".join(lines) + "\n"
-
-
-def write(res: dict, out: Path | None) -> None:
-    if out is None:
-        return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(markdown(res))
-    out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+def against_paper(train: list[dict]) -> list[dict]:
+    """Per preset, its fastest variant against the paper's 8 x P100: target tokens/s, seconds per update of the
+    paper's ~25,000 target tokens, and the paper's training run (its step count) at our speed."""
+    out = []
+    for preset in dict.fromkeys(r["preset"] for r in train):
+        best = max((r for r in train if r["preset"] == preset), key=lambda r: r["tgt_tokens_per_s"])
+        step, ours = paper_step_s(preset), PAPER_TOKENS_PER_STEP / best["tgt_tokens_per_s"]
+        out.append({"preset": preset, "variant": f"{best['precision']} {best['variant']}, max_tokens "
+                    f"{best['max_tokens']}", "tgt_tokens_per_s": best["tgt_tokens_per_s"], "s_per_paper_update": ours,
+                    "paper_s_per_step": step, "paper_tgt_tokens_per_s": PAPER_TOKENS_PER_STEP / step,
+                    "ours_over_paper": best["tgt_tokens_per_s"] * step / PAPER_TOKENS_PER_STEP,
+                    "paper_run_hours": ours * PAPER[preset]["steps"] / 3600})
+    return out
 
 
 def main() -> None:
@@ -393,25 +328,19 @@ def main() -> None:
     p.add_argument("--levers", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="config overrides each measured as its own bf16 eager variant beside the plain one, e.g. "
                         "train.fused_output_loss=true; several joined by commas are one variant")
-    p.add_argument("--out", type=Path, help="write the markdown table here (and the JSON next to it, .json)")
+    p.add_argument("--out", type=Path, help="write the record (JSON) here, again after every variant")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gpu.py: no CUDA device visible (torch.cuda.is_available() is False; torch "
                  f"{torch.__version__}). This benchmark needs a GPU; it is not part of the tests or CI.")
 
     dev = setup().device
-    props = torch.cuda.get_device_properties(dev)
     peak = peak_flops(dev)
-    res: dict = {"env": {"gpu": torch.cuda.get_device_name(dev), "gpu_memory_gib": props.total_memory / 2**30,
-                         "peak_tflops": peak / 1e12 if peak else None, "torch": torch.__version__,
-                         "cuda": torch.version.cuda, "python": platform.python_version(),
-                         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                         "command": "python -m bench.bench_gpu " + shlex.join(sys.argv[1:])},
-                 "args": {k: str(v) for k, v in vars(args).items()}, "train": [], "decode": [], "errors": []}
+    res: dict = {"peak_tflops": peak / 1e12 if peak else None, "train": [], "decode": [], "errors": []}
     if peak is None:
-        print(f"warning: no bf16 peak known for {res['env']['gpu']} (pipeline/train/metrics.py PEAK_BF16_FLOPS): "
-              "MFU not reported", file=sys.stderr)
-    print(f"{res['env']['gpu']}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+        print(f"warning: no bf16 peak known for {torch.cuda.get_device_name(dev)} (pipeline/train/metrics.py "
+              "PEAK_BF16_FLOPS): MFU not reported", file=sys.stderr)
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
 
     def attempt(kind: str, label: str, fn, *fn_args) -> None:
         t0 = time.perf_counter()
@@ -424,7 +353,7 @@ def main() -> None:
         else:
             res[kind].append(row)
             print(f"{label}: {json.dumps(row)} ({time.perf_counter() - t0:.0f} s)", flush=True)
-        write(res, args.out)
+        write_record(args.out, res, None, args)
 
     variants = []
     for preset in args.presets:
@@ -444,9 +373,8 @@ def main() -> None:
                 attempt("decode", f"decode {args.decode_preset} {precision} {search}", bench_decode,
                         args.decode_preset, precision, search, args)
     res["train"].sort(key=lambda r: (args.presets.index(r["preset"]), r["max_tokens"], r["precision"], r["variant"]))
-    write(res, args.out)
-    print()
-    print(markdown(res))
+    res["against_paper"] = against_paper(res["train"])
+    print(json.dumps(write_record(args.out, res, None, args)["against_paper"], indent=2))
 
 
 if __name__ == "__main__":

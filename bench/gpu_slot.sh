@@ -24,7 +24,7 @@ mkdir -p "$out"
 # shellcheck source=bench/device_env.sh
 . bench/device_env.sh
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))") || exit 1
-timeout 200 python3 -m bench.profile_gpu --updates 3 --out "$out/profile_gpu_$gpu.md"
+timeout 200 python3 -m bench.profile_gpu --updates 3 --out "$out/profile_gpu_$gpu.json"
 timeout 300 python3 -m bench.bench_gpu --presets base big --steps 10 --train-precisions bf16 \
   --levers train.bf16_copy=off train.fused_adam=false \
-  --out "$out/gpu_levers_$gpu.md"
+  --out "$out/gpu_levers_$gpu.json"

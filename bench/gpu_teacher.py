@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import REPO
+from bench.harness import REPO, write_record
 from pipeline.average import averaged_path
 from pipeline.config import RunConfig, resolve_config
 from pipeline.distill import write_translations
@@ -198,8 +198,7 @@ def main() -> None:
     timings["translations_sentences_per_s"] = round(sources / max(timings["translations_s"], 1e-9), 1)
 
     evaluated = eval_dir(first, members)
-    result = {"device": gpu or cpu_name(), "torch": torch.__version__, "commit": args.commit, "config": args.config,
-              "overrides": args.set,
+    result = {"commit": args.commit, "config": args.config, "overrides": args.set,
               "teacher_sets": per_teacher, "teachers": rows,
               "ensemble": {"name": ensemble, "scores": candidates[ensemble][1]} if ensemble else None,
               "chosen": chosen, "chosen_scores": chosen_scores,
@@ -208,7 +207,7 @@ def main() -> None:
               "distill": student.distill.model_dump(mode="json", include={"decode", "nbest", "select"}),
               "corpus_fingerprint": json.loads((inputs.corpus / "manifest.json").read_text())["fingerprint"],
               "timings": {**timings, "total_s": round(time.time() - started, 1)}}
-    (args.out / "teacher.json").write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_record(args.out / "teacher.json", result, None, args)  # the GPU in its machine header
     (args.out / "gpu_teacher.log").write_text(
         "\n\n".join(f"== teacher-{s} ==\n" + tail(args.work_dir / f"teacher-{s}.log", 60)
                     for s in range(1, args.teachers + 1)) + "\n", encoding="utf-8")

@@ -43,11 +43,16 @@ def common_flags(parser: argparse.ArgumentParser, repeats: int = 3, threads: int
 
 def machine(threads: int | None) -> dict:
     """The machine a result holds for: the CPU (:func:`pipeline.speed.cpu_name`), its matrix features and ISA
-    flags, its cores and the threads the benchmark ran on."""
+    flags, its cores, the threads the benchmark ran on, and the GPU (its name and memory) where there is one."""
+    import torch
+
     cpu = cpu_name()
     flags = set(cpuinfo().get("flags", "").split())
+    gpu = {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda,
+           "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)} \
+        if torch.cuda.is_available() else {"gpu": None}
     return {"cpu": cpu, **cpu_features(cpu), "isa": [f for f in ISA_FLAGS if f in flags], "cpus": os.cpu_count(),
-            "threads": threads}
+            "threads": threads, **gpu}
 
 
 def provenance(threads: int | None, args: argparse.Namespace | None = None) -> dict:

@@ -21,18 +21,17 @@ Per variant, from the profiler's device events (the GPU's own time, not the host
   layer norm, dropout, the optimizer, copies and casts, the rest) and the heaviest kernels by name.
 
 On a CPU (``--device cpu``, no CUDA) it profiles the host's operators instead, to check the script before a GPU
-slot; the table then means host time. Writes markdown to ``--out`` and the JSON beside it.
+slot; its times are then host time (``device``: cpu). Writes one record (JSON) to ``--out``, under the
+harness's provenance header (the GPU's name in ``machine``).
 
-    python -m bench.profile_gpu --out bench/results/profile_gpu_h100.md
+    python -m bench.profile_gpu --out bench/results/profile_gpu_h100.json
     python -m bench.profile_gpu --device cpu --presets tiny --updates 2 --max-tokens 1024   # a dry run
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
 import sys
 import time
 from collections import defaultdict
@@ -43,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 
 
 from bench.bench_gpu import synthetic_updates
-
+from bench.harness import write_record
 from model import Transformer
 from model.decoding import beam_search
 from model.static_decoding import static_beam_search
@@ -175,28 +174,6 @@ def profile_decode(preset: str, search: str, args: argparse.Namespace, device: t
             "busy_share": table["busy_s"] * out_len / wall, **table}
 
 
-def markdown(res: dict) -> str:
-    env = res["env"]
-    unit = "GPU kernel" if env["device"] == "cuda" else "host operator (CPU dry run)"
-    out = [f"# Where the time goes: {env['gpu'] or env['device']}", "", f"- command: `{env['command']}`",
-           f"- date: {env['date']}; torch {env['torch']}; times are {unit} times", ""]
-    for r in res["rows"]:
-        head = (f"## {r['what']}: {r['preset']}, " + (f"max_tokens {r['max_tokens']} x {r['accumulation']} "
-                f"({r['tgt_tokens_per_update']:.0f} target tokens), {r['precision']}" if r["what"] == "train" else
-                f"{r['search']} search, beam {r['beam']}, {r['batch']} sentences, {r['out_len']} steps, "
-                f"{r['sentences_per_s']:.0f} sentences/s"))
-        per = "update" if r["what"] == "train" else "decoding step"
-        out += [head, "", f"- wall {r['wall_s']:.4f} s per {'update' if r['what'] == 'train' else 'call'}; busy "
-                f"{r['busy_share']:.1%} of it" + (f"; {r['launches_per_step']:.0f} kernels per {per}, mean "
-                                                   f"{r['mean_kernel_us']:.1f} us" if r["launches_per_step"] else ""),
-                "", "| category | share of busy time |", "|---|---|"]
-        out += [f"| {k} | {v:.1%} |" for k, v in r["shares"].items()]
-        out += ["", f"| heaviest | s per {per} | share | calls per {per} |", "|---|---|---|---|"]
-        out += [f"| `{h['name']}` | {h['s_per_step']:.5f} | {h['share']:.1%} | {h['calls_per_step']:.1f} |"
-                for h in r["heaviest"]] + [""]
-    return "\n".join(out)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -212,15 +189,12 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, default=128)
     p.add_argument("--decode-src-len", type=int, default=25)
     p.add_argument("--decode-out-len", type=int, default=25)
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="write the record (JSON) here")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run it on the GPU machine, or --device cpu for a dry run")
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    res = {"env": {"device": device.type, "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                   "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-                   "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]])},
-           "rows": []}
+    res: dict = {"device": device.type, "rows": []}
     for preset in args.presets:
         cfg = load_config(f"wmt14-en-de-{preset}") if preset != "tiny" else load_config("multi30k-cpu")
         if device.type == "cuda":
@@ -231,12 +205,9 @@ def main() -> None:
     if not args.no_decode:
         for search in ("dynamic", "static"):
             res["rows"].append(profile_decode(args.decode_preset, search, args, device))
-    text = markdown(res)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
+    record = write_record(args.out, res, None, args)
+    if args.out is None:
+        print(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

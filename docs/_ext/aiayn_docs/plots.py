@@ -72,7 +72,8 @@ def gpu_throughput(led: Ledger, repo: Path, out: Path) -> Path | None:
         for r in data.get("train", []):
             if r.get("variant") == "eager" and r.get("tgt_tokens_per_s"):
                 shape = f"{r['preset']} {r['precision']}\n{r['max_tokens']}x{r['accumulation']}"
-                rows.append((f"{data['env']['gpu']}\n{shape}", r["tgt_tokens_per_s"], r.get("mfu"), e.id))
+                gpu = (data.get("env") or data["machine"])["gpu"]  # env: a record before bench.harness's
+                rows.append((f"{gpu}\n{shape}", r["tgt_tokens_per_s"], r.get("mfu"), e.id))
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(9, 3.6))
