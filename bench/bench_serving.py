@@ -16,7 +16,7 @@ requests of ``--batch`` sentences, sentences/s over the whole pass; the server's
 model); sacreBLEU of the throughput pass against ``--references``, with sacreBLEU's paired bootstrap against
 torch-fp32. Decoding settings are the config's (``--config``: beam 4, alpha 0.6 by default). One warm-up request
 precedes the measurements. Run it on an otherwise idle machine: a second busy process on 2 cores slows a run
-3-10x.
+several times over.
 
     python -m bench.bench_serving --checkpoint RUN/averaged/last5.pt --tokenizer WORK/tokenizer/<hash> \\
         --out bench/results/serving.json

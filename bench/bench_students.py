@@ -11,7 +11,7 @@ from being degenerate. Per config: parameters, size on disk (float32 weights; th
 and test2016 sentences/s with PyTorch fp32 and the int8 export, the config's beam search and greedy, 1 and 2
 threads, each measured ``--repeats`` times with the configs' order rotated between repeats (the median is
 reported). A student's quality is the distillation study's (bench/distill_study.py); this measures only speed and
-size. Run it on an otherwise idle machine: a second busy process on 2 cores slows a run 3-10x.
+size. Run it on an otherwise idle machine: a second busy process on 2 cores slows a run several times over.
 
     python -m bench.bench_students --out bench/results/students_cost.json
 """

@@ -163,7 +163,7 @@ def main() -> None:
     timings["inputs_s"] = round(time.time() - t, 1)
 
     t = time.time()
-    # the translations need ~1 minute after training; the runs' own clocks end well before this deadline
+    # the translations need time after training (timings.translations_s); the runs' own clocks end before this
     rows = train_teachers(args, deadline - 90)
     timings["teachers_s"] = round(time.time() - t, 1)
     if not rows:

@@ -23,11 +23,11 @@ content-addressed in ``--work-dir``, so the study resumes where it stopped: run 
   (sentences/s, PyTorch fp32 and the int8 CTranslate2 export, 1 and 2 threads, the config's beam and alpha) and
   size on disk (float32 weights, the int8 export folder). Written to ``--out`` and printed (JSON).
 
-Every run trains a fixed number of updates (``--max-steps``, default 4,400: what the default reaches in its 30
-minutes on the EPYC, ledger L23) instead of the configs' 30-minute clock, so that what a run learns does not depend
+Every run trains a fixed number of updates (``--max-steps``, by default what the default reaches in its 30 minutes
+on the EPYC, ledger L23) instead of the configs' 30-minute clock, so that what a run learns does not depend
 on the machine or on a busy moment, and a study can be split over sessions on different CPUs; each run's own time
 is in its train_summary.json. Speeds are measured by the ``measure`` phase: run that on an otherwise idle machine
-(a second busy process on 2 cores slows a run 3-10x).
+(a second busy process on 2 cores slows a run several times over).
 
     python -m studies.distill all --work-dir runs/distill-study --out bench/results/distill_study.json
     python -m studies.distill all --pair en-fr --work-dir runs/distill-study --out bench/results/distill_fr.json

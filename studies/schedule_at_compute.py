@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
 def load_record(args: argparse.Namespace, arm: str, seed: int) -> StudyRecord:
     """The record of ``arm`` and ``seed``; ``default``: the default's own run at this compute from
     ``--default-records``: a folder of the distillation study's original arm (the default's model and recipe at
-    the bf16 CPUs' 4,400 updates, ``original-seed<N>.json``, ``studies/distill.py students``), or one record of
+    the bf16 CPUs' updates, ledger L23, ``original-seed<N>.json``, ``studies/distill.py students``), or one record of
     the default job end to end (``ops/default_e2e.py``: a machine's own 30 minutes, its seed alone)."""
     if arm != DEFAULT:
         return read_record(record_path(args, arm, seed))
@@ -138,7 +138,7 @@ def main() -> None:
     p.add_argument("--speed", choices=["fp32", "bf16"], default="fp32",
                    help="the class whose compute --updates measures: fp32 (AVX2 only) or bf16 (bf16 matrix units)")
     p.add_argument("--arms", nargs="+", default=ARMS, choices=[*ARMS, DEFAULT],
-                   help=f"{DEFAULT} (compare only): the default's runs at 4,400 updates, from --default-records")
+                   help=f"{DEFAULT} (compare only): the default's runs at the bf16 CPUs' compute (--default-records)")
     p.add_argument("--keep-checkpoints", type=int, default=None, metavar="N",
                    help="runs: keep the last N checkpoints (every 100 updates) for python -m bench.learning_curve; the "
                         "choice of N averaged still takes the last 1/5/10/20")
@@ -149,7 +149,8 @@ def main() -> None:
                    help="compare: the arm the others face")
     p.add_argument("--default-records", type=Path, default=REPO / "bench" / "results" / "distill_study" / "en-de",
                    help="compare: where the default's runs at this compute are: a folder of original-seed<N>.json "
-                        "(4,400 updates), or a ops/default_e2e.py record (a machine's own 30 minutes, one seed)")
+                        "(the bf16 CPUs' compute), or an ops/default_e2e.py record (a machine's own 30 minutes, one "
+                        "seed)")
     args = p.parse_args()
     args.work_dir = args.work_dir.resolve()
     if args.phase == "compare":
