@@ -444,12 +444,12 @@ def test_descriptions_do_not_enter_the_config_hash() -> None:
 
 
 def test_every_float_field_refuses_inf_and_nan_naming_the_field() -> None:
-    from pipeline.config import RunConfig, _leaf_fields
+    from pipeline.config import RunConfig, constrained_type, schema_leaves
 
     def takes_float(kind) -> bool:  # float, float | None, Annotated[float, ...]
         return kind is float or any(takes_float(a) for a in typing.get_args(kind))
 
-    floats = [key for key, kind in _leaf_fields(RunConfig) if takes_float(kind)]
+    floats = [key for key, field in schema_leaves(RunConfig) if takes_float(constrained_type(field))]
     assert {"train.rdrop_alpha", "model.dropout", "train.max_minutes", "decode.length_penalty"} <= set(floats)
     for key in floats:
         for value in (".inf", "-.inf", ".nan"):

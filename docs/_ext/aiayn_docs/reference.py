@@ -182,7 +182,7 @@ def config_page() -> str:
     from pipeline.config import RunConfig
     from pipeline.sweep.config import SweepConfig
 
-    lines = ["# Config reference", "", HEADER.format(src="`pipeline/config.py` and `pipeline/sweep/config.py`"), "",
+    lines = ["# Config reference", "", HEADER.format(src="`pipeline/config/` and `pipeline/sweep/config.py`"), "",
              "Every field of a run config, with its type, default, constraint and meaning. Set a field in a YAML "
              "config (`section: {field: value}`), from the command line (`--set section.field=value`) or in a "
              "deployment run (`-p overrides='{\"section.field\": value}'`); the precedence is "
