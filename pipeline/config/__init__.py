@@ -10,8 +10,8 @@ and is named there.
 
 The package, by concern (import from here; the modules are its parts):
 
-- :mod:`~pipeline.config.base`: where configs are, :class:`ConfigError`, the strict base of every section, the
-  dotted keys of the schema and of a tree;
+- :mod:`~pipeline.config.base`: where configs are, :class:`ConfigError`, the strict base of every section, the mark
+  of a field outside the run's identity, the dotted keys of the schema and of a tree;
 - the schema, a module per section: :mod:`~pipeline.config.data`, :mod:`~pipeline.config.tokenizer`,
   :mod:`~pipeline.config.model`, :mod:`~pipeline.config.train`, :mod:`~pipeline.config.evaluation` (average, decode,
   export), :mod:`~pipeline.config.tracking`, :mod:`~pipeline.config.distill`, :mod:`~pipeline.config.launch`, and
@@ -21,8 +21,8 @@ The package, by concern (import from here; the modules are its parts):
 - :mod:`~pipeline.config.flow_params`: the config as Prefect flow parameters.
 """
 
-from pipeline.config.base import (CONFIG_DIR, REPO_ROOT, ConfigError, DevDomainWarning, Strict, canonical_json,
-                                  constrained_type, schema_leaves, tree_leaves)
+from pipeline.config.base import (CONFIG_DIR, OUTSIDE_RUN_IDENTITY, REPO_ROOT, ConfigError, DevDomainWarning, Strict,
+                                  canonical_json, constrained_type, outside_run_identity, schema_leaves, tree_leaves)
 from pipeline.config.data import CleaningConfig, DataConfig, SourceFormat, SourceSpec
 from pipeline.config.distill import DistillConfig
 from pipeline.config.evaluation import AverageConfig, DecodeConfig, ExportConfig
@@ -40,12 +40,12 @@ from pipeline.config.yaml_loader import (MAX_YAML_VALUES, DuplicateKey, TooLarge
                                          read_yaml_file)
 
 __all__ = [
-    "CONFIG_DIR", "ENV_DATA_ROOT", "ENV_WORK_DIR", "MAX_YAML_VALUES", "RECIPE_SECTIONS",
+    "CONFIG_DIR", "ENV_DATA_ROOT", "ENV_WORK_DIR", "MAX_YAML_VALUES", "OUTSIDE_RUN_IDENTITY", "RECIPE_SECTIONS",
     "REPO_ROOT", "AverageConfig", "CleaningConfig", "ConfigError", "ConfigName", "DataConfig", "DecodeConfig",
     "DevDomainWarning", "DistillConfig", "DuplicateKey", "ExportConfig", "FlowOverrides", "LaunchConfig", "ModelConfig",
     "Overrides", "RunConfig", "SourceFormat", "SourceSpec", "SpecialIds", "Strict", "Task", "TokenizerConfig",
     "TooLarge", "TrackingConfig", "TrainConfig", "YamlLoader", "apply_overrides", "canonical_json", "constrained_type",
     "dump_config", "ensure_work_dir", "flow_overrides", "load_config", "load_resolved", "load_yaml",
-    "parse_value", "read_yaml_file", "resolve_config", "resolve_config_path", "schema_leaves",
+    "outside_run_identity", "parse_value", "read_yaml_file", "resolve_config", "resolve_config_path", "schema_leaves",
     "tree_leaves", "write_resolved",
 ]

@@ -1,5 +1,5 @@
 """What every part of the config shares: where the configs are, the error a bad one raises, the strict base model
-of every section, and the dotted keys of the schema and of a tree."""
+of every section, the mark of a field outside the run's identity, and the dotted keys of the schema and of a tree."""
 
 from __future__ import annotations
 
@@ -35,6 +35,30 @@ class Strict(BaseModel):
 
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+# ------------------------------------------------------------------------------------------- run identity
+
+# The ``json_schema_extra`` of a field that says how a run is carried out or watched (a budget, a logging interval,
+# a fusion), not what it learns: it is left out of the run folder's name (pipeline.workdir.run_dir), so that
+# changing it continues the same run. Declared on the field itself, so that a new field of this kind does not rename
+# every run folder. Every field without it is part of the run's identity.
+OUTSIDE_RUN_IDENTITY: dict[str, Any] = {"run_identity": False}
+
+
+def outside_run_identity(section: type[BaseModel]) -> dict[str, Any]:
+    """The fields of ``section`` (and of the sections inside it) marked :data:`OUTSIDE_RUN_IDENTITY`, as pydantic's
+    ``exclude`` takes them: ``{field: True}``, ``{section: {field: True}}``; empty when there are none."""
+    out: dict[str, Any] = {}
+    for name, field in section.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if extra.get("run_identity") is False:
+            out[name] = True
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            inner = outside_run_identity(field.annotation)
+            if inner:
+                out[name] = inner
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- dotted keys

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.config.base import Strict
+from pipeline.config.base import OUTSIDE_RUN_IDENTITY, Strict
 
 
 class TrainConfig(Strict):
-    """Optimisation (paper section 5). Token counts are target tokens."""
+    """Optimisation (paper section 5). Token counts are target tokens.
 
-    max_steps: int = Field(default=100_000, ge=1, description=(
+    The budgets, the dev and logging intervals and the fusions say how a run is carried out or watched, not what it
+    learns: they are outside the run's identity, so changing one continues the same run."""
+
+    max_steps: int = Field(default=100_000, ge=1, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
         "Training stops after this many optimizer updates (or at max_minutes, whichever comes first), counted "
         "over resumes. Paper: 100k base, 300k big."))
-    max_minutes: float | None = Field(default=None, gt=0, description=(
+    max_minutes: float | None = Field(default=None, gt=0, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
         "Wall-clock training budget in minutes, counted over resumes; training stops at it or at max_steps, "
         "whichever comes first. None = steps only (the paper)."))
     max_tokens: Annotated[int, Field(ge=1)] | Literal["update"] = Field(default=4096, description=(
@@ -58,7 +61,7 @@ class TrainConfig(Strict):
     # the loss is the R-Drop paper's, halved
     clip_norm: float = Field(default=0.0, ge=0, description=(
         "Clip the gradient's global norm to this value; 0 = no clipping (the paper)."))
-    max_nonfinite_updates: int = Field(default=5, ge=0, description=(
+    max_nonfinite_updates: int = Field(default=5, ge=0, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
         "Updates in a row whose loss or gradient is not finite (inf or nan) that training skips before it stops "
         "with an error naming the update. A skipped update changes nothing (weights, Adam's moments, the "
         "learning-rate schedule) and its batches are not trained on, so a rare overflowing batch costs one "
@@ -74,10 +77,12 @@ class TrainConfig(Strict):
         "Paper: every 10 minutes."))
     keep_last_checkpoints: int = Field(default=20, ge=1, description=(
         "Checkpoints kept on disk (the newest); older ones are deleted. Must cover the N averaged."))
-    dev_every_steps: int = Field(default=1000, ge=1, description="Compute the dev loss every this many updates.")
-    dev_max_sentences: int | None = Field(default=None, ge=1, description=(
+    dev_every_steps: int = Field(default=1000, ge=1, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
+        "Compute the dev loss every this many updates."))
+    dev_max_sentences: int | None = Field(default=None, ge=1, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
         "Compute the dev loss on the first this many dev pairs only; None = all of them."))
-    log_every_steps: int = Field(default=100, ge=1, description="Log training metrics every this many updates.")
+    log_every_steps: int = Field(default=100, ge=1, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
+        "Log training metrics every this many updates."))
     precision: Literal["auto", "fp32", "bf16"] = Field(default="auto", description=(
         "Training precision. fp32: the paper's (its presets name it). bf16: a bf16 working copy of the model, "
         "fp32 weights and Adam. auto: bf16 where the hardware computes it natively (a CUDA device that supports "
@@ -96,29 +101,21 @@ class TrainConfig(Strict):
         "champion: start from the weights of the registered model's current champion (reusing its tokenizer so "
         "the vocabularies match); the schedule, warm-up included, still runs from step 0. None = a random "
         "initialisation (the paper, which trains from scratch)."))
-    fused_output_loss: bool = Field(default=False, description=(
+    fused_output_loss: bool = Field(default=False, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
         "Compute the pre-softmax linear transformation and the label-smoothed loss together, chunk by chunk, so "
         "that the (tokens x vocabulary) logits and their gradient never exist whole: less memory (a larger "
         "train.max_tokens fits a GPU) for one more matrix product of the output layer in the backward. The same "
         "loss and gradients. Not with train.rdrop_alpha > 0 (its consistency term reads the logits). Not in the "
         "paper: an implementation choice."))
-
-    def micro_batch_tokens(self, world_size: int) -> int:
-        """``max_tokens`` for ``world_size`` processes: ``update`` is ``update_tokens`` split evenly over them."""
-        return self.update_tokens // world_size if self.max_tokens == "update" else self.max_tokens
-
-    fused_adam: bool = Field(default=True, description=(
+    fused_adam: bool = Field(default=True, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
         "Adam's update as torch's fused kernel over all parameters (CUDA and CPU) instead of a few grouped (foreach) "
         "kernels per step: one pass over the weights and moments instead of one per operation: faster CPU updates in "
         "fp32 (L55, L56; on an H100 within the spread, L28). The same update within float rounding. Not in the "
         "paper: an implementation choice."))
 
-    # How a run is carried out or watched, not what it learns: left out of the run folder's name
-    # (pipeline.workdir.run_dir), so that changing one continues the same run, and a new field of this kind added
-    # to the config does not rename every run folder. Budgets: raising one continues the run.
-    NOT_RUN_IDENTITY: ClassVar[frozenset[str]] = frozenset({
-        "max_steps", "max_minutes", "log_every_steps", "dev_every_steps", "dev_max_sentences", "max_nonfinite_updates",
-        "fused_output_loss", "fused_adam"})
+    def micro_batch_tokens(self, world_size: int) -> int:
+        """``max_tokens`` for ``world_size`` processes: ``update`` is ``update_tokens`` split evenly over them."""
+        return self.update_tokens // world_size if self.max_tokens == "update" else self.max_tokens
 
     @property
     def budget_schedule(self) -> bool:
