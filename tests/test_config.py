@@ -431,6 +431,18 @@ def test_every_config_field_has_a_description_and_no_measured_figure() -> None:
     assert not problems, "\n".join(problems)
 
 
+def test_the_schema_cites_no_evidence() -> None:
+    """Evidence is cited by ledger id in one place, the paper-to-code page (docs/explanation/paper-to-code.md): no
+    description, docstring or comment of the config schema names a ledger entry or points at the ledger."""
+    sources = [*sorted((CONFIG_DIR.parent / "pipeline" / "config").glob("*.py")),
+               CONFIG_DIR.parent / "pipeline" / "sweep" / "config.py"]
+    assert len(sources) > 10
+    cited = [f"{path.name}:{n}: {line.strip()}" for path in sources
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\bL\d{2,}\b|\bledger\b", line)]
+    assert not cited, "\n".join(cited)
+
+
 def test_the_flow_overrides_form_describes_every_field() -> None:
     """Prefect's run form for ``overrides`` shows each config field's description, by its dotted name."""
     from pipeline.config import FlowOverrides

@@ -84,8 +84,7 @@ class ExportConfig(Strict):
         "Quality gate: the export serves only if its dev sacreBLEU is at most this many points below the PyTorch "
         "model's."))
     batch_sentences: int = Field(default=256, ge=1, description=(
-        "Sentences per CTranslate2 batch when serving (decode.batch_sentences is PyTorch's). The default was "
-        "chosen by measurement (see the results ledger)."))
+        "Sentences per CTranslate2 batch when serving (decode.batch_sentences is PyTorch's)."))
     # why larger than decode.batch_sentences: CTranslate2 runs larger batches faster on a CPU
     shortlist: int = Field(default=0, ge=0, description=(
         "Vocabulary shortlist (pipeline/shortlist.py): above 0, the export ships a CTranslate2 vocabulary map "

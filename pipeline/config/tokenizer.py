@@ -31,9 +31,8 @@ class TokenizerConfig(Strict):
         "character_coverage); 1 = every character."))
     input_sentence_size: int = Field(default=1_000_000, ge=0, description=(
         "Sentences sampled from the training split (both sides) to train the tokenizer on, uniformly with seed; "
-        "0 = all of them. The trainer's memory grows with the sample: sentencepiece's unigram trainer peaks at "
-        "about 3 GB on 1M news sentences and past 10 GB on 9M (results ledger L44), so the default bounds it at "
-        "any corpus size. The paper does not say."))
+        "0 = all of them. The trainer's memory grows with the sample, so the default bounds it at any corpus size. "
+        "The paper does not say."))
     seed: int = Field(default=0, ge=0, description="Seed of the input_sentence_size sample.")
     byte_fallback: bool = Field(default=True, description=(
         "Characters outside the vocabulary become byte pieces instead of <unk>, so encoding is lossless, also on "

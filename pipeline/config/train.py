@@ -93,8 +93,8 @@ class TrainConfig(Strict):
     bf16_copy: Literal["auto", "on", "off"] = Field(default="auto", description=(
         "How bf16 training runs (with precision bf16). on: forward and backward run a bf16 copy of the model, Adam "
         "updates the fp32 weights, copied into it after each update; off: autocast, which casts weights and "
-        "activations around each operation; auto: the copy (measured faster than autocast on a CPU and on a GPU, "
-        "see the results ledger). Not in the paper: an implementation choice."))
+        "activations around each operation; auto: the copy, on a CPU and on a GPU. Not in the paper: an "
+        "implementation choice."))
     # why auto stays a word of its own, equal to on: it is the value existing runs hold (run identity), and it
     # names "the measured choice", should a device ever measure autocast faster
     init_from: Literal["champion"] | None = Field(default=None, description=(
@@ -109,9 +109,8 @@ class TrainConfig(Strict):
         "paper: an implementation choice."))
     fused_adam: bool = Field(default=True, json_schema_extra=OUTSIDE_RUN_IDENTITY, description=(
         "Adam's update as torch's fused kernel over all parameters (CUDA and CPU) instead of a few grouped (foreach) "
-        "kernels per step: one pass over the weights and moments instead of one per operation: faster CPU updates in "
-        "fp32 (L55, L56; on an H100 within the spread, L28). The same update within float rounding. Not in the "
-        "paper: an implementation choice."))
+        "kernels per step: one pass over the weights and moments instead of one per operation. The same update "
+        "within float rounding. Not in the paper: an implementation choice."))
 
     def micro_batch_tokens(self, world_size: int) -> int:
         """``max_tokens`` for ``world_size`` processes: ``update`` is ``update_tokens`` split evenly over them."""
