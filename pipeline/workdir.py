@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline.config import RunConfig, TrainConfig
+from pipeline.config import RunConfig, outside_run_identity
 from pipeline.data import prepare_corpus
 from pipeline.fsutil import sha256_file
 from pipeline.shards import build_shards, read_shard_manifest
@@ -88,10 +88,11 @@ def run_dir(cfg: RunConfig, shards: Path, init_checkpoint: Path | None = None) -
     The shards' fingerprint is in the name because one data config can read changing content (a glob source
     that grew, a file replaced in place): new data is a new run, never a resume of checkpoints trained on other
     shards. A run from a newer champion is likewise a new run. Budgets, and the settings of how a run is carried out
-    or watched (``TrainConfig.NOT_RUN_IDENTITY``: compilation, fusions, logging intervals), are left out: changing
-    them continues the same run.
+    or watched (the fields marked outside the run's identity where they are declared,
+    :func:`pipeline.config.outside_run_identity`: fusions, dev and logging intervals), are left out: changing them
+    continues the same run.
     """
-    name = cfg.section_hash("data", "tokenizer", "model", "train", exclude={"train": set(TrainConfig.NOT_RUN_IDENTITY)})
+    name = cfg.section_hash("data", "tokenizer", "model", "train", exclude=outside_run_identity(RunConfig))
     name += f"-{read_shard_manifest(Path(shards))['fingerprint'][:12]}"
     if init_checkpoint is not None:
         name += f"-init-{sha256_file(Path(init_checkpoint))[:12]}"

@@ -14,14 +14,14 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from pipeline.config import (CONFIG_DIR, ConfigError, RunConfig, _Strict, _leaf_fields, load_config, read_yaml_file,
-                             resolve_config)
+from pipeline.config import (CONFIG_DIR, ConfigError, RunConfig, Strict, constrained_type, load_config,
+                             read_yaml_file, resolve_config, schema_leaves)
 
 SWEEP_DIR = CONFIG_DIR / "sweeps"
-_FIELDS = dict(_leaf_fields(RunConfig))
+_FIELDS = {key: constrained_type(field) for key, field in schema_leaves(RunConfig)}
 
 
-class Param(_Strict):
+class Param(Strict):
     """One dimension of the search space.
 
     - ``int`` / ``float``: ``low``..``high`` (inclusive), optionally on a grid of ``step`` or log-uniform (``log``);
@@ -126,7 +126,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b and isinstance(a, bool) == isinstance(b, bool)
 
 
-class PrunerConfig(_Strict):
+class PrunerConfig(Strict):
     """Hyperband (Li et al., 2018) over successive-halving brackets on the dev NLL per sentence, reported at every
     dev evaluation of a running trial. The resource is training wall-clock seconds: the budget of the recipe being
     tuned (a deeper model makes fewer updates in the same minutes). ``min_resource_s``: no trial is pruned before it
@@ -142,7 +142,7 @@ class PrunerConfig(_Strict):
         "Hyperband's reduction factor: each successive-halving rung keeps about 1 / this of the trials."))
 
 
-class ConfirmConfig(_Strict):
+class ConfirmConfig(Strict):
     """The best ``top_k`` completed trials and the base config, each trained again with every seed in ``seeds``
     (the same seeds for all: paired), compared with the base by a paired bootstrap over the dev segments pooled over
     the seeds, at level ``alpha`` divided by ``top_k`` (Bonferroni: the family of comparisons holds ``alpha``)."""
@@ -158,7 +158,7 @@ class ConfirmConfig(_Strict):
         "Resamples of the paired bootstrap over the dev segments pooled over the seeds."))
 
 
-class SweepConfig(_Strict):
+class SweepConfig(Strict):
     """A sweep: ``trials`` trials of ``base`` (a run config) on ``deployment``, values drawn by TPE from ``space``."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description=(

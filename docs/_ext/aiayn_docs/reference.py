@@ -114,17 +114,25 @@ def _doc(model: type[BaseModel]) -> str:
     return inspect.cleandoc(model.__doc__ or "")
 
 
+_OUTSIDE_IDENTITY = (" Not part of the run's identity: changing it continues the same run folder "
+                     "(`pipeline.workdir.run_dir`).")
+
+
 def model_sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel], list[list[str]]]]:
     """(section key, model, rows) for ``model`` and each model nested in it, depth first; a row is
-    [dotted key, type, default, constraint, description]."""
+    [dotted key, type, default, constraint, description]. A field marked outside the run's identity says so."""
+    from pipeline.config import outside_run_identity
+
     rows, nested = [], []
+    outside = {name for name, mark in outside_run_identity(model).items() if mark is True}
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         sub, suffix = _model_of(field.annotation)
         if sub is not None:
             nested.append((key + suffix, sub))
+        text = (field.description or "") + (_OUTSIDE_IDENTITY if name in outside else "")
         rows.append([f"`{key}{suffix}`", _type_name(field.annotation), _default(field), _constraints(field),
-                     _cell(field.description)])
+                     _cell(text)])
     out = [(prefix.rstrip(".") or model.__name__, model, rows)]
     seen = {model}
     for key, sub in nested:
@@ -182,7 +190,7 @@ def config_page() -> str:
     from pipeline.config import RunConfig
     from pipeline.sweep.config import SweepConfig
 
-    lines = ["# Config reference", "", HEADER.format(src="`pipeline/config.py` and `pipeline/sweep/config.py`"), "",
+    lines = ["# Config reference", "", HEADER.format(src="`pipeline/config/` and `pipeline/sweep/config.py`"), "",
              "Every field of a run config, with its type, default, constraint and meaning. Set a field in a YAML "
              "config (`section: {field: value}`), from the command line (`--set section.field=value`) or in a "
              "deployment run (`-p overrides='{\"section.field\": value}'`); the precedence is "
