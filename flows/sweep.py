@@ -124,7 +124,7 @@ def _run_sweep(sweep: str, data_root: str | None, trials: int | None, max_in_fli
         tests = [v for t in base.data.test for v in judge(cfg, candidates, f"test.{t.name}", f"{t.name}.sacrebleu",
                                                            "sacrebleu")] if base.task == "translation" else []
         chosen = winner(candidates, dev)
-        preset = write_winner(cfg, chosen, dev, tests, folder / "winner.yaml", base.name)
+        preset = write_winner(cfg, chosen, dev, tests, folder / "winner.yaml", base)
         best = next((v for v in dev if v.label == chosen.label), None)
         _conclude(folder, parent, key, rows, markdown(cfg, rows, dev, tests, chosen, objective), [*dev, *tests], preset,
                   {"winner.dev_delta": best.comparison.delta, "winner.dev_p": best.comparison.p_value} if best else {},

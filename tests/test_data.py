@@ -801,8 +801,8 @@ def test_cli_prepare_data_and_clear_errors(shared_data: Path, tmp_path: Path) ->
     assert res.returncode == 0, res.stderr
     assert "train" in res.stdout and "read 29,000" in res.stdout
     res = subprocess.run([sys.executable, "-m", "pipeline", "prepare-data", "--work-dir", str(tmp_path),
-                          "--set", "model.n_heads=3"], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
-    assert res.returncode == 2 and "d_model (256) must be divisible by n_heads (3)" in res.stderr
+                          "--set", "model.n_heads=7"], capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert res.returncode == 2 and "must be divisible by n_heads (7)" in res.stderr
     res = subprocess.run([sys.executable, "-m", "pipeline", "prepare-data", "--data-root", str(tmp_path / "nope")],
                          capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert res.returncode == 2 and "not a folder" in res.stderr and "Traceback" not in res.stderr

@@ -159,7 +159,9 @@ def trained(shared_data, tiny_stack, tmp_path_factory) -> Path:
     from pipeline.train import train
     from tests.conftest import tiny_config
 
-    out = train(tiny_config(shared_data, "train.max_steps=500"), tiny_stack.shards, tmp_path_factory.mktemp("run"))
+    # bf16 on every CPU class (auto trains in fp32 where bf16 is not native): the same model everywhere
+    out = train(tiny_config(shared_data, "train.max_steps=500", "train.precision=bf16"), tiny_stack.shards,
+                tmp_path_factory.mktemp("run"))
     return sorted((out / "checkpoints").glob("ckpt-*.pt"))[-1]
 
 

@@ -13,7 +13,7 @@ import yaml
 
 from pipeline.config import ConfigError, load_config
 from pipeline.promotion import paired_bootstrap, pooled_bootstrap
-from pipeline.sweep.config import SweepConfig, base_point, check_space, expand, load_sweep
+from pipeline.sweep.config import SweepConfig, base_point, check_space, expand, load_sweep, resolve_base
 from pipeline.sweep.search import ATTEMPTS, Arm, Outcome, arms, confirm, open_storage, open_study, run_key, search
 from pipeline.sweep.verdict import judge, leaderboard, markdown, winner, write_winner
 
@@ -23,7 +23,7 @@ REFS = [f"ein mann mit einem roten hut steht vor dem haus nummer {i} und wartet 
 def _sweep(tmp_path: Path, **over) -> SweepConfig:
     tree = {"name": "t", "base": "multi30k-cpu", "deployment": "train-en-de/multi30k-cpu", "trials": 4,
             "max_in_flight": 2, "storage": f"sqlite:///{tmp_path / 'optuna.db'}", "poll_s": 0.01,
-            "trial_overrides": {"export.engine": "none"},
+            "trial_overrides": {"export.engine": "none", "recipe": "none"},  # the config as written on every CPU
             "space": {"train.warmup_steps": {"type": "int", "low": 500, "high": 2000, "step": 50},
                       "model": {"type": "group", "options": {
                           "small": {"model.d_model": 256, "model.d_ff": 1024},
@@ -36,9 +36,13 @@ def _sweep(tmp_path: Path, **over) -> SweepConfig:
 
 def test_sweep_config_names_bad_fields_and_the_base_must_be_a_point(tmp_path):
     sweep = load_sweep("multi30k-cpu")
-    base = load_config(sweep.base)
+    base = load_config(sweep.base, ["recipe=none"])  # the preset as written, on any CPU
     point = base_point(sweep, base)
     assert point["model"] == "3x256" and point["tokenizer.vocab_size"] == base.tokenizer.vocab_size
+    # a CPU that trains in fp32 starts from the fp32 recipe's width, which is a point of the space too
+    fp32 = base_point(sweep, load_config(sweep.base, ["recipe=fp32"]))
+    assert (fp32["model"], fp32["batch"], fp32["train.cooldown"]) == ("3x128", "2048", 0.3)
+    check_space(sweep, fp32)
     # a group expands to its fields; the fixed trial overrides come first, a winner's preset leaves them out
     assert expand(sweep, point)["model.d_ff"] == 1024 and expand(sweep, point)["export.engine"] == "none"
     assert "export.engine" not in expand(sweep, point, fixed=False)
@@ -184,7 +188,7 @@ def test_a_run_cancelled_with_its_controller_is_resumed_by_the_next_and_one_canc
     controller resumes each by its next attempt instead of counting the trial failed. A run that ends CANCELLED while
     a controller watches it was cancelled on purpose (by hand): its trial is over."""
     sweep = _sweep(tmp_path, trials=2, max_in_flight=2, pruner={"kind": "none"})
-    point = base_point(sweep, load_config(sweep.base))
+    point = base_point(sweep, resolve_base(sweep))
     study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
     runner = ScriptedRunner(points=3)
 
@@ -273,7 +277,7 @@ class ScriptedRunner:
 
 def test_search_runs_the_base_first_caps_runs_in_flight_prunes_and_resumes(tmp_path):
     sweep = _sweep(tmp_path, trials=6)
-    point = base_point(sweep, load_config(sweep.base))
+    point = base_point(sweep, resolve_base(sweep))
     study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
     runner = ScriptedRunner()
     search(sweep, study, runner, lambda p: expand(sweep, p))
@@ -300,7 +304,7 @@ def test_search_runs_the_base_first_caps_runs_in_flight_prunes_and_resumes(tmp_p
 
 def test_a_resumed_search_draws_new_points_and_a_point_drawn_twice_is_not_trained_again(tmp_path):
     sweep = _sweep(tmp_path, trials=2, max_in_flight=1)
-    point = base_point(sweep, load_config(sweep.base))
+    point = base_point(sweep, resolve_base(sweep))
     runner = ScriptedRunner()
     search(sweep, open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu"), runner, lambda p: expand(sweep, p))
     # a second controller goes on: its first draw is not the first draw of the controller before it
@@ -331,7 +335,7 @@ def test_an_enqueued_hunch_trains_its_whole_budget_though_behind_at_every_rung(t
     hunch = {"train.warmup_steps": 2000, "model": "small"}  # the worst point of the scripted runner
     sweep = _sweep(tmp_path, trials=2, max_in_flight=1, enqueue=[hunch],  # one Hyperband bracket: base and hunch meet
                    pruner={"min_resource_s": 10, "max_resource_s": 20, "reduction_factor": 3})
-    study = open_study(sweep, tmp_path, base_point(sweep, load_config(sweep.base)), "multi30k-val.sacrebleu")
+    study = open_study(sweep, tmp_path, base_point(sweep, resolve_base(sweep)), "multi30k-val.sacrebleu")
     runner = ScriptedRunner()
     search(sweep, study, runner, lambda p: expand(sweep, p))
     base, tried = study.get_trials()
@@ -342,7 +346,7 @@ def test_an_enqueued_hunch_trains_its_whole_budget_though_behind_at_every_rung(t
 
 def test_a_hunch_is_the_base_with_its_values_and_never_a_draw_in_the_dimensions_it_leaves_out(tmp_path):
     sweep = _sweep(tmp_path, trials=2, max_in_flight=1, enqueue=[{"model": "wide"}])
-    point = base_point(sweep, load_config(sweep.base))
+    point = base_point(sweep, resolve_base(sweep))
     study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
     # a study that queued the hunch as Optuna takes it (the left-out warm-up would be drawn): replaced, not run
     study.enqueue_trial({"model": "wide"})
@@ -358,7 +362,7 @@ def test_a_hunch_is_the_base_with_its_values_and_never_a_draw_in_the_dimensions_
 
 def test_hunches_follow_the_sweep_file_added_ones_join_and_a_waiting_one_taken_out_is_withdrawn(tmp_path):
     one, two, three = ({"train.warmup_steps": w, "model": "wide"} for w in (500, 600, 700))
-    point = base_point(_sweep(tmp_path), load_config("multi30k-cpu"))
+    point = base_point(_sweep(tmp_path), resolve_base(_sweep(tmp_path)))
     open_study(_sweep(tmp_path, enqueue=[one, two]), tmp_path, point, "multi30k-val.sacrebleu")
     # the file changes before the search starts: hunch one is taken out, three is added (two stays, queued once)
     sweep = _sweep(tmp_path, trials=3, max_in_flight=1, enqueue=[two, three])
@@ -380,13 +384,13 @@ def test_hunches_follow_the_sweep_file_added_ones_join_and_a_waiting_one_taken_o
 def test_a_dimension_added_to_a_running_study_is_the_base_value_in_the_trials_before_it(tmp_path):
     sweep = _sweep(tmp_path, trials=2, max_in_flight=1)
     runner = ScriptedRunner()
-    search(sweep, open_study(sweep, tmp_path, base_point(sweep, load_config(sweep.base)), "multi30k-val.sacrebleu"),
+    search(sweep, open_study(sweep, tmp_path, base_point(sweep, resolve_base(sweep)), "multi30k-val.sacrebleu"),
            runner, lambda p: expand(sweep, p))
     # The file gains label smoothing; trials 0 and 1 ran at the base config's 0.1. A hunch of trial 1's point at
     # 0.1 is trial 1 again (recorded, not run); the confirmation still finds the base among the trials.
     ls = {"type": "categorical", "choices": [0.1, 0.2]}
     grown = _sweep(tmp_path, trials=3, max_in_flight=1, space={**sweep.space, "train.label_smoothing": ls})
-    point = base_point(grown, load_config(grown.base))
+    point = base_point(grown, resolve_base(grown))
     assert point["train.label_smoothing"] == 0.1
     study = open_study(grown, tmp_path, point, "multi30k-val.sacrebleu")
     hunch = {**study.trials[1].params, "train.label_smoothing": 0.1}
@@ -447,11 +451,17 @@ def test_confirmation_verdicts_are_bonferroni_corrected_and_the_winner_is_a_pres
     assert tie.verdict == "no significant difference" and tie.std > 0
     chosen = winner(arms_, verdicts)
     assert chosen.label == "trial-1"
-    path = write_winner(sweep, chosen, verdicts, [], tmp_path / "winner.yaml", "multi30k-cpu")
+    path = write_winner(sweep, chosen, verdicts, [], tmp_path / "winner.yaml", resolve_base(sweep))
     text = path.read_text()
     assert "# dev: " in text and "better" in text and "export.engine" not in text
     cfg = load_config(path)  # the preset loads: the base with the winning values
     assert (cfg.model.d_model, cfg.model.n_heads, cfg.train.warmup_steps) == (384, 6, 500)
+    # a sweep whose trials ran under the fp32 recipe: the winner keeps the recipe's settings under its own values
+    # and trains them on every machine (the recipe does not apply again over the winning values)
+    fp32 = write_winner(sweep, chosen, verdicts, [], tmp_path / "fp32.yaml", load_config(sweep.base, ["recipe=fp32"]))
+    cfg = load_config(fp32)
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.train.update_tokens, cfg.train.cooldown) == (384, 6, 2048, 0.3)
+    assert cfg.recipe_applied is None or cfg.recipe_applied == "none"
     assert cfg.name == "multi30k-cpu-t" and yaml.safe_load(text)["extends"] == ["multi30k-cpu"]
     # nothing significant: the base stays, and its preset changes nothing
     assert winner(arms_, [tie]).label == "base"
@@ -460,7 +470,7 @@ def test_confirmation_verdicts_are_bonferroni_corrected_and_the_winner_is_a_pres
 
 def test_confirm_reuses_runs_by_key_and_keeps_failures_apart(tmp_path):
     sweep = _sweep(tmp_path, trials=3, pruner={"kind": "none"})
-    point = base_point(sweep, load_config(sweep.base))
+    point = base_point(sweep, resolve_base(sweep))
     study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
     runner = ScriptedRunner(points=2)
     search(sweep, study, runner, lambda p: expand(sweep, p))
@@ -477,7 +487,7 @@ def test_confirm_reuses_runs_by_key_and_keeps_failures_apart(tmp_path):
 def test_a_crashed_run_is_resumed_by_its_next_attempt_and_a_restarted_controller_finds_it(tmp_path):
     sweep = _sweep(tmp_path, trials=2, max_in_flight=1, pruner={"kind": "none"},
                    confirm={"top_k": 1, "seeds": [1, 2], "resamples": 200})
-    point = base_point(sweep, load_config(sweep.base))
+    point = base_point(sweep, resolve_base(sweep))
     study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
     runner = ScriptedRunner(points=4, crash=("trial-1", "confirm-base-seed-2"))
     search(sweep, study, runner, lambda p: expand(sweep, p))

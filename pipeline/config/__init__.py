@@ -30,8 +30,8 @@ from pipeline.config.flow_params import ConfigName, FlowOverrides, flow_override
 from pipeline.config.launch import LaunchConfig
 from pipeline.config.model import ModelConfig
 from pipeline.config.resolve import (ENV_DATA_ROOT, ENV_WORK_DIR, RECIPE_SECTIONS, Overrides, apply_overrides,
-                                     dump_config, ensure_work_dir, load_config, load_resolved, resolve_config,
-                                     resolve_config_path, write_resolved)
+                                     deep_merge, dump_config, ensure_work_dir, load_config, load_resolved,
+                                     resolve_config, resolve_config_path, write_resolved)
 from pipeline.config.run import RunConfig, Task
 from pipeline.config.tokenizer import SpecialIds, TokenizerConfig
 from pipeline.config.tracking import TrackingConfig
@@ -45,7 +45,7 @@ __all__ = [
     "DevDomainWarning", "DistillConfig", "DuplicateKey", "ExportConfig", "FlowOverrides", "LaunchConfig", "ModelConfig",
     "Overrides", "RunConfig", "SourceFormat", "SourceSpec", "SpecialIds", "Strict", "Task", "TokenizerConfig",
     "TooLarge", "TrackingConfig", "TrainConfig", "YamlLoader", "apply_overrides", "canonical_json", "constrained_type",
-    "dump_config", "ensure_work_dir", "flow_overrides", "load_config", "load_resolved", "load_yaml",
+    "deep_merge", "dump_config", "ensure_work_dir", "flow_overrides", "load_config", "load_resolved", "load_yaml",
     "outside_run_identity", "parse_value", "read_yaml_file", "resolve_config", "resolve_config_path", "schema_leaves",
     "tree_leaves", "write_resolved",
 ]

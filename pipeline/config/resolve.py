@@ -34,11 +34,11 @@ def resolve_config_path(name_or_path: str | Path, relative_to: Path = CONFIG_DIR
     raise ConfigError(f"config {str(name_or_path)!r} not found (looked in {relative_to}); known configs: {known}")
 
 
-def _deep_merge(base: dict, over: Mapping) -> dict:
+def deep_merge(base: dict, over: Mapping) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
         if isinstance(v, Mapping) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)
     return out
@@ -53,8 +53,8 @@ def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     parents = [parents] if isinstance(parents, str) else parents
     merged: dict = {}
     for parent in parents:
-        merged = _deep_merge(merged, _load_yaml_tree(resolve_config_path(parent, path.parent), (*seen, path)))
-    return _deep_merge(merged, raw)
+        merged = deep_merge(merged, _load_yaml_tree(resolve_config_path(parent, path.parent), (*seen, path)))
+    return deep_merge(merged, raw)
 
 
 Overrides = Mapping[str, Any] | Sequence[str | tuple[str, Any]]
@@ -98,7 +98,7 @@ def _apply(tree: dict, items: list[tuple[str, Any, str]]) -> dict:
                 raise ConfigError(f"{label}: {'.'.join(parents[: i + 1])} is a value, not a section")
             node = nxt
         if isinstance(value, Mapping) and isinstance(node.get(leaf), dict):
-            node[leaf] = _deep_merge(node[leaf], value)
+            node[leaf] = deep_merge(node[leaf], value)
         else:
             node[leaf] = value
     return out

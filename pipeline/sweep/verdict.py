@@ -14,6 +14,7 @@ from typing import Any
 import optuna
 import yaml
 
+from pipeline.config import RunConfig, deep_merge
 from pipeline.fsutil import write_text
 from pipeline.promotion import Comparison, pooled_bootstrap
 from pipeline.sweep.config import SweepConfig, expand
@@ -127,10 +128,14 @@ def _nested(dotted: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_winner(sweep: SweepConfig, arm: Arm, dev: list[Verdict], tests: list[Verdict], path: Path,
-                 base_name: str) -> Path:
+                 base: RunConfig) -> Path:
     """The winner as a preset YAML: ``extends`` the base config, sets the winning values, and says in comments
     what it was chosen on (dev, seeds, difference, p against the Bonferroni threshold) and what the tests
-    reported. The base winning writes a file that changes nothing and says why."""
+    reported. The base winning writes a file that changes nothing and says why.
+
+    The trials ran as the resolved ``base`` with the winning values over it, its compute recipe included: the
+    preset sets that recipe's settings and the winning values itself, with ``recipe: none``, so that it trains what
+    was measured on every machine (a recipe that applied again would override the winning values)."""
     mine = [v for v in (*dev, *tests) if v.label == arm.label]
     lines = [f"# Written by sweep {sweep.name}: {arm.label}" + (" (no candidate beat the base on dev)"
                                                                 if arm.label == "base" else "")]
@@ -140,8 +145,11 @@ def write_winner(sweep: SweepConfig, arm: Arm, dev: list[Verdict], tests: list[V
                      f"{v.base_mean:.2f} +- {v.base_std:.2f}; pooled {c.metric} {c.delta:+.2f} "
                      f"[{c.ci_low:+.2f}, {c.ci_high:+.2f}], p = {c.p_value:.4f} (threshold {v.threshold:.4f}): "
                      f"{v.verdict}" + ("" if v.split == "dev" else " (reported, not chosen on)"))
-    tree = {"extends": [sweep.base], "name": f"{base_name}-{sweep.name}" if arm.label != "base" else base_name,
-            **_nested(expand(sweep, arm.params, fixed=False) if arm.label != "base" else {})}
+    tree: dict[str, Any] = {"extends": [sweep.base], "name": base.name}
+    if arm.label != "base":
+        recipe = base.recipes.get(base.recipe_applied or "none", {})
+        tree = {**tree, "name": f"{base.name}-{sweep.name}", "recipe": "none",
+                **deep_merge(recipe, _nested(expand(sweep, arm.params, fixed=False)))}
     write_text(path, "\n".join(lines) + "\n" + yaml.safe_dump(tree, sort_keys=False))
     return path
 
