@@ -12,9 +12,8 @@ from .cache import AttentionCache, StaticAttentionCache
 
 
 # Up to this many keys, fp32 attention on the CPU runs as explicit products (attention_with_weights): forward +
-# backward of 2,048-token batches, 4 heads of 32, took 0.65-0.74x the time of torch's CPU flash-attention kernel at
-# 14-36 keys (Multi30k's lengths), 0.88-1.00x at 50-100, and 1.23-1.33x at 128 (torch 2.13, AMD EPYC Zen 4, 2
-# threads: bench/attention_paths.py; the whole update in ledger L53).
+# backward took less time than torch's CPU flash-attention kernel at Multi30k's sentence lengths, about as long
+# near this bound, and longer beyond it (bench/attention_paths.py; the whole update in ledger L53).
 CPU_FP32_EXPLICIT_MAX_KEYS = 100
 
 
@@ -170,14 +169,14 @@ class MultiHeadAttention(nn.Module):
             out, weights = attention_with_weights(q, k, v, keep, dropout_p)
         elif tgt_len == 1 and not self.training:
             # One query per row (incremental decoding): two small batched products beat the CPU SDPA kernel's
-            # per-call overhead (~3.5x at beam 4 x batch 64, measured); the weights are not returned.
+            # per-call overhead by far at beam search's small shapes; the weights are not returned.
             out, weights = attention_with_weights(q, k, v, keep)[0], None
         elif q.device.type == "cpu" and (q.dtype == torch.bfloat16 or src_len <= CPU_FP32_EXPLICIT_MAX_KEYS):
             # In bf16 on the CPU (autocast, or a bf16 model), the two products in bf16 on the matrix units with the
-            # softmax in float32 run forward + backward ~2x faster than torch's CPU flash-attention kernel, in
-            # fp32 or bf16 (that kernel is slower in bf16 than in fp32), at sentence lengths (16-128 tokens,
-            # measured). In fp32 they are faster up to about 100 keys (see CPU_FP32_EXPLICIT_MAX_KEYS). The weights
-            # it materialises are batch x heads x tgt_len x src_len, small at these lengths.
+            # softmax in float32 run forward + backward faster than torch's CPU flash-attention kernel, in fp32 or
+            # bf16 (that kernel is slower in bf16 than in fp32), at sentence lengths (ledger L04). In fp32 they are
+            # faster up to CPU_FP32_EXPLICIT_MAX_KEYS keys. The weights it materialises are batch x heads x tgt_len x
+            # src_len, small at these lengths.
             if is_causal:
                 keep = causal_keep_mask(tgt_len, src_len, query.device)  # (tgt_len, src_len)
             out, weights = attention_with_weights(q, k, v, keep, dropout_p)[0], None

@@ -1,14 +1,14 @@
 """Dropout (paper section 5.4: on each sub-layer's output and on the sums of embeddings and positions, P_drop).
 
 On CPU the mask comes from 15 random bits per element instead of one float Bernoulli draw (``F.dropout``'s
-``bernoulli_``, 10-15% of a training update here: bench/profile_train.py). The bits are drawn 63 at a time:
-``random_`` on int64 fills [0, 2^63) from two 32-bit generator outputs, and each value is read as four int16
-lanes, three of 16 uniform bits (-2^15 .. 2^15 - 1) and, on top, one of 15 (0 .. 2^15 - 1). An element is
-dropped when its lane is below the lane's threshold, ``2 d - 2^15`` for the 16-bit lanes and ``d`` for the
-15-bit one, ``d = round(p * 2^15)``: the same probability ``d / 2^15`` in every lane, p to within 2^-16
-(0.1 -> 0.100006). Kept values are scaled by ``1 / (1 - d / 2^15)``, as F.dropout scales by 1 / (1 - p). Mask
-generation is ~2.7x faster than one int16 draw per element and ~7x faster than ``bernoulli_`` (measured, 2
-threads). Elsewhere (CUDA) F.dropout's fused kernel runs as it is.
+``bernoulli_``, a sizeable share of a training update here: bench/profile_train.py, results ledger L03). The bits
+are drawn 63 at a time: ``random_`` on int64 fills [0, 2^63) from two 32-bit generator outputs, and each value is
+read as four int16 lanes, three of 16 uniform bits (-2^15 .. 2^15 - 1) and, on top, one of 15 (0 .. 2^15 - 1). An
+element is dropped when its lane is below the lane's threshold, ``2 d - 2^15`` for the 16-bit lanes and ``d`` for
+the 15-bit one, ``d = round(p * 2^15)``: the same probability ``d / 2^15`` in every lane, p to within 2^-16 (0.1 ->
+0.100006). Kept values are scaled by ``1 / (1 - d / 2^15)``, as F.dropout scales by 1 / (1 - p). Mask generation is
+faster than one int16 draw per element, and faster still than ``bernoulli_`` (results ledger L04). Elsewhere (CUDA)
+F.dropout's fused kernel runs as it is.
 """
 
 from __future__ import annotations

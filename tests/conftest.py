@@ -33,6 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ops.localstack import prefect_api as api
 from pipeline.config import parse_value
 
+pytest.register_assert_rewrite("tests.train_helpers")  # its asserts explain a failure, as a test module's do
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Real data lives beside the repo (never copied into it); AIAYN_SHARED_DATA points elsewhere.
 SHARED_DATA = Path(os.environ.get("AIAYN_SHARED_DATA", REPO_ROOT.parent / "shared" / "data")).resolve()
@@ -170,6 +172,12 @@ def tiny_stack(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> S
     corpus = prepare_corpus(cfg.data, work)
     tokenizer = train_tokenizer(corpus, cfg.tokenizer, work)
     return Stack(work, corpus, tokenizer, build_shards(corpus, tokenizer, cfg.tokenizer, work))
+
+
+@pytest.fixture(scope="session")
+def shards(tiny_stack: Stack) -> Path:
+    """The tiny stack's token shards (the trainer's tests train on them)."""
+    return tiny_stack.shards
 
 
 def kill_when_stuck(child: subprocess.Popen, stuck: Path, what: str, timeout: float = 120) -> None:

@@ -6,7 +6,9 @@ Entry points: :func:`train` (library), ``python -m pipeline.train`` (command lin
 
 from .distributed import DistInfo, setup, teardown
 from .metrics import ConsoleSink, JsonlSink, MetricsSink
-from .trainer import Batch, TrainStep, accumulation_steps, dev_loss, make_batch, train, usable_batches
+from .batches import Batch, accumulation_steps, make_batch, usable_batches
+from .step import TrainStep, dev_loss
+from .trainer import train
 
 __all__ = [
     "Batch",

@@ -2,12 +2,12 @@
 updates the clock will buy on this machine (``schedule: budget`` asked for explicitly also fits it to a step budget,
 ``max_steps``: a budget of updates reproduces a slower machine's clock on any machine).
 
-A preset's warm-up is tuned for a number of updates (the tiny preset's 1,000 for the ~4,400 a CPU with bf16 matrix
-units trains in 30 minutes); a machine that buys a sixth of that would end its run still warming up, never having
-trained at the peak rate. So the run predicts its updates from the throughput it measures (updates so far over the
-seconds they took, in this invocation) and warms up over ``train.budget_warmup`` of them, at most
-``train.warmup_steps``, to the same peak; the peak and the paper's decay after ``warmup_steps`` stay as tuned
-(:func:`model.schedule.ramped_lr`). It predicts again at every log interval while it warms up, so a slow first
+A preset's warm-up is tuned for a number of updates (the tiny preset's for the updates a CPU with bf16 matrix units
+trains in 30 minutes, results ledger L24); a machine that buys a small fraction of them would end its run still
+warming up, never having trained at the peak rate. So the run predicts its updates from the throughput it measures
+(updates so far over the seconds they took, in this invocation) and warms up over ``train.budget_warmup`` of them,
+at most ``train.warmup_steps``, to the same peak; the peak and the paper's decay after ``warmup_steps`` stay as
+tuned (:func:`model.schedule.ramped_lr`). It predicts again at every log interval while it warms up, so a slow first
 minute (another job on the machine, a cold cache) shortens the warm-up only until the machine's real pace shows;
 once the warm-up is over, the schedule is fixed. Every rank decides alike: the inputs are the shared step and rank
 0's seconds. The chosen warm-up travels in the learning-rate scheduler's state, so a resumed run goes on with it.
@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+
+import torch
 
 from model.schedule import TransformerLRLambda
 
@@ -96,6 +98,16 @@ class BudgetWarmup:
                  "of them, at most train.warmup_steps=%d)", step, source, peak, self.schedule.ramp_steps, self.share,
                  self.schedule.warmup_steps)
         return p
+
+    def at_log(self, step: int, seconds: float, optimizer: torch.optim.Optimizer, last_epoch: int) -> dict:
+        """At a log interval: :meth:`update`, and where the warm-up moved, the next update's rate (the scheduler at
+        ``last_epoch``) set in ``optimizer``; returns the metrics to log with it (none where nothing moved)."""
+        predicted = self.update(step, seconds)
+        if not predicted:
+            return {}
+        for g in optimizer.param_groups:  # the next update's rate, from the refitted warm-up
+            g["lr"] = self.schedule(last_epoch)
+        return {"schedule_predicted_updates": predicted.updates, "schedule_warmup_steps": self.schedule.ramp_steps}
 
     def summary(self) -> dict:
         """The schedule the run trained with, for its summary and report: ``budget`` once a warm-up was fitted,
