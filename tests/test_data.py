@@ -375,9 +375,9 @@ def test_text_read_a_block_at_a_time_keeps_lines_ends_and_errors(root: Path, tmp
     """Text sources are decoded and split a block of bytes at a time: with blocks of a few bytes, a line that
     spans blocks, a character cut by a block's end, CRLF ends, a byte order mark and a last line without its
     newline read as whole lines, and a bad byte or a missing line is still placed exactly."""
-    from pipeline.data import sources
+    from pipeline.data.sources import lines
 
-    monkeypatch.setattr(sources, "_BLOCK_BYTES", 7)
+    monkeypatch.setattr(lines, "_BLOCK_BYTES", 7)
     en = ["A dog runs.", "Grüße aus Köln, ein längerer Satz über zwei Blöcke.", "x y", "Ünïcödé ende"]
     de = ["Ein Hund rennt.", "Greetings from Cologne.", "u v", "last one"]
     (root / "b.en").write_bytes(BOM + "\r\n".join(en).encode() + b"\r\n")
