@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from bench.harness import REPO, write_record
-from pipeline.fsutil import disk_mb
+from pipeline.support.fsutil import disk_mb
 
 NEWS = ["news-test2008", "newssyscomb2009", "newstest2009", "newstest2010", "newstest2011", "newstest2012"]
 STAGES = ("data", "tokenizer", "shards", "reader")
@@ -106,7 +106,7 @@ def floor_data(root: Path, work: Path) -> dict:
 
 def ours_tokenizer(corpus: Path, work: Path, config: str, overrides: list[str]) -> dict:
     from pipeline.data import read_manifest
-    from pipeline.fsutil import MANIFEST
+    from pipeline.support.fsutil import MANIFEST
     from pipeline.tokenize import train_tokenizer
 
     t = time.perf_counter()

@@ -37,7 +37,7 @@ from pipeline.config import load_config
 from pipeline.data import read_manifest
 from pipeline.engines import CTranslate2Engine
 from pipeline.export import export_checkpoint
-from pipeline.fsutil import disk_mb
+from pipeline.support.fsutil import disk_mb
 from pipeline.inference import load_model, translate
 from pipeline.promotion import paired_bootstrap
 from pipeline.tokenize import Tokenizer

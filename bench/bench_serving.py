@@ -44,7 +44,7 @@ from pipeline.checkpoint import load_checkpoint
 from pipeline.config import load_config
 from pipeline.export import export_checkpoint
 from pipeline.promotion import paired_bootstrap
-from pipeline.proc import free_port
+from pipeline.support.proc import free_port
 from pipeline.tracking.pyfunc import save_translator
 
 SHARED = REPO.parent / "shared" / "data" / "multi30k"

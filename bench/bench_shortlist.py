@@ -32,7 +32,7 @@ from pipeline.data import read_manifest
 from pipeline.engines import VMAP_FILE, CTranslate2Engine
 from pipeline.evalsets import read_split
 from pipeline.export import export_checkpoint
-from pipeline.fsutil import disk_mb
+from pipeline.support.fsutil import disk_mb
 from pipeline.promotion import pooled_bootstrap
 from pipeline.shortlist import write_vocabulary_map
 from pipeline.tokenize import Tokenizer

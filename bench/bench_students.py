@@ -35,11 +35,11 @@ from pipeline.data import read_manifest
 from pipeline.engines import CTranslate2Engine
 from pipeline.evalsets import read_split
 from pipeline.export import export_checkpoint
-from pipeline.fsutil import disk_mb
+from pipeline.support.fsutil import disk_mb
 from pipeline.inference import load_model, translate
 from pipeline.speed import cpu_features
 from pipeline.tokenize import Tokenizer
-from pipeline.provenance import short_commit
+from pipeline.support.provenance import short_commit
 from pipeline.workdir import build_inputs, run_dir
 
 TEST = "test.test2016"

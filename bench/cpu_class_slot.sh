@@ -11,9 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
-class=$($py -c "from pipeline.hardware import cpu_class; print(cpu_class())")
+class=$($py -c "from pipeline.support.hardware import cpu_class; print(cpu_class())")
 fm=$(awk -F': ' '/^cpu family/{f=$2} /^model\t/{m=$2} END{print "f" f "m" m}' /proc/cpuinfo)
-precision=$($py -c "from pipeline.hardware import training_precision; print(training_precision('auto')[0])")
+precision=$($py -c "from pipeline.support.hardware import training_precision; print(training_precision('auto')[0])")
 tag="$class-$fm"
 echo "CPU class $class ($fm), training precision $precision; records tagged $tag"
 $py -m ops.default_e2e --tag "$tag"

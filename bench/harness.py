@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import REPO_ROOT
-from pipeline.fsutil import write_text
-from pipeline.hardware import cpuinfo
-from pipeline.provenance import short_commit
+from pipeline.support.fsutil import write_text
+from pipeline.support.hardware import cpuinfo
+from pipeline.support.provenance import short_commit
 from pipeline.speed import cpu_features, cpu_name
 
 REPO = REPO_ROOT

@@ -21,7 +21,7 @@ from pydantic import Field
 from flows.common import close_tracking_runs
 from pipeline import tracking
 from pipeline.config import ensure_work_dir
-from pipeline.fsutil import exclusive, write_text
+from pipeline.support.fsutil import exclusive, write_text
 from pipeline.sweep.config import base_point, check_space, expand, load_sweep, resolve_base, variations
 from pipeline.sweep.search import arms, finished, open_study, search
 from pipeline.sweep.search import confirm as confirm_arms

@@ -30,10 +30,10 @@ from pathlib import Path
 
 from ops.localstack import free_port, prefect_api
 from pipeline.config import REPO_ROOT as REPO, load_config
-from pipeline.fsutil import write_json
-from pipeline.hardware import cpu_class
+from pipeline.support.fsutil import write_json
+from pipeline.support.hardware import cpu_class
 from pipeline.speed import cpu_name
-from pipeline.provenance import short_commit
+from pipeline.support.provenance import short_commit
 
 FLOW = "train-en-de"
 

@@ -45,8 +45,8 @@ import psutil
 import yaml
 
 from pipeline.config import load_config
-from pipeline.fsutil import write_json
-from pipeline.proc import free_port  # noqa: F401  (the tests and ops.localstack callers name it here too)
+from pipeline.support.fsutil import write_json
+from pipeline.support.proc import free_port  # noqa: F401  (the tests and ops.localstack callers name it here too)
 from pipeline.promotion import lock_name
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from pathlib import Path
 from ops.browser import BrowserError, render
 from ops.localstack import prefect_api
 from pipeline import tracking
-from pipeline.fsutil import write_json
+from pipeline.support.fsutil import write_json
 
 # Window sizes that show each page's point without scrolling: the graph of the run page, a whole form.
 WINDOWS = {"prefect-run-form": (1400, 1500), "prefect-report": (1600, 1800), "prefect-scores": (1600, 1300),

@@ -27,7 +27,7 @@ from pipeline.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_index, 
 from pipeline.config import RunConfig
 from pipeline.evalsets import Progress
 from pipeline.evaluate import EVALUATORS, evaluate_checkpoint
-from pipeline.fsutil import atomic_file, sha256_file, write_json
+from pipeline.support.fsutil import atomic_file, sha256_file, write_json
 
 log = logging.getLogger("aiayn.average")
 CHOICE = "choice.json"

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import UserError
-from pipeline.fsutil import atomic_file, sha256_file, write_json
-from pipeline.retired import RetiredOptionError, drop_retired, drop_retired_fields
+from pipeline.support.errors import UserError
+from pipeline.support.fsutil import atomic_file, sha256_file, write_json
+from pipeline.support.retired import RetiredOptionError, drop_retired, drop_retired_fields
 
 log = logging.getLogger("aiayn.train")
 
@@ -188,9 +188,9 @@ def _try_load(path: Path) -> tuple[dict | None, str | None]:
 
 
 def _without_retired(state: dict, path: Path) -> dict:
-    """A checkpoint written before an option left the product, as this version reads it (:mod:`pipeline.retired`):
-    the option dropped from its architecture and its config; a :class:`CheckpointError` where it was trained with
-    the option on."""
+    """A checkpoint written before an option left the product, as this version reads it
+    (:mod:`pipeline.support.retired`): the option dropped from its architecture and its config; a
+    :class:`CheckpointError` where it was trained with the option on."""
     try:
         if isinstance(state.get("model_config"), dict):
             state["model_config"] = drop_retired_fields("model", state["model_config"], str(path))

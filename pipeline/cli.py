@@ -20,7 +20,7 @@ from pipeline.checkpoint import check_pair, check_tokenizer, load_checkpoint
 from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir, resolve_config, write_resolved
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.data.clean import Normalizer
-from pipeline.errors import UserError
+from pipeline.support.errors import UserError
 from pipeline.evalsets import Checkpoints, checkpoint_list
 from pipeline.evaluate import EVALUATORS, eval_dir, evaluate_checkpoint
 from pipeline.export import GATE, export_model

@@ -36,13 +36,13 @@ from sacrebleu.metrics import CHRF
 
 from model import Ensemble, Transformer
 from pipeline.checkpoint import load_checkpoint
-from pipeline.codegraph import code_closure
+from pipeline.support.codegraph import code_closure
 from pipeline.config import CleaningConfig, DistillConfig
 from pipeline.data import DataError, read_manifest
 from pipeline.data.clean import Normalizer
 from pipeline.data.corpus import CorpusSplitWriter, rule_report
-from pipeline.errors import UserError
-from pipeline.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, identity_fingerprint,
+from pipeline.support.errors import UserError
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, identity_fingerprint,
                              read_stage_manifest, remove_stale_temps, sha256_file, stage_folder, write_json)
 from pipeline.inference import load_models, translate_nbest, truncation_summary
 from pipeline.tokenize import Tokenizer, verify_file

@@ -18,10 +18,10 @@ from typing import Callable, Iterable, Sequence
 import pyarrow.parquet as pq
 
 from model import Ensemble, Transformer
-from pipeline.codegraph import code_closure
+from pipeline.support.codegraph import code_closure
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import code_hash, sha256_file
+from pipeline.support.fsutil import code_hash, sha256_file
 from pipeline.inference import decode_device, load_models
 from pipeline.tokenize import Tokenizer
 

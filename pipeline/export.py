@@ -43,9 +43,9 @@ from pipeline.checkpoint import check_tokenizer, load_checkpoint
 from pipeline.config import DecodeConfig, ExportConfig, RunConfig
 from pipeline.data import read_manifest
 from pipeline.engines import EXPORT_META, GATE, VMAP_FILE, CTranslate2Engine, translate_options, vocabulary_pieces
-from pipeline.errors import UserError
+from pipeline.support.errors import UserError
 from pipeline.evalsets import read_split
-from pipeline.fsutil import atomic_dir, sha256_file, write_json
+from pipeline.support.fsutil import atomic_dir, sha256_file, write_json
 from pipeline.promotion import paired_bootstrap
 from pipeline.shortlist import write_vocabulary_map
 from pipeline.tokenize import Tokenizer

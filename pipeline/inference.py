@@ -15,7 +15,7 @@ import torch
 from model import Ensemble, Transformer, TransformerConfig
 from model.decoding import beam_search
 from model.static_decoding import static_beam_search
-from pipeline.allocator import keep_freed_memory
+from pipeline.support.allocator import keep_freed_memory
 from pipeline.checkpoint import check_pair, check_tokenizer, load_checkpoint
 from pipeline.config import DecodeConfig
 from pipeline.encoding import encode_sources, to_decode
@@ -75,7 +75,7 @@ def decoding_model(model: Transformer, precision: str) -> Transformer:
     Not autocast: its per-operation casts cost ~1/5 of a decoding step at the tiny size (measured with
     torch.profiler), and a decoding step is many small operations."""
     if next(model.parameters()).device.type == "cpu":
-        keep_freed_memory()  # see pipeline.allocator: fewer page faults per step
+        keep_freed_memory()  # see pipeline.support.allocator: fewer page faults per step
     if precision == "fp32":
         return model
     return copy.deepcopy(model).to(torch.bfloat16)

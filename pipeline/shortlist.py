@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.engines import vocabulary_pieces
-from pipeline.fsutil import write_text
+from pipeline.support.fsutil import write_text
 from pipeline.tokenize import Tokenizer
 
 MAX_PAIRS = 300_000  # sentence pairs the estimate reads (~1 GB of co-occurrences at captions' lengths, 3x at news')

@@ -17,7 +17,7 @@ from pipeline.config import DecodeConfig
 from pipeline.data import read_manifest
 from pipeline.engines import Engine, open_engine
 from pipeline.evalsets import read_split
-from pipeline.hardware import cpuinfo
+from pipeline.support.hardware import cpuinfo
 from pipeline.tokenize import Tokenizer
 
 STUDENT = "student"  # the student's label in :func:`student_speeds`

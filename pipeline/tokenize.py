@@ -32,8 +32,9 @@ import sentencepiece as spm
 
 from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
-from pipeline.errors import UserError
-from pipeline.fsutil import MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder, write_json
+from pipeline.support.errors import UserError
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder,
+                                     write_json)
 
 log = logging.getLogger("aiayn.tokenize")
 

@@ -12,7 +12,7 @@ from typing import Callable
 
 from pipeline.config import RunConfig, outside_run_identity
 from pipeline.data import prepare_corpus
-from pipeline.fsutil import sha256_file
+from pipeline.support.fsutil import sha256_file
 from pipeline.shards import build_shards, read_shard_manifest
 from pipeline.tokenize import train_tokenizer
 

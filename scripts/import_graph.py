@@ -1,7 +1,7 @@
 """The import graph of our packages, summarised: ``python scripts/import_graph.py [--root DIR] [--edges]``.
 
 Reads every module's imports (top-level and deferred, i.e. inside a function) with ``ast``
-(``pipeline.codegraph``), so it reads any checkout (``--root``) without importing it, and prints:
+(``pipeline.support.codegraph``), so it reads any checkout (``--root``) without importing it, and prints:
 
 - the edges between components (a top-level package, or a sub-package/module of ``pipeline``), with counts;
 - import cycles between modules (strongly connected components), including those hidden by deferred imports;
@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.codegraph import find_modules, module_imports  # noqa: E402  (this checkout's reader, any --root)
+from pipeline.support.codegraph import find_modules, module_imports  # noqa: E402  (this checkout's reader, any --root)
 
 LAYERS = ("ops", "flows", "tasks", "pipeline", "model")  # each may import only those after it
 

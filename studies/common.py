@@ -21,8 +21,8 @@ from pipeline.config import RunConfig
 from pipeline.data import read_manifest
 from pipeline.evalsets import read_split
 from pipeline.evaluate import eval_dir
-from pipeline.fsutil import write_text
-from pipeline.provenance import short_commit
+from pipeline.support.fsutil import write_text
+from pipeline.support.provenance import short_commit
 from pipeline.sweep.verdict import bonferroni, paired_verdict
 from pipeline.workdir import build_corpus
 

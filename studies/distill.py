@@ -52,10 +52,10 @@ from pipeline.data import read_manifest
 from pipeline.engines import CTranslate2Engine
 from pipeline.evalsets import read_split
 from pipeline.export import export_checkpoint
-from pipeline.fsutil import disk_mb
+from pipeline.support.fsutil import disk_mb
 from pipeline.inference import load_model, load_models, translate
 from pipeline.tokenize import Tokenizer
-from pipeline.provenance import short_commit
+from pipeline.support.provenance import short_commit
 from pipeline.workdir import build_inputs, run_dir
 from studies.common import (TEST, Scored, StudyRecord, evaluation, flat_scores, load_arms, pipeline,
                             read_record, references, run_record, runs_machine, verdicts, write_study_record)

@@ -1,7 +1,7 @@
 """Cross-run caching for stage tasks: a key from what determines a stage's output, and nothing else.
 
 The key of a stage task is the hash of: the task's name and source, the source of every module the stage
-function runs (its module and what that imports of ours, derived from the imports: ``pipeline.codegraph``), and
+function runs (its module and what that imports of ours, derived from the imports: ``pipeline.support.codegraph``), and
 its inputs, where a config is its canonical JSON and a stage folder is the hash of its manifest (which holds
 the content hashes of every file in it). So a changed training config re-runs training and what follows,
 while data and tokenization keep their keys. The task name is in the key because two tasks with equal inputs
@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterable
 from prefect import get_run_logger
 from pydantic import BaseModel
 
-from pipeline.codegraph import REPO, code_closure
+from pipeline.support.codegraph import REPO, code_closure
 from pipeline.config import canonical_json
-from pipeline.fsutil import MANIFEST, sha256_file
+from pipeline.support.fsutil import MANIFEST, sha256_file
 
 # The config schema reaches a stage only through the config's values, which the key holds by content: leaving
 # its code out keeps a new field in one section from invalidating every stage.
@@ -53,7 +53,8 @@ def code_digest(files: Iterable[Path]) -> str:
 
 
 def stage_code(stage: Callable) -> tuple[Path, ...]:
-    """The source files the plain stage function ``stage`` runs (see :func:`pipeline.codegraph.code_closure`)."""
+    """The source files the plain stage function ``stage`` runs (see
+    :func:`pipeline.support.codegraph.code_closure`)."""
     return code_closure(stage.__module__, _NOT_CODE)
 
 

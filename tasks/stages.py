@@ -16,7 +16,7 @@ from pipeline.data.sources import HubUnavailable
 from pipeline.distill import distill_corpus
 from pipeline.evaluate import evaluate_checkpoint
 from pipeline.export import export_model
-from pipeline.fsutil import sha256_file
+from pipeline.support.fsutil import sha256_file
 from pipeline.inference import decode_device
 from pipeline.shards import build_shards
 from pipeline.tokenize import train_tokenizer

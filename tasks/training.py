@@ -35,9 +35,9 @@ from prefect.runtime import flow_run, task_run
 from prefect.states import Cancelled, Cancelling
 
 from pipeline.config import LaunchConfig, RunConfig, write_resolved
-from pipeline.errors import UserError
-from pipeline.fsutil import exclusive
-from pipeline.proc import preexec_exit_with_parent
+from pipeline.support.errors import UserError
+from pipeline.support.fsutil import exclusive
+from pipeline.support.proc import preexec_exit_with_parent
 from pipeline.train import trainer
 from pipeline.train.launch import Rendezvous, ranks_refusals, rendezvous_for, torchrun_command
 from pipeline.workdir import run_dir

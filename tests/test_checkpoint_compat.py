@@ -1,4 +1,4 @@
-"""Configs and checkpoints written before an option left the product keep working (pipeline/retired.py;
+"""Configs and checkpoints written before an option left the product keep working (pipeline/support/retired.py;
 docs/explanation/architecture.md, "When a lever leaves the product"): at the product's value the option is dropped,
 at another it is refused, naming it and the commit whose code runs it.
 
@@ -19,7 +19,7 @@ import yaml
 
 from pipeline.checkpoint import CheckpointError, load_checkpoint
 from pipeline.config import ConfigError, dump_config, load_config, load_resolved
-from pipeline.retired import RETIRED
+from pipeline.support.retired import RETIRED
 from tests.conftest import REPO_ROOT
 
 OLD = REPO_ROOT / "tests" / "fixtures" / "checkpoint-734e28a"

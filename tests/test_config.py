@@ -488,7 +488,7 @@ def test_a_compute_recipe_applies_over_the_yaml_and_under_the_overrides() -> Non
 
 
 def test_recipe_auto_follows_the_precision_of_this_machine_only_on_a_clock_budget() -> None:
-    from pipeline.hardware import training_precision
+    from pipeline.support.hardware import training_precision
 
     precision = training_precision("auto")[0]
     clock = load_config("multi30k-cpu", [RECIPES])
@@ -523,7 +523,7 @@ def test_recipe_errors_name_the_recipe_on_every_machine() -> None:
 
 
 def test_the_cpu_class_is_what_the_cpu_flags_say() -> None:
-    from pipeline.hardware import CPU_CLASSES, cpu_class
+    from pipeline.support.hardware import CPU_CLASSES, cpu_class
 
     flags = set(next(line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                      if line.startswith("flags")))

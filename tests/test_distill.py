@@ -28,7 +28,7 @@ from pipeline.config import ConfigError, DistillConfig, RunConfig, load_config
 from pipeline.data import prepare_corpus, read_manifest
 from pipeline.distill import (RULES, DistillError, distill_corpus, distill_from_translations, distilled_fingerprint,
                               failure, select_hypothesis, teacher_tokenizer, write_translations)
-from pipeline.fsutil import MANIFEST, sha256_file
+from pipeline.support.fsutil import MANIFEST, sha256_file
 from pipeline.inference import load_models, translate, translate_nbest
 from pipeline.tokenize import Tokenizer, train_tokenizer
 from pipeline.workdir import build_inputs

@@ -384,7 +384,7 @@ def test_each_distilled_arm_of_the_study_trains_on_the_targets_it_names_whatever
 def test_a_measurement_names_its_commit_short_and_marked_when_the_tree_differs():
     """short_commit, which the bench scripts write into ledger entries and study records: HEAD's first 7 hex
     digits, with + exactly when tracked files differ from HEAD."""
-    from pipeline.provenance import short_commit
+    from pipeline.support.provenance import short_commit
 
     git = lambda *a: subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True,  # noqa: E731
                                     check=True).stdout.strip()

@@ -15,7 +15,7 @@ import pytest
 from pipeline.average import average_checkpoints, average_run, averaged_path, choice_dir
 from pipeline.checkpoint import CheckpointError, load_checkpoint
 from pipeline.config import ConfigError, DecodeConfig
-from pipeline.fsutil import sha256_file
+from pipeline.support.fsutil import sha256_file
 from pipeline.evaluate import eval_dir, evaluate_checkpoint
 from pipeline.inference import load_model, load_models, translate
 from pipeline.tokenize import Tokenizer

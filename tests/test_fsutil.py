@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.fsutil import atomic_file, disk_mb, write_json
+from pipeline.support.fsutil import atomic_file, disk_mb, write_json
 
 
 def test_atomic_file_replaces_on_success_and_keeps_the_old_file_on_error(tmp_path: Path) -> None:
@@ -27,7 +27,7 @@ def test_exclusive_lets_one_holder_in_at_a_time(tmp_path: Path) -> None:
     import threading
     import time
 
-    from pipeline.fsutil import exclusive
+    from pipeline.support.fsutil import exclusive
 
     events: list[str] = []
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from pipeline.average import average_run
-from pipeline.codegraph import REPO, code_closure, module_imports
+from pipeline.support.codegraph import REPO, code_closure, module_imports
 from pipeline.data import prepare_corpus
 from pipeline.evaluate import evaluate_checkpoint
 from tasks.caching import stage_code
@@ -30,6 +30,21 @@ def test_import_contracts_hold() -> None:
     among pipeline's packages, the data stage apart from the tasks, the CLI imported by nobody."""
     res = subprocess.run([BIN / "lint-imports", "--no-cache"], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr
+
+
+def test_the_support_package_imports_nothing_else_of_the_pipeline() -> None:
+    """pipeline/support/ sits under every stage: an import of a stage from it would tie the stages together (and
+    into every stage's cache key)."""
+    import ast
+
+    outside = []
+    for path in sorted((REPO / "pipeline" / "support").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            outside += [f"{path.name}: {n}" for n in names
+                        if n.split(".")[0] == "pipeline" and not n.startswith("pipeline.support")]
+    assert not outside, outside
 
 
 def test_stage_code_follows_the_imports() -> None:

@@ -42,7 +42,7 @@ def test_every_option_is_set_by_a_shipped_config_or_named_by_a_how_to() -> None:
     orphans = [f"{section}.{field}" for section, schema in SECTIONS.items() for field in schema.model_fields
                if f"{section}.{field}" not in shipped and f"{section}.{field}" not in how_tos]
     assert not orphans, (f"options that no shipped config sets and no how-to names: {orphans}; ship a config that "
-                         "sets each, name the need it serves in a how-to, or retire it (pipeline/retired.py)")
+                         "sets each, name the need it serves in a how-to, or retire it (pipeline/support/retired.py)")
 
 
 def test_the_scan_sees_sections_overrides_and_sweep_spaces(tmp_path: Path) -> None:

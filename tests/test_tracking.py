@@ -28,7 +28,7 @@ from pipeline.config import DecodeConfig, DistillConfig, ExportConfig
 from pipeline.data import prepare_corpus
 from pipeline.distill import distill_corpus
 from pipeline.export import export_model
-from pipeline.fsutil import sha256_file
+from pipeline.support.fsutil import sha256_file
 from pipeline.inference import load_model, translate
 from pipeline.promotion import Policy, PromotionSet, read_promotion_set
 from pipeline.speed import STUDENT, Served, cpu_name, student_speeds

@@ -59,7 +59,7 @@ def test_loss_decreases_and_metrics(shared_data, shards, tmp_path):
     assert summary["steps"] == 30 and summary["stopped_by"] == "max_steps" and summary["tokens"]["tgt"] > 0
     assert summary["final_dev"]["dev_loss"] == dev[-1]["dev_loss"]
     # what trained it, named in the summary and the params alike (the tests' config: recipe none on every machine)
-    from pipeline.hardware import cpu_class
+    from pipeline.support.hardware import cpu_class
 
     assert (summary["machine"], summary["precision"], summary["recipe"]) == (
         f"CPU class {cpu_class()}", params[0]["precision"], "none") and params[0]["machine"] == summary["machine"]
@@ -202,7 +202,7 @@ def test_the_run_config_is_written_once(shared_data, shards, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_the_heap_keeps_freed_memory_once_per_process():
-    from pipeline.allocator import SETTINGS, keep_freed_memory
+    from pipeline.support.allocator import SETTINGS, keep_freed_memory
 
     applied = keep_freed_memory()
     assert applied == {name: value for name, (_, value) in SETTINGS.items()}  # glibc took every setting
@@ -210,7 +210,7 @@ def test_the_heap_keeps_freed_memory_once_per_process():
 
 
 def test_auto_precision_follows_the_hardware() -> None:
-    from pipeline.hardware import native_bf16, training_precision
+    from pipeline.support.hardware import native_bf16, training_precision
 
     cpu = torch.device("cpu")
     assert training_precision("fp32", cpu) == ("fp32", "train.precision=fp32")
@@ -222,7 +222,7 @@ def test_auto_precision_follows_the_hardware() -> None:
 
 
 def test_the_nominal_cpu_peak_is_cores_times_flops_per_cycle_times_the_clock() -> None:
-    from pipeline.hardware import _FLOPS_PER_CYCLE, cpu_class, cpuinfo, nominal_cpu_peak
+    from pipeline.support.hardware import _FLOPS_PER_CYCLE, cpu_class, cpuinfo, nominal_cpu_peak
 
     info = cpuinfo()
     key = (info["vendor_id"], cpu_class())

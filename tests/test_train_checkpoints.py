@@ -195,7 +195,7 @@ def test_leftover_temporary_files_of_a_killed_run_are_removed(shared_data, shard
 
 @pytest.mark.integration
 def test_a_second_training_of_one_folder_waits_for_the_first(shared_data, shards, tmp_path):
-    from pipeline.fsutil import exclusive
+    from pipeline.support.fsutil import exclusive
 
     out = tmp_path / "run"
     log_file = tmp_path / "second.log"

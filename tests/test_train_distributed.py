@@ -120,7 +120,7 @@ def refused_by_torchrun(shared_data: Path, shards: Path, out: Path, *overrides: 
     from prefect.states import exception_to_failed_state
 
     from pipeline.config import LaunchConfig
-    from pipeline.errors import UserError
+    from pipeline.support.errors import UserError
     from pipeline.train.launch import torchrun_command
     from tasks.training import TrainingFailed, TrainingRefused, _retry_unless_refused, run_torchrun
 

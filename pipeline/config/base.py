@@ -10,7 +10,7 @@ from typing import Annotated, Any, Mapping
 from pydantic import BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 
-from pipeline.errors import UserError
+from pipeline.support.errors import UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 from pipeline.config.base import CONFIG_DIR, ConfigError, DevDomainWarning, tree_leaves
 from pipeline.config.run import RunConfig
 from pipeline.config.yaml_loader import DuplicateKey, load_yaml, parse_value, read_yaml_file
-from pipeline.fsutil import write_text
-from pipeline.retired import RetiredOptionError, drop_retired
+from pipeline.support.fsutil import write_text
+from pipeline.support.retired import RetiredOptionError, drop_retired
 
 
 def resolve_config_path(name_or_path: str | Path, relative_to: Path = CONFIG_DIR) -> Path:
@@ -178,7 +178,7 @@ def _without_retired(tree: dict, items: list[tuple[str, Any, str]], path: Path) 
 
 def _validate(tree: dict, items: list[tuple[str, Any, str]], path: Path) -> RunConfig:
     """The typed config of a merged tree; a :class:`ConfigError` naming, per bad field, where its value came from.
-    A retired option is dropped at the product's value and refused at any other (:mod:`pipeline.retired`)."""
+    A retired option is dropped at the product's value and refused at any other (:mod:`pipeline.support.retired`)."""
     tree = _without_retired(tree, items, path)
     try:
         return RunConfig.model_validate(tree)
@@ -210,7 +210,7 @@ def _recipes(tree: dict, items: list[tuple[str, Any, str]], path: Path) -> tuple
     if name == "auto":
         train = merged.get("train") or {}
         if train.get("max_minutes") is not None and recipes:
-            from pipeline.hardware import training_precision  # imports torch: only where a recipe may apply
+            from pipeline.support.hardware import training_precision  # imports torch: only where a recipe may apply
 
             precision = training_precision(train.get("precision", "auto"))[0]
             name = precision if precision in recipes else "none"

@@ -89,7 +89,7 @@ class TrainConfig(Strict):
         "it; a CPU with AMX tiles or AVX512-BF16), fp32 otherwise; the trainer logs which and why."))
     # why auto and not always bf16: on a CPU without native bf16, bf16 trains slower than fp32; where it is native
     # it trains faster at the same loss (bench/bench_vs_fairseq.py). auto is resolved by
-    # pipeline.hardware.training_precision.
+    # pipeline.support.hardware.training_precision.
     bf16_copy: Literal["auto", "on", "off"] = Field(default="auto", description=(
         "How bf16 training runs (with precision bf16). on: forward and backward run a bf16 copy of the model, Adam "
         "updates the fp32 weights, copied into it after each update; off: autocast, which casts weights and "

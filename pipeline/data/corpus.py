@@ -21,12 +21,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.codegraph import code_closure
+from pipeline.support.codegraph import code_closure
 from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
 from pipeline.data.sources import TASK_READERS, Batch, DataError, Source, open_source, resolve_root
-from pipeline.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, read_stage_manifest, sha256_file,
-                             stage_folder, write_json)
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, read_stage_manifest,
+                                     sha256_file, stage_folder, write_json)
 
 log = logging.getLogger("aiayn.data")
 

@@ -28,7 +28,7 @@ from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import DataError
 from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, eval_setup, finished_scores,
                                samples_markdown, scores_header)
-from pipeline.fsutil import write_json, write_text
+from pipeline.support.fsutil import write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.parsing.constraint import tree_constraint
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus

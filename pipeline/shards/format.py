@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from pipeline.errors import UserError
+from pipeline.support.errors import UserError
 
 SHARDS_FORMAT = "aiayn-shards/1"
 CHUNK_ROWS = 16_384  # rows per record batch and per task sent to a worker (part of the format)

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import SpecialIds
-from pipeline.fsutil import MANIFEST, read_stage_manifest, sha256_file
+from pipeline.support.fsutil import MANIFEST, read_stage_manifest, sha256_file
 from pipeline.tokenize import Tokenizer
 
 from .batching import token_batches

@@ -43,9 +43,9 @@ import pyarrow.parquet as pq
 
 from pipeline.config import TokenizerConfig
 from pipeline.data import read_manifest
-from pipeline.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, remove_stale_temps, sha256_file,
-                             stage_folder, write_json)
-from pipeline.proc import exit_with_parent
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, remove_stale_temps,
+                                     sha256_file, stage_folder, write_json)
+from pipeline.support.proc import exit_with_parent
 from pipeline.tokenize import Tokenizer, verify_file
 
 from .format import CHUNK_ROWS, SHARDS_FORMAT, ShardError, sampled_split, shard_schema

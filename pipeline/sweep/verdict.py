@@ -15,7 +15,7 @@ import optuna
 import yaml
 
 from pipeline.config import RunConfig, deep_merge
-from pipeline.fsutil import write_text
+from pipeline.support.fsutil import write_text
 from pipeline.promotion import Comparison, pooled_bootstrap
 from pipeline.sweep.config import SweepConfig, expand
 from pipeline.sweep.search import Arm, enqueued_point, point

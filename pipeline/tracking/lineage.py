@@ -20,7 +20,7 @@ from mlflow.types import ColSpec, DataType, Schema
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_PARENT_RUN_ID
 
 from pipeline.data import read_manifest
-from pipeline.fsutil import MANIFEST
+from pipeline.support.fsutil import MANIFEST
 from pipeline.shards import read_shard_manifest
 from pipeline.tokenize import Tokenizer
 

@@ -20,7 +20,7 @@ from mlflow.models import Model
 
 from pipeline.checkpoint import load_checkpoint
 from pipeline.config import DecodeConfig
-from pipeline.fsutil import sha256_file
+from pipeline.support.fsutil import sha256_file
 from pipeline.inference import model_from_state
 from pipeline.promotion import Decision, Policy, PromotionSet, decide, guards, paired_bootstrap
 

@@ -13,7 +13,7 @@ from pipeline.average import CHOICE
 from pipeline.checkpoint import load_checkpoint
 from pipeline.data import read_manifest
 from pipeline.engines import EXPORT_META, GATE
-from pipeline.fsutil import sha256_file
+from pipeline.support.fsutil import sha256_file
 from pipeline.inference import load_model
 from pipeline.report import score_rows
 from pipeline.tokenize import Tokenizer

@@ -21,8 +21,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import RunConfig, dump_config
-from pipeline.errors import UserError
-from pipeline.provenance import git_commit, short_commit  # noqa: F401  (short_commit: this module's name too)
+from pipeline.support.errors import UserError
+from pipeline.support.provenance import git_commit, short_commit  # noqa: F401  (short_commit: this module's name too)
 
 log = logging.getLogger("aiayn.tracking")
 

@@ -19,7 +19,7 @@ from typing import Sequence
 from pipeline.checkpoint import load_checkpoint
 from pipeline.data import read_manifest
 from pipeline.distill import teacher_tokenizer
-from pipeline.errors import UserError
+from pipeline.support.errors import UserError
 from pipeline.speed import STUDENT, SideBySide
 from pipeline.tokenize import Tokenizer
 

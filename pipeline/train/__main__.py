@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import RunConfig, ensure_work_dir, load_resolved
-from pipeline.errors import UserError
+from pipeline.support.errors import UserError
 from pipeline.workdir import build_inputs, run_dir
 
 from .distributed import DistInfo, barrier, setup, teardown

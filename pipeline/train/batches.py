@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from pipeline.config import RunConfig
-from pipeline.fsutil import MANIFEST, sha256_file
+from pipeline.support.fsutil import MANIFEST, sha256_file
 from pipeline.shards import ShardDataset, token_batches, train_splits
 
 from .distributed import DistInfo

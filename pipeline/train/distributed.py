@@ -16,8 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.allocator import keep_freed_memory
-from pipeline.proc import exit_with_parent
+from pipeline.support.allocator import keep_freed_memory
+from pipeline.support.proc import exit_with_parent
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def setup() -> DistInfo:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        keep_freed_memory()  # see pipeline.allocator: fewer page faults per step
+        keep_freed_memory()  # see pipeline.support.allocator: fewer page faults per step
     threads = os.environ.get("AIAYN_CPU_THREADS")  # an explicit count wins (benchmarks, shared machines)
     torch.set_num_threads(int(threads) if threads else max(1, _cpu_cores() // local_world))
     if world > 1 and not dist.is_initialized():

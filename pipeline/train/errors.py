@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.checkpoint import read_index
-from pipeline.errors import UserError
+from pipeline.support.errors import UserError
 
 
 class TrainConfigError(UserError, ValueError):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.config import RunConfig
-from pipeline.hardware import nominal_cpu_peak
+from pipeline.support.hardware import nominal_cpu_peak
 from pipeline.shards import ShardDataset
 
 from .distributed import DistInfo, all_reduce_sum

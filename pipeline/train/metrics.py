@@ -16,7 +16,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from pipeline.fsutil import write_text
+from pipeline.support.fsutil import write_text
 
 log = logging.getLogger("aiayn.train")
 

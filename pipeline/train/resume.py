@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from model import Transformer
 from pipeline.checkpoint import check_compatible, find_latest, load_checkpoint, load_init_checkpoint
-from pipeline.fsutil import sha256_file
+from pipeline.support.fsutil import sha256_file
 
 from .distributed import DistInfo, broadcast_object, seed_everything, set_rng_state
 from .optim import load_optimizer

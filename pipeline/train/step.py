@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model import Transformer, transformer_lr_scheduler
 from pipeline.config import RunConfig
-from pipeline.hardware import training_precision
+from pipeline.support.hardware import training_precision
 from pipeline.shards import ShardDataset
 
 from .batches import Batch, make_batch

@@ -48,8 +48,8 @@ import torch
 from model import Transformer, TransformerLRLambda, cooldown_factor, transformer_lr
 from pipeline.checkpoint import read_index
 from pipeline.config import RunConfig, TrainConfig, dump_config, write_resolved
-from pipeline.fsutil import exclusive, remove_stale_temps, write_json
-from pipeline.hardware import machine_class
+from pipeline.support.fsutil import exclusive, remove_stale_temps, write_json
+from pipeline.support.hardware import machine_class
 from pipeline.shards import ShardDataset
 
 from .batches import Batch, TrainData, accumulation_steps, make_batch, usable_batches

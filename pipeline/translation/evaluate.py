@@ -22,7 +22,7 @@ from model import Ensemble, Transformer
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, eval_setup, finished_scores,
                                samples_markdown, scores_header)
-from pipeline.fsutil import write_json, write_text
+from pipeline.support.fsutil import write_json, write_text
 from pipeline.inference import translate, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.translation.bleu import score_translations, tokenized_bleu

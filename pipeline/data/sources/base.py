@@ -16,8 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import SourceSpec
-from pipeline.errors import UserError
-from pipeline.fsutil import sha256_file
+from pipeline.support.errors import UserError
+from pipeline.support.fsutil import sha256_file
 
 Pair = tuple[int, str, str]  # (1-based line in the source, source sentence, target sentence)
 # pairs at a time: (their 1-based lines in the source, int64 [n]; source sentences [n]; target sentences [n])

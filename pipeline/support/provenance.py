@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
-from pipeline.config import REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> tuple[str, bool] | None:

@@ -10,7 +10,7 @@ import ast
 from functools import lru_cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("ops", "flows", "tasks", "pipeline", "model")
 
 
