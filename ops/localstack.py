@@ -231,7 +231,7 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None) -> S
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
     if port_in_use(port):
         raise StackError(f"port {port} on {HOST} is taken; stop what uses it or pass --mlflow-port")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # ~500 MB less (STACK-NOTES)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # unused job runner (STACK-NOTES)
     if database is None:
         env["MLFLOW_BACKEND_STORE_URI"], shown = f"sqlite:///{home / 'mlflow.db'}", "sqlite"
     else:

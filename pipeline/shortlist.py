@@ -31,7 +31,7 @@ from pipeline.engines import vocabulary_pieces
 from pipeline.support.fsutil import write_text
 from pipeline.tokenize import Tokenizer
 
-MAX_PAIRS = 300_000  # sentence pairs the estimate reads (~1 GB of co-occurrences at captions' lengths, 3x at news')
+MAX_PAIRS = 300_000  # sentence pairs the estimate reads: bounds the co-occurrence table (it grows with length)
 
 
 def model1(sources: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], vocab_size: int,
