@@ -52,8 +52,8 @@ def _one_node_of_two_processes(run: Path, out: Path) -> dict[str, torch.Tensor]:
     from pipeline.train.launch import torchrun_command
 
     cfg = load_resolved(run / "config.yaml")
-    shards = next(p for p in (Path(cfg.work_dir) / "shards").iterdir()
-                  if run.name.endswith(json.loads((p / "manifest.json").read_text())["fingerprint"][:12]))
+    shards = next(p for p in (Path(cfg.work_dir) / "shards").iterdir() if (p / "manifest.json").is_file()
+                  and run.name.endswith(json.loads((p / "manifest.json").read_text())["fingerprint"][:12]))
     cmd = torchrun_command(LaunchConfig(nproc_per_node=2), run / "config.yaml", shards, out)
     # A node of one process computes on every core (or on AIAYN_CPU_THREADS, as under pytest-xdist); so must
     # these two, for the same arithmetic (one thread more or less changes how a matmul splits its sums).
