@@ -4,15 +4,14 @@ of every section, the mark of a field outside the run's identity, and the dotted
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Any, Mapping
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 
+from pipeline.support import REPO_ROOT
 from pipeline.support.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 
 

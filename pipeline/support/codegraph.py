@@ -10,7 +10,9 @@ import ast
 from functools import lru_cache
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from pipeline.support import REPO_ROOT
+
+REPO = REPO_ROOT
 PACKAGES = ("ops", "flows", "tasks", "pipeline", "model")
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from pipeline.support import REPO_ROOT
 
 
 def git_commit() -> tuple[str, bool] | None:
