@@ -285,11 +285,13 @@ def prefect_cli(args: list[str], env: dict[str, str]) -> None:
         raise StackError(f"prefect {' '.join(args)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
 
 
-def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str, str]) -> Service:
-    """A process worker on the stack's pool; flow runs inherit its environment (tracking URI, data root)."""
+def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str, str],
+                 worker: str = "process") -> Service:
+    """A worker of ``worker`` type on the stack's pool. A process worker's flow runs inherit its environment
+    (tracking URI, data root); a Docker worker's get theirs from the pool's template (:func:`docker_pool_template`)."""
     env = {**prefect_env(home, api_url), "MLFLOW_TRACKING_URI": mlflow_url, **extra_env}
     cmd = [str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", WORK_POOL,
-           "--type", "process"]
+           "--type", worker]
     # A worker has no health endpoint by default; it is up once its process runs (it polls the server).
     return start_service("prefect-worker", cmd, env, None, api_url, home / "worker.log")
 
@@ -375,6 +377,20 @@ def result_storage_env(storage: str | None) -> dict[str, str]:
     return {"PREFECT_LOCAL_STORAGE_PATH": str(Path(storage).expanduser().resolve())}
 
 
+def docker_pool_template(image: str, mounts: dict[Path, str], env: dict[str, str]) -> dict:
+    """deploy/docker/pipeline-pool.json with this stack's defaults: its image (built here, so never pulled), the
+    folders a flow run reads and writes mounted at their own paths (``mounts``: folder -> ``ro`` or ``rw``; a path
+    a run records then means the same on the host and in every container) and the environment a process worker
+    would have passed on (``env``)."""
+    template = json.loads((REPO / "deploy" / "docker" / "pipeline-pool.json").read_text(encoding="utf-8"))
+    variables = template["variables"]["properties"]
+    variables["image"]["default"] = image
+    variables["image_pull_policy"]["default"] = "Never"
+    variables["volumes"]["default"] = [f"{folder}:{folder}:{mode}" for folder, mode in mounts.items()]
+    variables["env"]["default"] = env
+    return template
+
+
 def create_promotion_locks(env: dict[str, str]) -> list[str]:
     """One Prefect global concurrency limit (one slot) per deployed registered model, ``promote-<model>``: the
     flows hold it while they read the champion, compare and move the alias. Existing limits are kept."""
@@ -406,8 +422,16 @@ class Stack:
 
     def up(self, prefect_port: int, mlflow_port: int, data_root: Path | None = None,
            work_dir: Path | None = None, result_storage: str | None = None,
-           database: PostgreSQL | None = None) -> dict[str, Service]:
-        """Start what is not running, deploy prefect.yaml, and return the services (safe to call twice)."""
+           database: PostgreSQL | None = None, worker: str = "process",
+           image: str | None = None) -> dict[str, Service]:
+        """Start what is not running, deploy prefect.yaml, and return the services (safe to call twice).
+
+        ``worker``: ``process`` runs each flow run as a process of this checkout; ``docker`` as a container of
+        ``image`` (deploy/Dockerfile), with ``data_root`` mounted read-only and the work dir and result storage
+        read-write."""
+        if worker == "docker" and (image is None or data_root is None):
+            raise StackError("--worker docker needs --image (deploy/build-image.sh builds one) and --data-root "
+                             "(the corpora mounted into each flow run's container)")
         services = {k: s for k, s in self.load().items() if s.alive()}
         for name, db in DATABASES.items():  # a running server keeps its data where it is: never switched
             wanted = "sqlite" if database is None else database.shown(db)
@@ -423,18 +447,35 @@ class Stack:
             self.save(services)
         api_url = services["prefect-server"].url + "/api"
         env = prefect_env(self.home / "prefect", api_url)
-        prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"], env)
-        prefect_cli(["deploy", "--all"], env)
-        create_promotion_locks(env)
+        if worker == "docker":
+            work_dir = work_dir or self.home / "work"
+            result_storage = result_storage or str(self.home / "prefect" / "storage")
         extra = result_storage_env(result_storage)
         if data_root is not None:
             extra["AIAYN_DATA_ROOT"] = str(data_root.resolve())
         if work_dir is not None:
             extra["AIAYN_WORK_DIR"] = str(work_dir.resolve())
+        pool = ["--type", "process"]
+        if worker == "docker":
+            mounts = {data_root.resolve(): "ro", work_dir.resolve(): "rw"}
+            if "PREFECT_LOCAL_STORAGE_PATH" in extra:
+                mounts[Path(extra["PREFECT_LOCAL_STORAGE_PATH"])] = "rw"
+            for folder in mounts:
+                folder.mkdir(parents=True, exist_ok=True)
+            template = self.home / "docker-pool.json"
+            write_json(template, docker_pool_template(image, mounts, {"MLFLOW_TRACKING_URI": services["mlflow"].url,
+                                                                      **extra}))
+            pool = ["--type", "docker", "--base-job-template", str(template)]
+            # the pull step's {{ $AIAYN_PROJECT_DIR }} stays for each container to fill: the image's project folder
+            env.pop("AIAYN_PROJECT_DIR")
+        prefect_cli(["work-pool", "create", WORK_POOL, *pool, "--overwrite"], env)
+        prefect_cli(["deploy", "--all"], env)
+        create_promotion_locks(env)
         if "prefect-worker" not in services:
             for name in crash_orphaned_runs(api_url):
                 print(f"flow run {name}: its process is gone; marked Crashed")
-            services["prefect-worker"] = start_worker(self.home / "prefect", api_url, services["mlflow"].url, extra)
+            services["prefect-worker"] = start_worker(self.home / "prefect", api_url, services["mlflow"].url, extra,
+                                                      worker)
             self.save(services)
         return services
 
@@ -474,6 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where cached stage results go: a folder, or 'block:<type>/<name>', a Prefect storage block "
                         "for workers on other machines (default: env AIAYN_RESULT_STORAGE, else the stack's "
                         "PREFECT_HOME)")
+    p.add_argument("--worker", choices=["process", "docker"], default="process",
+                   help="how flow runs run: processes of this checkout, or containers of --image started by a "
+                        "Docker worker (a Docker work pool; the data root, work dir and result storage mounted)")
+    p.add_argument("--image", help="with --worker docker: the project's image (deploy/build-image.sh builds one)")
     return p
 
 
@@ -487,11 +532,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "up":
             database = PostgreSQL.parse(args.database_url) if args.database_url else None
             services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir,
-                                args.result_storage, database)
+                                args.result_storage, database, args.worker, args.image)
             print(f"Prefect UI:  {services['prefect-server'].url}")
             print(f"MLflow UI:   {services['mlflow'].url}")
             print(f"databases:   Prefect {services['prefect-server'].database}, MLflow {services['mlflow'].database}")
-            print(f"worker:      pool {WORK_POOL}, log {services['prefect-worker'].log}")
+            kind = "process" if args.worker == "process" else f"docker, image {args.image}"
+            print(f"worker:      pool {WORK_POOL} ({kind}), log {services['prefect-worker'].log}")
             print(f"export PREFECT_API_URL={services['prefect-server'].url}/api "
                   f"MLFLOW_TRACKING_URI={services['mlflow'].url}")
         elif args.action == "deploy":

@@ -13,7 +13,16 @@ from pipeline.support import REPO_ROOT
 
 
 def git_commit() -> tuple[str, bool] | None:
-    """(HEAD commit, whether tracked files differ from it) of the repository, or None outside a git checkout."""
+    """(HEAD commit, whether tracked files differ from it) of the repository; outside a git checkout the commit an
+    image was built from (``AIAYN_COMMIT``, deploy/Dockerfile: ``+`` at its end when the tree differed), else None."""
+    found = _git_head()
+    baked = os.environ.get("AIAYN_COMMIT", "").strip()
+    if found is None and baked and baked != "unknown":
+        return baked.rstrip("+"), baked.endswith("+")
+    return found
+
+
+def _git_head() -> tuple[str, bool] | None:
     env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read only: never rewrite the index
     try:
         head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,

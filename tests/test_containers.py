@@ -1,0 +1,138 @@
+"""The project's image and a Docker work pool, run for real on this machine's Docker daemon (Debian's ``docker.io``,
+installed and started here when missing, as .ci/run installs PostgreSQL): ``deploy/build-image.sh`` builds
+``deploy/Dockerfile`` on a base made from Debian's packages (no image registry), the image runs the unit tier in a
+container without a network and carries its commit, and the default deployment runs end to end in containers that
+a Prefect Docker worker starts, on the PostgreSQL-backed stack with MLflow's proxied artifacts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.support.provenance import short_commit
+from tests.conftest import QUICK, REPO_ROOT, Prefect, _apt_install, short_multi30k
+
+IMAGE = "aiayn-pipeline:test"
+
+
+def docker(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout,
+                         stdin=subprocess.DEVNULL)
+    assert not check or res.returncode == 0, f"docker {' '.join(args)}: {res.stdout[-3000:]}{res.stderr[-3000:]}"
+    return res
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory):
+    """A Docker daemon that answers: the running one, else ``dockerd`` started here (and stopped afterwards)."""
+    _apt_install("docker.io", lambda: shutil.which("dockerd"), tmp_path_factory)
+    _apt_install("debootstrap", lambda: shutil.which("debootstrap"), tmp_path_factory)
+    if docker("info", timeout=60, check=False).returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0:
+        pytest.skip("no Docker daemon answers and this user cannot start one: start dockerd")
+    log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["dockerd"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while docker("info", timeout=30, check=False).returncode != 0:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def image(daemon) -> str:
+    """The project's image of this checkout, built as a team without a registry builds it (layers cached)."""
+    res = subprocess.run(["bash", str(REPO_ROOT / "deploy" / "build-image.sh"), IMAGE], capture_output=True,
+                         text=True, timeout=2400, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return IMAGE
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_image_runs_the_unit_tier_and_knows_its_commit(image: str) -> None:
+    """No .git in the image, yet runs are tagged with the commit it was built from; the unit tier passes inside a
+    container with no network at all."""
+    probe = "from pipeline.support.provenance import short_commit; print(short_commit())"
+    assert docker("run", "--rm", "--network", "none", image, "python", "-c", probe).stdout.strip() == short_commit()
+    tier = docker("run", "--rm", "--network", "none", image, "python", "-m", "pytest", "-q", "-n", "2",
+                  "-p", "no:cacheprovider", "-m", "not integration and not slow", timeout=1800, check=False)
+    assert tier.returncode == 0, tier.stdout[-4000:] + tier.stderr[-2000:]
+    assert " passed" in tier.stdout and " failed" not in tier.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_default_deployment_runs_in_containers_of_a_docker_pool(image: str, postgres: str, shared_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """``up --worker docker``: a Docker work pool whose worker starts each flow run in a container of the image,
+    with the data mounted read-only and the work dir and cached results on shared folders, on the PostgreSQL-backed
+    servers. The default deployment registers a first champion; the second run reuses the data stages from the
+    cache, and its weak challenger is refused."""
+    from mlflow.tracking import MlflowClient
+
+    from ops.localstack import Stack, free_port
+
+    home = tmp_path / "stack"
+    data = short_multi30k(shared_data, tmp_path / "data", train=2500, val=300, test2016=200, newstest2014=100)
+    env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "AIAYN_DATABASE_URL": postgres}
+    cmd = [sys.executable, "-m", "ops.localstack", "--home", str(home), "--prefect-port", str(free_port()),
+           "--mlflow-port", str(free_port()), "--data-root", str(data), "--work-dir", str(tmp_path / "work"),
+           "--result-storage", str(tmp_path / "results"), "--worker", "docker", "--image", image]
+    ran: list[str] = []
+    up = subprocess.run([*cmd[:3], "up", *cmd[3:]], env=env, capture_output=True, text=True, timeout=300)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"worker:      pool aiayn-cpu (docker, image {image})" in up.stdout
+        services = Stack(home).load()
+        api_url = services["prefect-server"].url + "/api"
+        prefect = Prefect(api_url, {**env, "PREFECT_API_URL": api_url})
+        base = {**QUICK, "tracking.registered_model": "transformer-en-de-docker",
+                "train.checkpoint_every_steps": 20, "decode.max_len_a": 1.0, "decode.max_len_b": 5}
+
+        def run(**overrides) -> dict[str, str]:
+            params = {"data_root": str(data), "overrides": {**base, **overrides}, "max_steps": 40}
+            status, out, run_id = prefect.run_deployment("train-en-de/multi30k-cpu", params)
+            ran.append(run_id)
+            assert status == 0, prefect.logs(run_id)[-4000:] + out[-2000:]
+            client = MlflowClient(services["mlflow"].url)
+            exp = client.get_experiment_by_name("aiayn")
+            (parent,) = client.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{run_id}'")
+            return parent.data.tags
+
+        tags = run()
+        assert tags["promotion.decision"] == "promoted" and "first model" in tags["promotion.reason"]
+        assert tags["mlflow.source.git.commit"].startswith(short_commit().rstrip("+"))  # the image's own commit
+        tags = run(**{"train.lr_scale": 1e-4})  # weights that barely leave their initialisation
+        assert tags["promotion.decision"] == "not promoted" and tags["promotion.champion_version"] == "1"
+        states = prefect.task_states(ran[1])
+        assert [states[s] for s in ("prepare-data", "train-tokenizer", "write-shards")] == ["Cached"] * 3, states
+        for run_id in ran:  # each flow run was a container of the image, now exited
+            lines = docker("ps", "-a", "--filter", f"label=io.prefect.flow-run-id={run_id}", "--format",
+                           "{{json .}}").stdout.splitlines()
+            assert len(lines) == 1, f"containers of flow run {run_id}: {lines}"
+            container = json.loads(lines[0])
+            assert container["Image"] == image and container["State"] == "exited", container
+    finally:
+        down = subprocess.run([*cmd[:3], "down", "--home", str(home)], env=env, capture_output=True, text=True,
+                              timeout=120)
+        for run_id in ran:
+            left = docker("ps", "-aq", "--filter", f"label=io.prefect.flow-run-id={run_id}", check=False)
+            if left.stdout.split():
+                docker("rm", "-f", *left.stdout.split(), check=False)
+        assert down.returncode == 0, down.stderr
