@@ -27,10 +27,6 @@ def _entries_with_file(led: Ledger, repo: Path, test: Callable[[str], bool]) -> 
     return [(e, repo / f) for e in led.entries for f in e.files if test(f) and (repo / f).is_file()]
 
 
-def _label(e: Entry) -> str:
-    return f"{e.id}, {e.machine.describe()}"
-
-
 def learning_curve(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Dev NLL per sentence at every dev evaluation, and dev sacreBLEU of checkpoints and the chosen average."""
     found = _entries_with_file(led, repo, lambda f: Path(f).name.startswith("learning_curve"))
@@ -57,7 +53,7 @@ def learning_curve(led: Ledger, repo: Path, out: Path) -> Path | None:
                fontsize=7, color="#b5542a", bbox={"facecolor": "white", "edgecolor": "#dddddd"})
     b.set(xlabel="update", ylabel="dev sacreBLEU", title="dev BLEU (beam search, the run's settings)")
     b.legend(loc="lower right", fontsize=7)
-    fig.suptitle(f"The default recipe's learning curve ({_label(e)})", fontsize=9)
+    fig.suptitle(f"The default recipe's learning curve ({e.id}, {e.machine.describe()})", fontsize=9)
     fig.tight_layout()
     return _save(fig, out / "learning-curve.svg")
 
@@ -110,8 +106,14 @@ def recipe_deltas(led: Ledger, repo: Path, out: Path) -> Path | None:
     return _save(fig, out / "recipe-deltas.svg")
 
 
+def _tables(led: Ledger, name: str) -> list[tuple[Entry, list[dict]]]:
+    """Every table named ``name``: its entry and its rows, each a dict by column."""
+    return [(e, [dict(zip(t.columns, r)) for r in t.rows]) for e in led.entries for t in e.tables if t.name == name]
+
+
 def _table_rows(led: Ledger, name: str) -> list[tuple[Entry, dict]]:
-    return [(e, dict(zip(t.columns, r))) for e in led.entries for t in e.tables if t.name == name for r in t.rows]
+    """Every row of the tables named ``name``, with its entry."""
+    return [(e, r) for e, rows in _tables(led, name) for r in rows]
 
 
 def _cpu(e: Entry) -> str:
@@ -149,12 +151,11 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Exported and served models: quality against decoding speed, marker area by model size where the entry
     has it: tables named ``engines`` (columns: engine, sacrebleu, sentences_per_s, optional size_mb), one panel
     per entry (each measured its own model on its own set)."""
-    found = [(e, t) for e in led.entries for t in e.tables if t.name == "engines"]
+    found = _tables(led, "engines")
     if not found:
         return None
     fig, axes = plt.subplots(1, len(found), figsize=(max(7.5, 5 * len(found)), 4), squeeze=False)
-    for ax, (e, t) in zip(axes[0], found):
-        rows = [dict(zip(t.columns, r)) for r in t.rows]
+    for ax, (e, rows) in zip(axes[0], found):
         top = max((r.get("size_mb") or 0 for r in rows), default=0) or 1
         for r in rows:
             size = r.get("size_mb")
@@ -170,17 +171,17 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
 
 
 def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
-    """Distillation studies (bench/distill_study.py's entries), one row of panels each: test2016 sacreBLEU of every
+    """Distillation studies (studies/distill.py's entries), one row of panels each: test2016 sacreBLEU of every
     run per arm and search against the teachers', and, where the entry measured it, quality against decoding speed
     (2 threads) of the teachers and of seed 1 of each arm, PyTorch fp32 and its int8 CTranslate2 export joined,
     marker area by size on disk. Tables named ``distill_per_seed`` and (optional) ``distill_serving``."""
-    found = [(e, {t.name: [dict(zip(t.columns, r)) for r in t.rows] for t in e.tables}) for e in led.entries]
-    found = [(e, t) for e, t in found if "distill_per_seed" in t]
+    found = _tables(led, "distill_per_seed")
     if not found:
         return None
+    servings = {e.id: rows for e, rows in _tables(led, "distill_serving")}
     fig, axes = plt.subplots(len(found), 2, figsize=(10, 4 * len(found)), squeeze=False)
-    for (a, b), (e, tables) in zip(axes, found):
-        runs, serving = tables["distill_per_seed"], tables.get("distill_serving", [])
+    for (a, b), (e, runs) in zip(axes, found):
+        serving = servings.get(e.id, [])
         by_arm: dict[str, list[float]] = {}  # "<arm>\n<search>": test2016 of each seed, in the table's order
         for r in runs:
             by_arm.setdefault(f"{r['arm']}\n{r['search']}", []).append(r["test2016_sacrebleu"])
@@ -226,8 +227,7 @@ def student_cost(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Each student architecture's decoding speed against the default's int8 export with beam search, 2 threads
     (bench/bench_students.py: every output forced to one length), the goal's 2x marked; tables named
     ``student_cost`` (columns: architecture, ``<engine>_<search>_2t`` sentences/s), one panel per entry."""
-    found = [(e, [dict(zip(t.columns, r)) for r in t.rows]) for e in led.entries for t in e.tables
-             if t.name == "student_cost"]
+    found = _tables(led, "student_cost")
     if not found:
         return None
     series = [("ct2_int8_beam_2t", "int8, beam"), ("ct2_int8_greedy_2t", "int8, greedy"),
