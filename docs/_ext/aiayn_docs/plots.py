@@ -53,9 +53,8 @@ def learning_curve(led: Ledger, repo: Path, out: Path) -> Path | None:
                fontsize=7, color="#b5542a", bbox={"facecolor": "white", "edgecolor": "#dddddd"})
     b.set(xlabel="update", ylabel="dev sacreBLEU", title="dev BLEU (beam search, the run's settings)")
     b.legend(loc="lower right", fontsize=7)
-    fig.suptitle(f"The default recipe's learning curve ({e.id}, {e.machine.describe()})", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "learning-curve.svg")
+    return _save(fig, out / "learning-curve.svg",
+                 f"The default recipe's learning curve ({e.id}, {e.machine.describe()})")
 
 
 def gpu_throughput(led: Ledger, repo: Path, out: Path) -> Path | None:
@@ -82,7 +81,6 @@ def gpu_throughput(led: Ledger, repo: Path, out: Path) -> Path | None:
     ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=7)
     ax.set(ylabel="target tokens/s (thousands)", title="GPU training throughput (bench/bench_gpu.py, bf16)")
     ax.margins(y=0.2)
-    fig.tight_layout()
     return _save(fig, out / "gpu-throughput.svg")
 
 
@@ -102,7 +100,6 @@ def recipe_deltas(led: Ledger, repo: Path, out: Path) -> Path | None:
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
     ax.set(xlabel="difference on dev (points), 95% paired-bootstrap interval",
            title="Dev comparisons in the ledger (green: better, red: worse, grey: not significant)")
-    fig.tight_layout()
     return _save(fig, out / "recipe-deltas.svg")
 
 
@@ -142,9 +139,8 @@ def speed_vs_baselines(led: Ledger, repo: Path, out: Path) -> Path | None:
         ax.barh(range(len(sel)), [r["value"] for _, r in sel], color=colours)
         ax.set_yticks(range(len(sel)), labels, fontsize=7)
         ax.set(xlabel=sel[0][1]["unit"], title=task)
-    fig.suptitle("Speed side by side with fairseq and CTranslate2 on 2-core CPUs (blue: ours)", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "speed-vs-baselines.svg")
+    return _save(fig, out / "speed-vs-baselines.svg",
+                 "Speed side by side with fairseq and CTranslate2 on 2-core CPUs (blue: ours)")
 
 
 def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
@@ -165,9 +161,8 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
                         textcoords="offset points")
         ax.set(xlabel="sentences/s", ylabel="sacreBLEU", title=f"{e.id}: {_cpu(e)}")
         ax.margins(x=0.25, y=0.3)
-    fig.suptitle("Serving engines: quality against speed (marker area: model size where measured)", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "quality-vs-speed.svg")
+    return _save(fig, out / "quality-vs-speed.svg",
+                 "Serving engines: quality against speed (marker area: model size where measured)")
 
 
 def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
@@ -198,10 +193,8 @@ def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
         else:
             b.axis("off")
             b.text(0.5, 0.5, f"{e.id} measured no speed or size", ha="center", va="center", fontsize=8)
-    fig.suptitle("Distilled students against their teachers and the original data (marker area: size on disk)",
-                 fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "distillation.svg")
+    return _save(fig, out / "distillation.svg",
+                 "Distilled students against their teachers and the original data (marker area: size on disk)")
 
 
 def _serving_panel(b, e: Entry, serving: list[dict]) -> None:
@@ -243,9 +236,8 @@ def student_cost(led: Ledger, repo: Path, out: Path) -> Path | None:
         ax.set_xticks(range(len(rows)), [r["architecture"] for r in rows], fontsize=7)
         ax.set(ylabel="sentences/s on 2 threads / the default's int8 beam", title=f"{e.id}: {_cpu(e)}")
         ax.legend(fontsize=7)
-    fig.suptitle("What a student architecture gains in decoding speed (outputs of one forced length)", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "student-cost.svg")
+    return _save(fig, out / "student-cost.svg",
+                 "What a student architecture gains in decoding speed (outputs of one forced length)")
 
 
 def data_scale(led: Ledger, repo: Path, out: Path) -> Path | None:
@@ -268,9 +260,7 @@ def data_scale(led: Ledger, repo: Path, out: Path) -> Path | None:
     time_ax.set(ylabel="microseconds per pair", title="Time per training pair")
     mem_ax.set(ylabel="peak RSS (GB)", title="Peak memory of the stage's processes")
     mem_ax.legend(fontsize=7)
-    fig.suptitle(f"The data side at WMT scale, {_cpu(rows[0][0])}", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "data-scale.svg")
+    return _save(fig, out / "data-scale.svg", f"The data side at WMT scale, {_cpu(rows[0][0])}")
 
 
 PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
@@ -278,7 +268,12 @@ PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
     student_cost, data_scale]
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path, title: str | None = None) -> Path:
+    """Lay ``fig`` out under ``title`` and write it to ``path`` (SVG without a date: the same plot, the same
+    bytes)."""
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)
