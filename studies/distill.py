@@ -403,5 +403,6 @@ def main() -> None:
     for name in ["teachers", "distill", "students", "measure"] if args.phase == "all" else [args.phase]:
         phases[name](study)
 
+
 if __name__ == "__main__":
     main()

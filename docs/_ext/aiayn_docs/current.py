@@ -109,7 +109,8 @@ def readme_table(ledger: Ledger) -> str:
 
 def with_readme_table(readme: str, ledger: Ledger) -> str:
     """``readme`` with its "What you get" table rendered from the ledger."""
-    readme_block(readme)  # README has the markers
+    if not WHAT_YOU_GET.search(readme):
+        raise LedgerError("README.md has no <!-- what-you-get --> ... <!-- /what-you-get --> table")
     return WHAT_YOU_GET.sub(lambda m: m.group(1) + readme_table(ledger) + m.group(3), readme, count=1)
 
 
