@@ -14,6 +14,7 @@ import argparse
 import enum
 import importlib
 import inspect
+import itertools
 import json
 import re
 import types
@@ -146,14 +147,9 @@ def _section_md(sections: list[tuple[str, type[BaseModel], list[list[str]]]], le
 
 def _first_sentence(text: str) -> str:
     """The first sentence of a YAML file's leading comment."""
-    head = []
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
-        head.append(line.lstrip("#").strip())
-    joined = " ".join(head)
-    end = joined.find(". ")
-    return joined[: end + 1] if end >= 0 else joined
+    comment = itertools.takewhile(lambda line: line.startswith("#"), text.splitlines())
+    sentence, stop, _ = " ".join(line.lstrip("#").strip() for line in comment).partition(". ")
+    return sentence + stop.rstrip()  # with its full stop
 
 
 def _presets() -> list[str]:
