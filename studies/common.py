@@ -17,14 +17,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 
 from bench.harness import REPO, machine
-from pipeline.config import RunConfig
+from pipeline.average import averaged_path
+from pipeline.config import RunConfig, resolve_config
 from pipeline.data import read_manifest
 from pipeline.evalsets import read_split
 from pipeline.evaluate import eval_dir
 from pipeline.support.fsutil import write_text
 from pipeline.support.provenance import short_commit
 from pipeline.sweep.verdict import bonferroni, paired_verdict
-from pipeline.workdir import build_corpus
+from pipeline.workdir import build_corpus, build_inputs, run_dir
 
 HERE = Path(__file__).resolve().parent
 ALPHA = 0.05
@@ -49,6 +50,23 @@ def pipeline(*args: str) -> None:
     cmd = [sys.executable, "-m", "pipeline", *args]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
+
+
+def flags(config: str, work_dir: Path, overrides: list[str], data_root: str | None = None) -> list[str]:
+    """The flags of a ``python -m pipeline run`` or ``evaluate`` of ``config`` with ``overrides`` (each a --set)."""
+    out = ["--config", config, "--work-dir", str(work_dir), *(["--data-root", data_root] if data_root else [])]
+    return out + [a for o in overrides for a in ("--set", o)]
+
+
+def resolve(config: str, work_dir: Path, overrides: list[str], data_root: str | None = None) -> RunConfig:
+    """The config those flags (:func:`flags`) run: "key=value" overrides read as --set reads them."""
+    return resolve_config(config, [("work_dir", str(work_dir)), *overrides], data_root=data_root)
+
+
+def chosen_checkpoint(cfg: RunConfig) -> Path:
+    """The averaged checkpoint that a finished ``python -m pipeline run`` of ``cfg`` chose (its inputs are found
+    again: a no-op)."""
+    return averaged_path(cfg, run_dir(cfg, build_inputs(cfg).shards))
 
 
 class Scored(BaseModel):
@@ -133,8 +151,6 @@ def as_record(r: dict[str, Any], study: str | None = None, arm: str | None = Non
     old = {"machine": r["machine"] if isinstance(r["machine"], dict) else {"cpu": r["machine"], "cpus": r["cpus"]},
            "commit": r["commit"], "config": r.get("config", "multi30k-cpu"), "overrides": r.get("overrides") or []}
     if "train_summary" in r:  # ops/default_e2e.py: one run of a config, its seed the config's
-        from pipeline.config import resolve_config
-
         summary = r["train_summary"]
         return StudyRecord(study=study or "default_e2e", arm=arm or "default", **old,
                            seed=resolve_config(r["config"], old["overrides"]).train.seed, scores=r["scores"],

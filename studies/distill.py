@@ -1,33 +1,31 @@
-"""Issue 41's measurement: a teacher ensemble, its distilled corpus, and students trained on the original against
-the distilled data (paired seeds), each with its quality, decoding speed and size, on one machine.
+"""Distillation: a teacher ensemble, its distilled corpus, and students trained on the original against the
+distilled data (paired seeds), each with its quality, decoding speed and size, on one machine.
 
 Every step is a ``python -m pipeline`` command on this machine (no orchestrator), and every stage output is
-content-addressed in ``--work-dir``, so the study resumes where it stopped: run the same command again (each
-30-minute training runs once; a finished one is reused). Phases, in order (``all`` runs them in turn):
+content-addressed in ``--work-dir``, so the study resumes where it stopped: run the same command again (a finished
+run is reused). Phases, in order (``all`` runs the first four in turn):
 
-- ``teachers``: ``--teachers`` runs of the current default (``multi30k-cpu``, 30 minutes each), seeds 1..k;
+- ``teachers``: ``--teachers`` runs of the pair's teachers' config (the current default), seeds 1..k;
 - ``distill``: their ensemble translates the training sources (``python -m pipeline distill``);
-- ``students``: for each seed of ``--seeds``, the student preset (``multi30k-student-tiny``) on the original data
-  and on the distilled data, and (En-De) the deep-encoder shallow-decoder student on the distilled data, and with
-  ``--translations`` (``gpu-distilled``) the student on what a GPU teacher translated (bench/gpu_teacher.py), and
-  (``gpu-mixed``) on those translations and the human references together (``distill.keep_original``). The
-  student preset is the default's model and recipe, so on the original data it is the teacher run of the same seed (one
-  run folder, trained once): the teachers cost nothing beyond the original arm. Each finished run leaves a record
-  in ``--records`` (its scores and its dev and test2016 outputs): commit them, since the run folders live only as
-  long as the machine;
-- ``quality``: the quality half of ``measure`` from the records alone (every arm's scores per seed and the pooled
-  paired bootstrap), for a study whose runs are gone or not all on one machine;
-- ``measure``: every arm's dev and test2016 scores per seed; distilled against original (and deep-shallow against
-  original) by the pooled paired bootstrap over the seeds on dev (the choosing set) and on test2016 (reported);
-  the teacher ensemble's and one teacher's scores; for one model per arm (seed 1), decoding speed on test2016
-  (sentences/s, PyTorch fp32 and the int8 CTranslate2 export, 1 and 2 threads, the config's beam and alpha) and
-  size on disk (float32 weights, the int8 export folder). Written to ``--out`` and printed (JSON).
+- ``students``: for each seed of ``--seeds``, each arm of ``studies/distill.yaml``: the student preset on the
+  original data and on the distilled data, (En-De) the deep-encoder shallow-decoder student on the distilled data,
+  and with ``--translations`` the student on what a GPU teacher translated (``gpu-distilled``,
+  bench/gpu_teacher.py) and on those translations and the human references together (``gpu-mixed``). The student
+  preset is the default's model and recipe, so on the original data it is the teacher run of the same seed (one run
+  folder, trained once). Each finished run leaves a record in ``--records`` (its scores and its dev and test2016
+  outputs): commit them, since the run folders live only as long as the machine;
+- ``measure``: every arm's dev and test2016 scores per seed, each against the original arm by the pooled paired
+  bootstrap over the seeds on dev (the choosing set) and on test2016 (reported); the teacher ensemble's and one
+  teacher's scores; for seed 1 of each arm, decoding speed on test2016 (sentences/s, PyTorch fp32 and the int8
+  CTranslate2 export, 1 and 2 threads) and size on disk. Written to ``--out`` and printed (JSON);
+- ``quality``: the quality half of ``measure`` from the records alone, for a study whose runs are gone or not all
+  on one machine;
+- ``ledger``: the results-ledger entry of a ``measure`` or ``quality`` result (``--out``), printed as YAML.
 
 Every run trains a fixed number of updates (``--max-steps``, by default what the default reaches in its 30 minutes
-on the EPYC, ledger L23) instead of the configs' 30-minute clock, so that what a run learns does not depend
-on the machine or on a busy moment, and a study can be split over sessions on different CPUs; each run's own time
-is in its train_summary.json. Speeds are measured by the ``measure`` phase: run that on an otherwise idle machine
-(a second busy process on 2 cores slows a run several times over).
+on the EPYC, ledger L23) instead of the configs' clock, so that what a run learns does not depend on the machine or
+on a busy moment, and a study can be split over sessions on different CPUs. Run ``measure`` on an otherwise idle
+machine: it measures speeds.
 
     python -m studies.distill all --work-dir runs/distill-study --out bench/results/distill_study.json
     python -m studies.distill all --pair en-fr --work-dir runs/distill-study --out bench/results/distill_fr.json
@@ -37,17 +35,18 @@ is in its train_summary.json. Speeds are measured by the ``measure`` phase: run 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import time
 from pathlib import Path
 
 from sacrebleu.metrics import BLEU
 import torch
+import yaml
 
 from bench.harness import REPO, write_record
 from pipeline.speed import cpu_features
-from pipeline.config import RunConfig, resolve_config
-from pipeline.average import averaged_path
+from pipeline.config import RunConfig
 from pipeline.data import read_manifest
 from pipeline.engines import CTranslate2Engine
 from pipeline.evalsets import read_split
@@ -56,16 +55,15 @@ from pipeline.support.fsutil import disk_mb
 from pipeline.inference import load_model, load_models, translate
 from pipeline.tokenize import Tokenizer
 from pipeline.support.provenance import short_commit
-from pipeline.workdir import build_inputs, run_dir
-from studies.common import (TEST, Scored, StudyRecord, evaluation, flat_scores, load_arms, pipeline,
-                            read_record, references, run_record, runs_machine, verdicts, write_study_record)
+from pipeline.workdir import build_inputs
+from studies.common import (TEST, Scored, StudyRecord, chosen_checkpoint, evaluation, flags, flat_scores, load_arms,
+                            pipeline, read_record, references, resolve, run_record, runs_machine, verdicts,
+                            write_study_record)
 
 # Per language pair: the teachers' config (the current default) and each student arm's config
 PAIRS = {pair: (spec["teachers"], spec["arms"]) for pair, spec in load_arms("distill")["pairs"].items()}
-GPU_ARM = "gpu-distilled"  # the student on a GPU teacher's translations (--translations), issue 55
-# the student on those translations and the human references together (distill.keep_original): the distilled arms
-# gained on dev and not on test2016 (L52), the human targets keep what the teachers' outputs smooth away
-MIXED_ARM = "gpu-mixed"
+GPU_ARM = "gpu-distilled"  # the student on a GPU teacher's translations (--translations)
+MIXED_ARM = "gpu-mixed"  # the student on those translations and the human references together
 GPU_ARMS = (GPU_ARM, MIXED_ARM)
 # Each student arm is measured with its config's search and greedy (a distilled student is often decoded greedily:
 # Kim & Rush 2016); the teachers with their config's.
@@ -94,28 +92,23 @@ class Study:
         self.budget = [f"train.max_steps={args.max_steps}", "train.max_minutes=null"]
 
     def flags(self, config: str, overrides: list[str]) -> list[str]:
-        out = ["--config", config, "--work-dir", str(self.work)]
-        out += ["--data-root", self.data_root] if self.data_root else []
-        return out + [a for o in overrides for a in ("--set", o)]
+        return flags(config, self.work, overrides, self.data_root)
 
     def config(self, config: str, overrides: list[str]) -> RunConfig:
-        pairs = [("work_dir", str(self.work)), *overrides]  # "key=value" strings read as --set reads them
-        return resolve_config(config, pairs, data_root=self.data_root)
+        return resolve(config, self.work, overrides, self.data_root)
 
-    def averaged(self, cfg: RunConfig) -> Path:
-        """The averaged checkpoint of a finished ``python -m pipeline run`` of ``cfg`` (its inputs are found again:
-        a no-op)."""
-        return averaged_path(cfg, run_dir(cfg, build_inputs(cfg).shards))
+    def averaged(self, config: str, overrides: list[str]) -> Path:
+        """The averaged checkpoint of a finished ``python -m pipeline run`` of ``config`` with ``overrides``."""
+        return chosen_checkpoint(self.config(config, overrides))
 
     def teacher_overrides(self, seed: int) -> list[str]:
         return [f"train.seed={seed}", *self.budget]
 
     def teachers(self) -> list[Path]:
-        return [self.averaged(self.config(self.teacher_config, self.teacher_overrides(s)))
-                for s in range(1, self.k + 1)]
+        return [self.averaged(self.teacher_config, self.teacher_overrides(s)) for s in range(1, self.k + 1)]
 
     def arm_overrides(self, arm: str, seed: int) -> list[str]:
-        # each distilled arm names its targets, whatever the student preset's default (keep_original since L57)
+        # each distilled arm names its targets, whatever the student preset's default
         mixed = f"distill.keep_original={str(arm == MIXED_ARM).lower()}"
         if arm in GPU_ARMS:  # translations made on a GPU (bench/gpu_teacher.py), filtered here
             return ["distill.teachers=[]", f"distill.translations={self.translations}", f"train.seed={seed}",
@@ -155,7 +148,7 @@ def save_record(study: Study, arm: str, seed: int) -> Path:
     what an older record lacks. A study whose machine is lost keeps every run it finished (the ``quality`` phase
     reads the records)."""
     config, overrides = study.students[arm], study.arm_overrides(arm, seed)
-    averaged = study.averaged(study.config(config, overrides))
+    averaged = study.averaged(config, overrides)
     searches = {}
     for search, extra in SEARCHES.items():
         if extra:  # the chosen model decoded again with this search (the run evaluated with its config's)
@@ -221,7 +214,7 @@ def phase_measure(study: Study, out: Path | None) -> dict:
             for seed in study.seeds:
                 overrides = [*study.arm_overrides(arm, seed), *extra]
                 # the model the run chose (with its config's search), decoded here with this one
-                averaged = study.averaged(study.config(config, study.arm_overrides(arm, seed)))
+                averaged = study.averaged(config, study.arm_overrides(arm, seed))
                 if extra:  # the run evaluated with its config's search; this one is decoded here
                     pipeline("evaluate", *study.flags(config, overrides), "--checkpoint", str(averaged))
                 runs[key].append(run_record("distill", arm, seed, config, overrides, study.config(config, overrides),
@@ -312,8 +305,9 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
     the teachers (with their cost), speed and size per arm, and the pooled paired-bootstrap claims, each figure as
     measured (nothing retyped). A ``quality`` result (from the runs' records) gives the per-seed scores, the
     original arm's cost and the claims only."""
-    teachers, m = result["teachers"], result["machine"]
-    m = m if isinstance(m, dict) else {"cpu": m, "cpus": result["cpus"]}  # a result written before the harness
+    teachers, machine = result["teachers"], result["machine"]
+    if not isinstance(machine, dict):  # a result written before the harness's header
+        machine = {"cpu": machine, "cpus": result["cpus"]}
     # (arm, search, its measurements) for every arm and search: the arm's config's search and greedy
     arms = [(arm, search, m) for arm, a in result["arms"].items() for search, m in a.items() if search != "config"]
     measured = all("parameters" in m for _, _, m in arms)  # the measure phase's; a quality result has none
@@ -360,7 +354,7 @@ def ledger_entry(result: dict, pair: str, entry_id: str, commit: str, command: s
         "id": entry_id, "topic": "distillation", "date": date,
         "title": f"Distillation on Multi30k {pair}: students on the teachers' translations "
                  "against the original data",
-        "what": what, "machine": {"cpu": m["cpu"], **cpu_features(m["cpu"]), "threads": m["cpus"]},
+        "what": what, "machine": {"cpu": machine["cpu"], **cpu_features(machine["cpu"]), "threads": machine["cpus"]},
         "commit": commit, "command": command, "figures": figures, "tables": tables,
         "significance": [{"claim": c["claim"], "set": c["set"], "delta": c["delta"], "ci95": c["ci95"], "p": c["p"],
                           "test": c["test"]} for c in result["significance"]],
@@ -396,24 +390,18 @@ def main() -> None:
     if args.phase == "ledger":  # reads a measure or quality result; trains nothing
         if not (args.ledger_id and args.out):
             p.error("ledger needs --ledger-id and --out (the measure phase's result)")
-        import datetime
-
-        import yaml
-
-        commit = args.commit or short_commit()
         result = json.loads(args.out.read_text(encoding="utf-8"))
         phase = "all" if result["teachers"] else "quality"  # a quality result has no teachers
         command = args.command or f"python -m studies.distill {phase} --pair {args.pair} --out {args.out}"
-        entry = ledger_entry(result, args.pair, args.ledger_id, commit, command, datetime.date.today().isoformat())
+        entry = ledger_entry(result, args.pair, args.ledger_id, args.commit or short_commit(), command,
+                             datetime.date.today().isoformat())
         print(yaml.safe_dump([entry], sort_keys=False, allow_unicode=True, width=120))
         return
     study = Study(args)
-    phases = {"teachers": phase_teachers, "distill": phase_distill, "students": phase_students}
-    for name in (list(phases) + ["measure"]) if args.phase == "all" else [args.phase]:
-        if name in ("measure", "quality"):
-            (phase_measure if name == "measure" else phase_quality)(study, args.out)
-        else:
-            phases[name](study)
+    phases = {"teachers": phase_teachers, "distill": phase_distill, "students": phase_students,
+              "measure": lambda s: phase_measure(s, args.out), "quality": lambda s: phase_quality(s, args.out)}
+    for name in ["teachers", "distill", "students", "measure"] if args.phase == "all" else [args.phase]:
+        phases[name](study)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Issue 53: learning-rate schedules compared at a fixed compute, with paired seeds, on any CPU.
+"""Learning-rate schedules and recipes compared at a fixed compute, with paired seeds, on any CPU.
 
 A slow machine's 30 minutes are a number of updates of 4,096 target tokens, and a budget of updates reproduces them
 on any machine: each arm trains ``--updates`` updates of the embedded default (``multi30k-cpu``, its clock off),
@@ -25,24 +25,19 @@ import argparse
 from pathlib import Path
 
 from bench.harness import REPO, write_record
-from pipeline.average import averaged_path
-from pipeline.config import resolve_config
-from pipeline.workdir import build_inputs, run_dir
-from studies.common import (StudyRecord, load_arms, pipeline, read_record, references, run_record, runs_machine,
-                            verdicts, write_study_record)
+from studies.common import (StudyRecord, chosen_checkpoint, flags, load_arms, pipeline, read_record, references,
+                            resolve, run_record, runs_machine, verdicts, write_study_record)
 
 DEFAULT = "default"  # compare only: the default's own runs at the bf16 CPUs' compute (see load_record)
 STUDY = load_arms("schedule_at_compute")
 CONFIG = STUDY["config"]
+ARMS = list(STUDY["arms"])
 
 
 def arm_overrides(arm: str) -> list[str]:
     """An arm's overrides: its shared sets (``use``) in order, then its own."""
     spec = STUDY["arms"][arm]
     return [*(o for name in spec.get("use", []) for o in STUDY["shared"][name]), *spec.get("overrides", [])]
-
-
-ARMS = list(STUDY["arms"])
 
 
 def arm_steps(arm: str, updates: int, speed: str = "fp32", tokens: float | None = None) -> int:
@@ -83,9 +78,9 @@ def run(args: argparse.Namespace, arm: str, seed: int) -> Path:
     """Train, choose and score one arm and seed (a finished run is reused), and write its record."""
     steps = arm_steps(arm, args.updates, args.speed, args.tokens)
     sets = overrides(arm, steps, seed, args.keep_checkpoints)
-    pipeline("run", "--config", CONFIG, "--work-dir", str(args.work_dir), *[a for o in sets for a in ("--set", o)])
-    cfg = resolve_config(CONFIG, [("work_dir", str(args.work_dir)), *sets])
-    averaged = averaged_path(cfg, run_dir(cfg, build_inputs(cfg).shards))
+    pipeline("run", *flags(CONFIG, args.work_dir, sets))
+    cfg = resolve(CONFIG, args.work_dir, sets)
+    averaged = chosen_checkpoint(cfg)
     record = run_record("schedule_at_compute", arm, seed, CONFIG, sets, cfg, averaged)
     # the step budget is not part of a run's identity (a longer one extends the run): a finished run of this arm at
     # another budget in the same work dir would be taken for this one
@@ -116,7 +111,7 @@ def load_record(args: argparse.Namespace, arm: str, seed: int) -> StudyRecord:
 def compare(args: argparse.Namespace) -> dict:
     """Every arm against ``--baseline`` from the records: per-seed scores and the pooled paired bootstrap."""
     records = {a: [load_record(args, a, s) for s in args.seeds] for a in args.arms}
-    refs = references(resolve_config(CONFIG, [("work_dir", str(args.work_dir)), TESTS]))
+    refs = references(resolve(CONFIG, args.work_dir, [TESTS]))
     rows = {a: [{**r.row(), "machine": r.machine["cpu"], "commit": r.commit} for r in rs] for a, rs in records.items()}
     keys = ("dev.sacrebleu", "test2016.sacrebleu", "test2016.chrf", "updates", "train_seconds")
     means = {a: {k: round(sum(r[k] for r in rs) / len(rs), 2) for k in keys} for a, rs in rows.items()}

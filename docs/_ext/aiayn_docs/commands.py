@@ -65,19 +65,15 @@ def _tokens(rest: str) -> list[str]:
         return rest.split()
 
 
-def _flag_names(parser) -> set[str]:
-    return {s for a in parser._actions for s in a.option_strings}
-
-
 def check_python(module: str, rest: str) -> list[str]:
     """What is wrong with ``python -m module rest`` ([] when every name exists)."""
     if module not in ENTRY_POINTS:
         return [] if not module.startswith(("pipeline", "ops")) else [f"no entry point `python -m {module}`"]
     parser = ENTRY_POINTS[module]()
     tokens = _tokens(rest)
+    positional = [t for t in tokens if not t.startswith("-")]
     subs = subcommands(parser)
     if subs:
-        positional = [t for t in tokens if not t.startswith("-")]
         if not positional:
             return [] if {"-h", "--help"} & set(tokens) else [f"`python -m {module}` needs a command"]
         name = positional[0]
@@ -88,13 +84,12 @@ def check_python(module: str, rest: str) -> list[str]:
         parser = subs[name]
     else:
         choices = next((a.choices for a in parser._actions if not a.option_strings and a.choices), None)
-        positional = [t for t in tokens if not t.startswith("-")]
         if choices and positional and positional[0] not in choices and "|" not in positional[0] \
                 and not positional[0].startswith("<"):
             return [f"`python -m {module}` has no action `{positional[0]}` (actions: {', '.join(choices)})"]
     problems = [f"`--set {key}`: no config field `{key}` (see docs/reference/config.md)"
                 for key in _set_keys(tokens) if key not in config_fields()]
-    flags = _flag_names(parser) | {"-h", "--help"}
+    flags = {s for a in parser._actions for s in a.option_strings} | {"-h", "--help"}
     bad = [t.split("=")[0] for t in tokens if t.startswith("-") and t != "-" and t.split("=")[0] not in flags
            and not re.fullmatch(r"-\d.*", t)]
     return problems + [f"`python -m {module}{' ' + name if subs else ''}` has no flag `{b}`" for b in bad]
@@ -118,11 +113,7 @@ def _override_keys(value: str) -> list[str]:
         data = json.loads(value)
     except ValueError:
         return []
-    return [k for k in data if isinstance(data, dict)]
-
-
-def _deployment_params() -> dict[str, set[str]]:
-    return {d["full_name"]: set(flow_parameters(d["flow"])) for d in deployments()}
+    return list(data) if isinstance(data, dict) else []
 
 
 def check_prefect(rest: str, known: dict[str, set[str]]) -> list[str]:
@@ -151,7 +142,7 @@ def check_prefect(rest: str, known: dict[str, set[str]]) -> list[str]:
 
 def check_files(paths: list[Path], root: Path) -> list[str]:
     """Every problem with the commands shown in ``paths``: ``file:line: what``."""
-    known = _deployment_params()
+    known = {d["full_name"]: set(flow_parameters(d["flow"])) for d in deployments()}
     problems = []
     for path in paths:
         for cmd in code_lines(path, root):

@@ -27,10 +27,6 @@ def _entries_with_file(led: Ledger, repo: Path, test: Callable[[str], bool]) -> 
     return [(e, repo / f) for e in led.entries for f in e.files if test(f) and (repo / f).is_file()]
 
 
-def _label(e: Entry) -> str:
-    return f"{e.id}, {e.machine.describe()}"
-
-
 def learning_curve(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Dev NLL per sentence at every dev evaluation, and dev sacreBLEU of checkpoints and the chosen average."""
     found = _entries_with_file(led, repo, lambda f: Path(f).name.startswith("learning_curve"))
@@ -57,9 +53,8 @@ def learning_curve(led: Ledger, repo: Path, out: Path) -> Path | None:
                fontsize=7, color="#b5542a", bbox={"facecolor": "white", "edgecolor": "#dddddd"})
     b.set(xlabel="update", ylabel="dev sacreBLEU", title="dev BLEU (beam search, the run's settings)")
     b.legend(loc="lower right", fontsize=7)
-    fig.suptitle(f"The default recipe's learning curve ({_label(e)})", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "learning-curve.svg")
+    return _save(fig, out / "learning-curve.svg",
+                 f"The default recipe's learning curve ({e.id}, {e.machine.describe()})")
 
 
 def gpu_throughput(led: Ledger, repo: Path, out: Path) -> Path | None:
@@ -86,7 +81,6 @@ def gpu_throughput(led: Ledger, repo: Path, out: Path) -> Path | None:
     ax.set_xticks(list(xs), [r[0] for r in rows], fontsize=7)
     ax.set(ylabel="target tokens/s (thousands)", title="GPU training throughput (bench/bench_gpu.py, bf16)")
     ax.margins(y=0.2)
-    fig.tight_layout()
     return _save(fig, out / "gpu-throughput.svg")
 
 
@@ -106,12 +100,17 @@ def recipe_deltas(led: Ledger, repo: Path, out: Path) -> Path | None:
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7)
     ax.set(xlabel="difference on dev (points), 95% paired-bootstrap interval",
            title="Dev comparisons in the ledger (green: better, red: worse, grey: not significant)")
-    fig.tight_layout()
     return _save(fig, out / "recipe-deltas.svg")
 
 
+def _tables(led: Ledger, name: str) -> list[tuple[Entry, list[dict]]]:
+    """Every table named ``name``: its entry and its rows, each a dict by column."""
+    return [(e, [dict(zip(t.columns, r)) for r in t.rows]) for e in led.entries for t in e.tables if t.name == name]
+
+
 def _table_rows(led: Ledger, name: str) -> list[tuple[Entry, dict]]:
-    return [(e, dict(zip(t.columns, r))) for e in led.entries for t in e.tables if t.name == name for r in t.rows]
+    """Every row of the tables named ``name``, with its entry."""
+    return [(e, r) for e, rows in _tables(led, name) for r in rows]
 
 
 def _cpu(e: Entry) -> str:
@@ -140,21 +139,19 @@ def speed_vs_baselines(led: Ledger, repo: Path, out: Path) -> Path | None:
         ax.barh(range(len(sel)), [r["value"] for _, r in sel], color=colours)
         ax.set_yticks(range(len(sel)), labels, fontsize=7)
         ax.set(xlabel=sel[0][1]["unit"], title=task)
-    fig.suptitle("Speed side by side with fairseq and CTranslate2 on 2-core CPUs (blue: ours)", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "speed-vs-baselines.svg")
+    return _save(fig, out / "speed-vs-baselines.svg",
+                 "Speed side by side with fairseq and CTranslate2 on 2-core CPUs (blue: ours)")
 
 
 def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Exported and served models: quality against decoding speed, marker area by model size where the entry
     has it: tables named ``engines`` (columns: engine, sacrebleu, sentences_per_s, optional size_mb), one panel
     per entry (each measured its own model on its own set)."""
-    found = [(e, t) for e in led.entries for t in e.tables if t.name == "engines"]
+    found = _tables(led, "engines")
     if not found:
         return None
     fig, axes = plt.subplots(1, len(found), figsize=(max(7.5, 5 * len(found)), 4), squeeze=False)
-    for ax, (e, t) in zip(axes[0], found):
-        rows = [dict(zip(t.columns, r)) for r in t.rows]
+    for ax, (e, rows) in zip(axes[0], found):
         top = max((r.get("size_mb") or 0 for r in rows), default=0) or 1
         for r in rows:
             size = r.get("size_mb")
@@ -164,23 +161,22 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
                         textcoords="offset points")
         ax.set(xlabel="sentences/s", ylabel="sacreBLEU", title=f"{e.id}: {_cpu(e)}")
         ax.margins(x=0.25, y=0.3)
-    fig.suptitle("Serving engines: quality against speed (marker area: model size where measured)", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "quality-vs-speed.svg")
+    return _save(fig, out / "quality-vs-speed.svg",
+                 "Serving engines: quality against speed (marker area: model size where measured)")
 
 
 def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
-    """Distillation studies (bench/distill_study.py's entries), one row of panels each: test2016 sacreBLEU of every
+    """Distillation studies (studies/distill.py's entries), one row of panels each: test2016 sacreBLEU of every
     run per arm and search against the teachers', and, where the entry measured it, quality against decoding speed
     (2 threads) of the teachers and of seed 1 of each arm, PyTorch fp32 and its int8 CTranslate2 export joined,
     marker area by size on disk. Tables named ``distill_per_seed`` and (optional) ``distill_serving``."""
-    found = [(e, {t.name: [dict(zip(t.columns, r)) for r in t.rows] for t in e.tables}) for e in led.entries]
-    found = [(e, t) for e, t in found if "distill_per_seed" in t]
+    found = _tables(led, "distill_per_seed")
     if not found:
         return None
+    servings = {e.id: rows for e, rows in _tables(led, "distill_serving")}
     fig, axes = plt.subplots(len(found), 2, figsize=(10, 4 * len(found)), squeeze=False)
-    for (a, b), (e, tables) in zip(axes, found):
-        runs, serving = tables["distill_per_seed"], tables.get("distill_serving", [])
+    for (a, b), (e, runs) in zip(axes, found):
+        serving = servings.get(e.id, [])
         by_arm: dict[str, list[float]] = {}  # "<arm>\n<search>": test2016 of each seed, in the table's order
         for r in runs:
             by_arm.setdefault(f"{r['arm']}\n{r['search']}", []).append(r["test2016_sacrebleu"])
@@ -197,10 +193,8 @@ def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
         else:
             b.axis("off")
             b.text(0.5, 0.5, f"{e.id} measured no speed or size", ha="center", va="center", fontsize=8)
-    fig.suptitle("Distilled students against their teachers and the original data (marker area: size on disk)",
-                 fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "distillation.svg")
+    return _save(fig, out / "distillation.svg",
+                 "Distilled students against their teachers and the original data (marker area: size on disk)")
 
 
 def _serving_panel(b, e: Entry, serving: list[dict]) -> None:
@@ -226,8 +220,7 @@ def student_cost(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Each student architecture's decoding speed against the default's int8 export with beam search, 2 threads
     (bench/bench_students.py: every output forced to one length), the goal's 2x marked; tables named
     ``student_cost`` (columns: architecture, ``<engine>_<search>_2t`` sentences/s), one panel per entry."""
-    found = [(e, [dict(zip(t.columns, r)) for r in t.rows]) for e in led.entries for t in e.tables
-             if t.name == "student_cost"]
+    found = _tables(led, "student_cost")
     if not found:
         return None
     series = [("ct2_int8_beam_2t", "int8, beam"), ("ct2_int8_greedy_2t", "int8, greedy"),
@@ -243,9 +236,8 @@ def student_cost(led: Ledger, repo: Path, out: Path) -> Path | None:
         ax.set_xticks(range(len(rows)), [r["architecture"] for r in rows], fontsize=7)
         ax.set(ylabel="sentences/s on 2 threads / the default's int8 beam", title=f"{e.id}: {_cpu(e)}")
         ax.legend(fontsize=7)
-    fig.suptitle("What a student architecture gains in decoding speed (outputs of one forced length)", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "student-cost.svg")
+    return _save(fig, out / "student-cost.svg",
+                 "What a student architecture gains in decoding speed (outputs of one forced length)")
 
 
 def data_scale(led: Ledger, repo: Path, out: Path) -> Path | None:
@@ -268,9 +260,7 @@ def data_scale(led: Ledger, repo: Path, out: Path) -> Path | None:
     time_ax.set(ylabel="microseconds per pair", title="Time per training pair")
     mem_ax.set(ylabel="peak RSS (GB)", title="Peak memory of the stage's processes")
     mem_ax.legend(fontsize=7)
-    fig.suptitle(f"The data side at WMT scale, {_cpu(rows[0][0])}", fontsize=9)
-    fig.tight_layout()
-    return _save(fig, out / "data-scale.svg")
+    return _save(fig, out / "data-scale.svg", f"The data side at WMT scale, {_cpu(rows[0][0])}")
 
 
 PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
@@ -278,7 +268,12 @@ PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
     student_cost, data_scale]
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path, title: str | None = None) -> Path:
+    """Lay ``fig`` out under ``title`` and write it to ``path`` (SVG without a date: the same plot, the same
+    bytes)."""
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="svg", metadata={"Date": None})
     plt.close(fig)
