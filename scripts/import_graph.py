@@ -35,49 +35,24 @@ def component(module: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "pipeline" and len(parts) > 1 else parts[0]
 
 
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` reaches by one import or more."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for child in graph.get(todo.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan, iterative)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    counter = 0
-    for start in sorted(graph):
-        if start in index:
-            continue
-        work = [(start, iter(sorted(graph[start])))]
-        index[start] = low[start] = counter
-        counter += 1
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = counter
-                    counter += 1
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                scc = []
-                while True:
-                    top = stack.pop()
-                    on_stack.discard(top)
-                    scc.append(top)
-                    if top == node:
-                        break
-                if len(scc) > 1:
-                    found.append(sorted(scc))
-    return found
+    """Strongly connected components with more than one module: each module with those it reaches that reach it
+    back (a graph of a few hundred modules: reachability from each is quick enough)."""
+    reach = {node: _reachable(graph, node) for node in graph}
+    found = {tuple(sorted(n for n in reach[node] if node in reach.get(n, ()))) for node in graph}
+    return sorted(list(scc) for scc in found if len(scc) > 1)
 
 
 def violation(src: str, dst: str) -> str | None:
