@@ -1,9 +1,8 @@
 """Progress artifacts of long stages, updated on progress, not on a clock.
 
-Every update of a Prefect artifact is an event that ``prefect deployment run --watch`` prints as a line; a
-30-minute training run updated every 10 s printed ~180 of them. An update here is sent only when the stage has
-advanced by at least ``min_points`` percentage points AND ``min_seconds`` have passed since the last one (and at
-the end): at most 100 updates, and at most one a minute.
+Every update of a Prefect artifact is an event that ``prefect deployment run --watch`` prints as a line. An
+update here is sent only when the stage has advanced by at least ``min_points`` percentage points AND
+``min_seconds`` have passed since the last one (and at the end): at most 100 updates, and at most one a minute.
 """
 
 from __future__ import annotations

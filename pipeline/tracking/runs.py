@@ -161,11 +161,10 @@ def log_headline(parent_run_id: str, stage: str, run_id: str) -> dict[str, float
     return metrics
 
 
-# The runs table that compares pipeline runs. MLflow 3.17's table shows run names and dates, with every metric
-# behind "Show more columns" (~350 of them: params included), so a comparison started there finds no scores. A
-# shared view (the UI's own mechanism: an experiment tag mlflow.sharedViewState.<key>, opened with
-# ?viewStateShareKey=<key>) lists only the pipelines' parent runs (the tag config_name is theirs alone), with their
-# headline metrics as columns, scores first, best test score on top. Its columns grow with the metrics runs log.
+# The runs table that compares pipeline runs. MLflow's table shows run names and dates, with every metric and param
+# behind "Show more columns". A shared view (the UI's own mechanism: an experiment tag mlflow.sharedViewState.<key>,
+# opened with ?viewStateShareKey=<key>) lists only the pipelines' parent runs (the tag config_name is theirs alone),
+# with their headline metrics as columns, scores first, best test score on top. Its columns grow with the metrics.
 RUNS_VIEW = "aiayn-pipeline-runs"
 RUNS_VIEW_TAG = f"mlflow.sharedViewState.{RUNS_VIEW}"
 RUNS_VIEW_SHOWN = {"evaluate": ("sacrebleu", "chrf", "f1"), "train": ("train.steps", "train.wall_seconds"),
@@ -285,8 +284,7 @@ def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
         raise TrackingError(f"{uri} is not an MLflow server: it has no UI to show")
     check_reachable(uri)
     ui, c = uri.rstrip("/"), MlflowClient(uri)
-    ids = [e.experiment_id for e in c.search_experiments()]
-    parents = _search_all(c, ids, f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    parents = flow_run_runs(c, flow_run_id)
     if not parents:
         raise TrackingError(f"no MLflow run is tagged with the Prefect flow run {flow_run_id}")
     parent = parents[0].info
@@ -294,8 +292,7 @@ def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
     pages = {"mlflow-run": f"{base}/runs/{parent.run_id}"}
     if view := _runs_view(ui, c.get_experiment(parent.experiment_id)):
         pages["mlflow-runs-view"] = view
-    children = {r.data.tags.get("stage"): r.info.run_id
-                for r in _search_all(c, [parent.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.run_id}'")}
+    children = {r.data.tags.get("stage"): r.info.run_id for r in child_runs(c, parents[0])}
     if "evaluate" in children:
         figures = sorted(a.path for a in c.list_artifacts(children["evaluate"], "attention") if not a.is_dir)
         if figures:
@@ -339,12 +336,29 @@ def _search_all(c: MlflowClient, experiment_ids: list[str], filter_string: str) 
     return runs
 
 
+def flow_run_runs(c: MlflowClient, flow_run_id: str) -> list:
+    """The runs tagged with the Prefect flow run ``flow_run_id``, in any experiment (a flow run's overrides may
+    have chosen the experiment)."""
+    experiment_ids: list[str] = []
+    token = None
+    while True:
+        page = c.search_experiments(max_results=1000, page_token=token)
+        experiment_ids += [e.experiment_id for e in page]
+        token = page.token
+        if not token:
+            return _search_all(c, experiment_ids, f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+
+
+def child_runs(c: MlflowClient, parent, condition: str = "") -> list:
+    """The child runs of the run ``parent``; with ``condition`` (a filter string), those matching it."""
+    return _search_all(c, [parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'"
+                       + (f" and {condition}" if condition else ""))
+
+
 def _close_with_children(c: MlflowClient, parent, status: str, reason: str) -> list[str]:
     """End ``parent`` (if still RUNNING) and its RUNNING child runs with ``status``, tagging each ``closed_by``;
     returns the ids it ended."""
-    children = _search_all(c, [parent.info.experiment_id],
-                           f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and {_RUNNING}")
-    todo = [r.info.run_id for r in children]
+    todo = [r.info.run_id for r in child_runs(c, parent, _RUNNING)]
     if parent.info.status == "RUNNING":
         todo.append(parent.info.run_id)  # children first: a parent never looks done while a child still runs
     for run_id in todo:
@@ -358,28 +372,20 @@ def close_flow_run(flow_run_id: str, status: str, *, tracking_uri: str | None = 
                    reason: str = "") -> list[str]:
     """End the MLflow runs of one Prefect flow run with ``status`` (FAILED or KILLED); returns the ended run ids.
 
-    The parent runs are those tagged ``prefect.flow_run_id`` = ``flow_run_id``, in any experiment (a flow run's
-    overrides may have chosen the experiment). Only runs still RUNNING are touched: a parent the flow already
-    ended (FAILED by its own exception handler, or an earlier attempt of a retried flow run) keeps its outcome,
-    while its children still RUNNING are ended too. This is for flow runs that died without running their own
-    cleanup (a killed or crashed process, a cancellation): their runs would otherwise stay RUNNING forever.
-    ``tracking_uri`` defaults to the process's tracking URI; ``reason`` is set as the ``closed_by`` tag.
+    The parent runs are those tagged ``prefect.flow_run_id`` = ``flow_run_id`` (:func:`flow_run_runs`). Only runs
+    still RUNNING are touched: a parent the flow already ended (FAILED by its own exception handler, or an earlier
+    attempt of a retried flow run) keeps its outcome, while its children still RUNNING are ended too. This is for
+    flow runs that died without running their own cleanup (a killed or crashed process, a cancellation): their runs
+    would otherwise stay RUNNING forever. ``tracking_uri`` defaults to the process's tracking URI; ``reason`` is set
+    as the ``closed_by`` tag.
     """
     if status not in ("FAILED", "KILLED"):
         raise ValueError(f"run status {status!r}: close with FAILED or KILLED")
     if tracking_uri:
         check_reachable(tracking_uri)  # fail in seconds: MLflow's client would retry a dead server for minutes
     c = MlflowClient(tracking_uri) if tracking_uri else client()
-    experiment_ids: list[str] = []
-    token = None
-    while True:
-        page = c.search_experiments(max_results=1000, page_token=token)
-        experiment_ids += [e.experiment_id for e in page]
-        token = page.token
-        if not token:
-            break
     closed: list[str] = []
-    for parent in _search_all(c, experiment_ids, f"tags.`prefect.flow_run_id` = '{flow_run_id}'"):
+    for parent in flow_run_runs(c, flow_run_id):
         if "mlflow.parentRunId" not in parent.data.tags:
             closed += _close_with_children(c, parent, status, reason)
     return closed

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .runs import _experiment_id, _search_all, client, flatten, log_metrics, log_params, set_tags
+from .runs import _experiment_id, child_runs, client, flatten, flow_run_runs, log_metrics, log_params, set_tags
 
 
 def start_sweep_run(experiment: str, name: str, config: dict[str, Any], tags: dict[str, str]) -> str:
@@ -22,17 +22,13 @@ def start_sweep_run(experiment: str, name: str, config: dict[str, Any], tags: di
 
 
 def _pipeline_run(flow_run_id: str):
-    c = client()
-    ids = [e.experiment_id for e in c.search_experiments()]
-    runs = _search_all(c, ids, f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
     # the pipeline's parent run (a sweep's parent run carries its own flow run's id, and no pipeline flow name)
-    return next((r for r in runs if "prefect.flow" in r.data.tags and "mlflow.parentRunId" not in r.data.tags), None)
+    return next((r for r in flow_run_runs(client(), flow_run_id)
+                 if "prefect.flow" in r.data.tags and "mlflow.parentRunId" not in r.data.tags), None)
 
 
 def _stage_run(parent, stage: str):
-    runs = _search_all(client(), [parent.info.experiment_id],
-                       f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and tags.stage = '{stage}'")
-    return runs[0] if runs else None
+    return next(iter(child_runs(client(), parent, f"tags.stage = '{stage}'")), None)
 
 
 def dev_curve(flow_run_id: str) -> list[tuple[float, float]]:
