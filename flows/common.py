@@ -29,8 +29,7 @@ from tasks.caching import run_cached
 from tasks.report import publish_report
 from tasks.stages import (average_stage, data_stage, distill_stage, evaluate_stage, export_stage, shards_stage,
                           tokenizer_stage)
-from tasks.tracking import (fetch_champion, finish_tracking, log_stage, open_stage, register, resolve_teachers,
-                            start_tracking)
+from tasks.tracking import fetch_champion, log_stage, register, resolve_teachers, start_tracking
 from tasks.training import train_stage
 
 
@@ -97,7 +96,7 @@ def run_pipeline(flow_name: str, cfg: RunConfig, tracking_uri: str | None, regis
         shards, hit_shards = stages["shards"] = run_cached(shards_stage, corpus=corpus, tokenizer_dir=tokenizer,
                                                            tokenizer=cfg.tokenizer, work_dir=work)
         log_stage(parent, "tokenize", hit and hit_shards, {"tokenizer": tokenizer, "shards": shards})
-        train_run = open_stage(parent, "train")
+        train_run = tracking.start_stage_run(parent, "train")  # training streams its metrics into it
         train = train_stage.with_options(retries=cfg.launch.retries)  # a lost node resumes on the retry
         run, hit = stages["train"] = run_cached(train, cfg=cfg, shards=shards, launch=cfg.launch,
                                                 tracking_run_id=train_run, init_checkpoint=init and init[0])
@@ -120,9 +119,9 @@ def run_pipeline(flow_name: str, cfg: RunConfig, tracking_uri: str | None, regis
     except BaseException as e:
         # Interrupted (cancelled: SIGTERM, Ctrl-C) is not failed: MLflow's KILLED says so.
         interrupted = not isinstance(e, Exception) or isinstance(e, CancelledRun)
-        finish_tracking(parent, "KILLED" if interrupted else "FAILED")
+        tracking.finish_run(parent, "KILLED" if interrupted else "FAILED")
         raise
-    finish_tracking(parent, "FINISHED")
+    tracking.finish_run(parent)
     return {"stages": {k: str(v[0]) for k, v in stages.items()}, "scores": str(scores),
             "registered_model": cfg.registered_model_name, "decision": decision}
 

@@ -31,7 +31,8 @@ class Throttle:
 
 
 class ProgressArtifact:
-    """A flow run's progress artifact ``key`` (0-100), updated through a :class:`Throttle`."""
+    """A flow run's progress artifact ``key`` (0-100), updated through a :class:`Throttle`; as a context manager,
+    finished (100) when its block ends without an error, also when the stage found its output there already."""
 
     def __init__(self, key: str, description: str, throttle: Throttle | None = None):
         self.id = create_progress_artifact(progress=0.0, key=key, description=description)
@@ -50,3 +51,10 @@ class ProgressArtifact:
     def finish(self) -> None:
         """100%, once."""
         self.update(100.0)
+
+    def __enter__(self) -> ProgressArtifact:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is None:
+            self.finish()

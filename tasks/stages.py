@@ -50,10 +50,8 @@ def _corpus_content(data: DataConfig) -> str:
 def data_stage(data: DataConfig, work_dir: Path) -> Path:
     """Read, clean and version the corpus, with a ``data-progress`` artifact (training pairs read); the cache key
     covers every input file's content hash."""
-    artifact = ProgressArtifact("data-progress", "reading and cleaning the training pairs")
-    out = prepare_corpus(data, work_dir, progress=artifact.fraction)
-    artifact.finish()  # also when the corpus was there already
-    return out
+    with ProgressArtifact("data-progress", "reading and cleaning the training pairs") as artifact:
+        return prepare_corpus(data, work_dir, progress=artifact.fraction)
 
 
 def _teachers_content(teachers: list[Path]) -> str:
@@ -73,12 +71,10 @@ def distill_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, disti
     if decode_device() == "cuda":
         export = None  # our engine on the GPU; CTranslate2's CPU build is what the export is for
     engine = "its CTranslate2 export" if export is not None else "our engine"
-    artifact = ProgressArtifact("distill-progress", f"{len(teachers)} teacher(s) translating the training sources "
-                                                    f"with {engine}")
-    out = distill_corpus(corpus, teachers, tokenizer_dir, distill, work_dir,
-                         device=decode_device(), progress=artifact.fraction, export=export)
-    artifact.finish()  # also when the distilled corpus was there already
-    return out
+    with ProgressArtifact("distill-progress", f"{len(teachers)} teacher(s) translating the training sources "
+                                              f"with {engine}") as artifact:
+        return distill_corpus(corpus, teachers, tokenizer_dir, distill, work_dir,
+                              device=decode_device(), progress=artifact.fraction, export=export)
 
 
 @task(name="train-tokenizer", persist_result=True, cache_key_fn=stage_cache_key(train_tokenizer))
@@ -91,10 +87,8 @@ def tokenizer_stage(corpus: Path, tokenizer: TokenizerConfig, work_dir: Path) ->
 def shards_stage(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
     """Every split encoded into memory-mappable token shards, with a ``tokenize-progress`` artifact (pairs
     encoded)."""
-    artifact = ProgressArtifact("tokenize-progress", "encoding every split into token shards")
-    out = build_shards(corpus, tokenizer_dir, tokenizer, work_dir, progress=artifact.fraction)
-    artifact.finish()
-    return out
+    with ProgressArtifact("tokenize-progress", "encoding every split into token shards") as artifact:
+        return build_shards(corpus, tokenizer_dir, tokenizer, work_dir, progress=artifact.fraction)
 
 
 @task(name="average-checkpoints", persist_result=True,
@@ -105,10 +99,8 @@ def average_stage(cfg: RunConfig, checkpoints: Path, tokenizer_dir: Path, corpus
     ``averaging-progress`` artifact)."""
     if not cfg.average.choose_from:
         return average_run(cfg, checkpoints.parent)
-    artifact = ProgressArtifact("averaging-progress", f"choosing N among {cfg.average.choose_from} on dev")
-    out = average_run(cfg, checkpoints.parent, corpus, tokenizer_dir, progress=artifact.fraction)
-    artifact.finish()
-    return out
+    with ProgressArtifact("averaging-progress", f"choosing N among {cfg.average.choose_from} on dev") as artifact:
+        return average_run(cfg, checkpoints.parent, corpus, tokenizer_dir, progress=artifact.fraction)
 
 
 @task(name="evaluate", persist_result=True,
@@ -116,10 +108,8 @@ def average_stage(cfg: RunConfig, checkpoints: Path, tokenizer_dir: Path, corpus
 def evaluate_stage(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path) -> Path:
     """Decode dev and every test split and score them as the task demands (translation: every BLEU variant
     and chrF; parsing: EVALB F1), with an ``evaluation-progress`` artifact; returns ``scores.json``."""
-    artifact = ProgressArtifact("evaluation-progress", f"decoding dev and test sets with {checkpoint.name}")
-    out = evaluate_checkpoint(cfg, checkpoint, corpus, tokenizer_dir, progress=artifact.fraction)
-    artifact.finish()
-    return out
+    with ProgressArtifact("evaluation-progress", f"decoding dev and test sets with {checkpoint.name}") as artifact:
+        return evaluate_checkpoint(cfg, checkpoint, corpus, tokenizer_dir, progress=artifact.fraction)
 
 
 @task(name="export-ctranslate2", persist_result=True,

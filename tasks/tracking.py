@@ -60,11 +60,6 @@ def start_tracking(cfg: RunConfig, uri: str, run_name: str, tags: dict[str, str]
     return tracking.start_pipeline_run(cfg, run_name=run_name, tags=tags)
 
 
-def open_stage(parent_run_id: str, stage: str) -> str:
-    """A child run for a stage that logs while it runs (training streams its metrics into it)."""
-    return tracking.start_stage_run(parent_run_id, stage)
-
-
 def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, Path], run_id: str | None = None,
               attention_sentences: int = 3, teachers: Sequence[str] = ()) -> str:
     """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given), and its headline
@@ -190,7 +185,3 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
     tracking.finish_run(run_id)
     logger.info("version %s of %s: %s. %s", version, name, decision.decision, decision.reason)
     return decision.as_dict()
-
-
-def finish_tracking(parent_run_id: str, status: str) -> None:
-    tracking.finish_run(parent_run_id, status)
