@@ -1,4 +1,4 @@
-"""The README's main job end to end, timed, and what it gave, as one record (issue 53: what each CPU class gets).
+"""The README's main job end to end, timed, and what it gave, as one record (what each CPU class gets).
 
 Runs what a new user runs after the install: ``python -m ops.localstack up`` and ``prefect deployment run
 'train-en-de/<deployment>' --watch``, on a stack of its own (fresh databases, a fresh work dir, free ports, under

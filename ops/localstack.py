@@ -271,7 +271,7 @@ def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = No
     env["PREFECT_SERVER_API_HOST"] = HOST
     url = f"http://{HOST}:{port}"
     # The UI calls the API at server.ui.api_url, which defaults to api.url: prefect.toml's port 4200, not this
-    # server's. Seen as "Can't connect to Server API" on every page of a stack on another port (browser check).
+    # server's (on another port every page would say "Can't connect to Server API").
     env["PREFECT_SERVER_UI_API_URL"] = f"{url}/api"
     cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", HOST, "--port", str(port)]
     return start_service("prefect-server", cmd, env, f"{url}/api/health", url, home / "server.log", database=shown)

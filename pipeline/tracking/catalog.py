@@ -90,17 +90,13 @@ class Logged:
         parts.append(re.escape(self.name[pos:]))
         return re.compile("".join(parts))
 
-    @property
-    def is_pattern(self) -> bool:
-        return bool(_TOKEN.search(self.name))
-
     def matches(self, actual_name: str) -> bool:
         return self.regex.fullmatch(actual_name) is not None
 
     @property
     def _rank(self) -> tuple[bool, int]:
         """Exact names first, then the pattern with the most literal text: the most specific entry wins."""
-        return self.is_pattern, -len(_TOKEN.sub("", self.name))
+        return bool(_TOKEN.search(self.name)), -len(_TOKEN.sub("", self.name))
 
 
 # ----------------------------------------------------------------------------------------------------- entries

@@ -89,7 +89,7 @@ def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: D
     cleaning = state["config"]["data"]["cleaning"]
     arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export)
     # MLflow files a logged model under the active experiment (Default, "0", when none was set), not its source
-    # run's: without this the model page sits outside the run's experiment (seen in the browser check).
+    # run's: the model page belongs in the run's experiment.
     mlflow.set_experiment(experiment_id=client().get_run(run_id).info.experiment_id)
     info = Model.log(artifact_path=None, name=MODEL_NAME, flavor=mlflow.pyfunc, run_id=run_id, **arguments)
     for key, value, dataset, digest in evaluated:

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.config import RunConfig, dump_config
 from pipeline.support.errors import UserError
-from pipeline.support.provenance import git_commit, short_commit  # noqa: F401  (short_commit: this module's name too)
+from pipeline.support.provenance import git_commit
 
 log = logging.getLogger("aiayn.tracking")
 
@@ -64,8 +64,8 @@ def client() -> MlflowClient:
     return MlflowClient()
 
 
-# The experiment tag by which MLflow 3's UI picks an experiment's view: without it the UI guesses, and opened this
-# product's experiments in its GenAI view (traces, judges, prompts) instead of the runs table of model training.
+# The experiment tag by which MLflow's UI picks an experiment's view: the runs table of model training, not the
+# GenAI view (traces, judges, prompts) it may guess otherwise.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
