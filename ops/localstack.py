@@ -159,21 +159,18 @@ class PostgreSQL:
         """``postgresql://USER[:PASSWORD]@HOST[:PORT]`` (no database: the stack names its own), or a StackError
         saying what is wrong with it (never echoing the password)."""
         parts = urllib.parse.urlsplit(url)
-        shown = cls._redact(parts)
+        given = f"--database-url / AIAYN_DATABASE_URL {cls._redact(parts)}"
         if parts.scheme not in ("postgresql", "postgres"):
-            raise StackError(f"--database-url / AIAYN_DATABASE_URL {shown}: not a PostgreSQL URL; give "
-                             "postgresql://USER:PASSWORD@HOST:PORT")
+            raise StackError(f"{given}: not a PostgreSQL URL; give postgresql://USER:PASSWORD@HOST:PORT")
         if not parts.hostname or not parts.username:
-            raise StackError(f"--database-url / AIAYN_DATABASE_URL {shown}: names no user or host; give "
-                             "postgresql://USER:PASSWORD@HOST:PORT")
+            raise StackError(f"{given}: names no user or host; give postgresql://USER:PASSWORD@HOST:PORT")
         if parts.path.strip("/") or parts.query:
-            raise StackError(f"--database-url / AIAYN_DATABASE_URL {shown}: name the server only, without a "
-                             f"database or options: the stack keeps Prefect in {DATABASES['prefect-server']} and "
-                             f"MLflow in {DATABASES['mlflow']} on it")
+            raise StackError(f"{given}: name the server only, without a database or options: the stack keeps "
+                             f"Prefect in {DATABASES['prefect-server']} and MLflow in {DATABASES['mlflow']} on it")
         try:
             port = parts.port or 5432
         except ValueError as e:
-            raise StackError(f"--database-url / AIAYN_DATABASE_URL {shown}: {e}") from None
+            raise StackError(f"{given}: {e}") from None
         return cls(urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""),
                    parts.hostname, port)
 
