@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import get_run_logger
+from prefect import flow, get_run_logger
 from prefect.exceptions import CancelledRun
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run
@@ -124,6 +124,12 @@ def run_pipeline(flow_name: str, cfg: RunConfig, tracking_uri: str | None, regis
     tracking.finish_run(parent)
     return {"stages": {k: str(v[0]) for k, v in stages.items()}, "scores": str(scores),
             "registered_model": cfg.registered_model_name, "decision": decision}
+
+
+def pipeline_flow(name: str):
+    """The decorator of the pipeline flow ``name``: its hooks end its MLflow runs as KILLED when the flow run crashes
+    or is cancelled (:func:`close_tracking_runs`)."""
+    return flow(name=name, log_prints=True, on_crashed=[close_tracking_runs], on_cancellation=[close_tracking_runs])
 
 
 def close_tracking_runs(flow: Any, flow_run: Any, state: Any) -> None:

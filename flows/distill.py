@@ -12,10 +12,9 @@ the versions the ``teacher_configs`` runs registered. Every one of them reaches 
 
 from __future__ import annotations
 
-from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.common import Precision, close_tracking_runs, flow_config, pipeline_config, run_pipeline
+from flows.common import Precision, flow_config, pipeline_config, pipeline_flow, run_pipeline
 from flows.translation import train_translation
 from pipeline.config import ConfigError, ConfigName, FlowOverrides, RunConfig, flow_overrides
 
@@ -34,7 +33,7 @@ def student_config(config: str, data_root: str | None, overrides: FlowOverrides 
     return pipeline_config(NAME, EXPECT, config, data_root, student, max_steps, max_minutes, precision)
 
 
-@flow(name=NAME, log_prints=True, on_crashed=[close_tracking_runs], on_cancellation=[close_tracking_runs])
+@pipeline_flow(NAME)
 def distill_translation(config: ConfigName | str = "multi30k-student-tiny", teachers: list[str] | None = None,
                         teacher_configs: list[ConfigName | str] | None = None, data_root: str | None = None,
                         overrides: FlowOverrides | None = None, max_steps: int | None = None,

@@ -3,14 +3,11 @@ treebank config; scored with EVALB's bracketing F1."""
 
 from __future__ import annotations
 
-from prefect import flow
-
-from flows.common import Precision, close_tracking_runs, pipeline_config, run_pipeline
+from flows.common import Precision, pipeline_config, pipeline_flow, run_pipeline
 from pipeline.config import ConfigName, FlowOverrides
 
 
-@flow(name="parse-wsj", log_prints=True, on_crashed=[close_tracking_runs],
-      on_cancellation=[close_tracking_runs])
+@pipeline_flow("parse-wsj")
 def parse_wsj(config: ConfigName | str = "ptb-sample-cpu", data_root: str | None = None,
               overrides: FlowOverrides | None = None, max_steps: int | None = None, max_minutes: float | None = None,
               precision: Precision | None = None, tracking_uri: str | None = None, register_model: bool = True) -> dict:

@@ -9,9 +9,7 @@ Parameters are what a deployment (prefect.yaml) or ``prefect deployment run ... 
 
 from __future__ import annotations
 
-from prefect import flow
-
-from flows.common import Precision, close_tracking_runs, pipeline_config, run_pipeline
+from flows.common import Precision, pipeline_config, pipeline_flow, run_pipeline
 from pipeline.config import ConfigName, FlowOverrides
 
 # What each flow requires of its config (field -> value; :func:`flows.common.flow_config` refuses any other).
@@ -22,12 +20,6 @@ EXPECT = {
 }
 
 
-def _translation_flow(name: str):
-    """The decorator of the translation flow ``name``: the pipeline's hooks end its MLflow runs as KILLED when
-    the flow run crashes or is cancelled."""
-    return flow(name=name, log_prints=True, on_crashed=[close_tracking_runs], on_cancellation=[close_tracking_runs])
-
-
 def _train(name: str, config: str, data_root: str | None, overrides: FlowOverrides | None, max_steps: int | None,
            max_minutes: float | None, precision: Precision | None, tracking_uri: str | None,
            register_model: bool) -> dict:
@@ -36,7 +28,7 @@ def _train(name: str, config: str, data_root: str | None, overrides: FlowOverrid
     return run_pipeline(name, cfg, tracking_uri, register_model)
 
 
-@_translation_flow("train-en-de")
+@pipeline_flow("train-en-de")
 def train_en_de(config: ConfigName | str = "multi30k-cpu-hub", data_root: str | None = None,
                 overrides: FlowOverrides | None = None, max_steps: int | None = None,
                 max_minutes: float | None = None, precision: Precision | None = None,
@@ -57,7 +49,7 @@ def train_en_de(config: ConfigName | str = "multi30k-cpu-hub", data_root: str | 
                   register_model)
 
 
-@_translation_flow("train-en-fr")
+@pipeline_flow("train-en-fr")
 def train_en_fr(config: ConfigName | str = "wmt14-en-fr-base", data_root: str | None = None,
                 overrides: FlowOverrides | None = None, max_steps: int | None = None,
                 max_minutes: float | None = None, precision: Precision | None = None,
@@ -74,7 +66,7 @@ def train_en_fr(config: ConfigName | str = "wmt14-en-fr-base", data_root: str | 
                   register_model)
 
 
-@_translation_flow("train-translation")
+@pipeline_flow("train-translation")
 def train_translation(config: ConfigName | str, data_root: str | None = None,
                       overrides: FlowOverrides | None = None, max_steps: int | None = None,
                       max_minutes: float | None = None, precision: Precision | None = None,

@@ -65,9 +65,7 @@ def log_corpus(run_id: str, corpus_dir: Path) -> dict:
     manifest = read_manifest(corpus_dir)
     c = client()
     c.log_artifact(run_id, str(corpus_dir / MANIFEST), "data/corpus")
-    metrics: dict[str, float] = {}
-    for key, split in manifest["splits"].items():
-        metrics[f"corpus.{key}.rows"] = split["rows"]
+    metrics: dict[str, float] = {f"corpus.{key}.rows": split["rows"] for key, split in manifest["splits"].items()}
     cleaning = manifest["splits"]["train"]["cleaning"]
     metrics["corpus.train.read"], metrics["corpus.train.kept"] = cleaning["read"], cleaning["kept"]
     metrics.update({f"corpus.train.removed.{k}": v for k, v in cleaning["removed"].items()})
