@@ -110,32 +110,28 @@ def _add(run: str, kind: str, *rows: tuple) -> None:
         _ENTRIES.append(Logged(run, kind, *row))
 
 
-# Config sections, one param group each: the fields are explained in the configuration reference.
+def _section(name: str, what: str, fields: str = "") -> tuple[str, str]:
+    """A config section's param group: one param per field, each explained in the configuration reference."""
+    return f"{name}.*", f"The ``{name}`` section, one param per field{fields}: {what}; see the configuration reference."
+
+
+# The run config: its name, task and preset, then one param group per section.
 _CONFIG = [
     ("name", "The run config's name (also the parent run's ``config_name`` tag)."),
     ("task", "The task the config trains: translation or parsing."),
     ("preset", "The preset (paper row or CPU size) the config is built on."),
     ("work_dir", "The folder the stage outputs were written under."),
-    ("data.*", "The ``data`` section, one param per field (lists by index, e.g. ``data.test.<i>.name``): "
-               "sources, language pair and cleaning rules; see the configuration reference."),
-    ("tokenizer.*", "The ``tokenizer`` section, one param per field: the subword tokenizer's settings; see the "
-                    "configuration reference."),
-    ("model.*", "The ``model`` section, one param per field: the Transformer's hyperparameters; see the "
-                "configuration reference."),
-    ("train.*", "The ``train`` section, one param per field: optimisation, budget and checkpoints; see the "
-                "configuration reference."),
-    ("average.*", "The ``average`` section, one param per field: checkpoint averaging; see the configuration "
-                  "reference."),
-    ("decode.*", "The ``decode`` section, one param per field: beam search settings; see the configuration "
-                 "reference."),
-    ("export.*", "The ``export`` section, one param per field: the serving export and its quality gate; see the "
-                 "configuration reference."),
-    ("launch.*", "The ``launch`` section, one param per field: how training processes are started; see the "
-                 "configuration reference."),
-    ("tracking.*", "The ``tracking`` section, one param per field: experiment, registered model and promotion "
-                   "rule; see the configuration reference."),
-    ("distill.*", "The ``distill`` section, one param per field (the teachers by index, as configured, e.g. an "
-                  "alias): sequence-level knowledge distillation; see the configuration reference."),
+    _section("data", "sources, language pair and cleaning rules", " (lists by index, e.g. ``data.test.<i>.name``)"),
+    _section("tokenizer", "the subword tokenizer's settings"),
+    _section("model", "the Transformer's hyperparameters"),
+    _section("train", "optimisation, budget and checkpoints"),
+    _section("average", "checkpoint averaging"),
+    _section("decode", "beam search settings"),
+    _section("export", "the serving export and its quality gate"),
+    _section("launch", "how training processes are started"),
+    _section("tracking", "experiment, registered model and promotion rule"),
+    _section("distill", "sequence-level knowledge distillation",
+             " (the teachers by index, as configured, e.g. an alias)"),
     ("recipes.*", "The config's compute recipes, one param per setting (``recipes.<name>.<section>.<field>``); "
                   "see the configuration reference (a config without recipes logs none).", True),
     ("recipe", "Which compute recipe the config asked for: auto, none or a name of recipes."),
