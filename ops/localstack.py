@@ -44,6 +44,7 @@ from pathlib import Path
 import psutil
 import yaml
 
+from ops import pools
 from pipeline.config import load_config
 from pipeline.support.fsutil import write_json
 from pipeline.support.proc import free_port  # noqa: F401  (the tests and ops.localstack callers name it here too)
@@ -51,7 +52,8 @@ from pipeline.promotion import lock_name
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
-WORK_POOL = "aiayn-cpu"  # the process pool prefect.yaml deploys to
+WORK_POOL = "aiayn-cpu"  # prefect.yaml's pool of CPU runs: this stack's worker serves it
+GPU_POOL = "aiayn-gpu"  # prefect.yaml's pool of the paper-scale runs: served here only where CUDA is
 
 
 class StackError(RuntimeError):
@@ -283,14 +285,21 @@ def prefect_cli(args: list[str], env: dict[str, str]) -> None:
 
 
 def start_worker(home: Path, api_url: str, mlflow_url: str, extra_env: dict[str, str],
-                 worker: str = "process") -> Service:
+                 worker: str = "process", pool: str = WORK_POOL) -> Service:
     """A worker of ``worker`` type on the stack's pool. A process worker's flow runs inherit its environment
-    (tracking URI, data root); a Docker worker's get theirs from the pool's template (:func:`docker_pool_template`)."""
+    (tracking URI, data root); a Docker worker's get theirs from the pool's template (:meth:`Stack.up`)."""
     env = {**prefect_env(home, api_url), "MLFLOW_TRACKING_URI": mlflow_url, **extra_env}
-    cmd = [str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", WORK_POOL,
-           "--type", worker]
+    cmd = [str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", pool, "--type", worker]
     # A worker has no health endpoint by default; it is up once its process runs (it polls the server).
-    return start_service("prefect-worker", cmd, env, None, api_url, home / "worker.log")
+    name = "prefect-worker" if pool == WORK_POOL else "prefect-gpu-worker"
+    return start_service(name, cmd, env, None, api_url, home / f"{name.removeprefix('prefect-')}.log")
+
+
+def cuda_devices() -> int:
+    """How many CUDA devices this machine's torch sees (0 without CUDA): whether the stack serves the GPU pool."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def prefect_api(base: str, path: str, body: dict | None = None, attempts: int = 5, timeout: float = 30.0):
@@ -374,20 +383,6 @@ def result_storage_env(storage: str | None) -> dict[str, str]:
     return {"PREFECT_LOCAL_STORAGE_PATH": str(Path(storage).expanduser().resolve())}
 
 
-def docker_pool_template(image: str, mounts: dict[Path, str], env: dict[str, str]) -> dict:
-    """deploy/docker/pipeline-pool.json with this stack's defaults: its image (built here, so never pulled), the
-    folders a flow run reads and writes mounted at their own paths (``mounts``: folder -> ``ro`` or ``rw``; a path
-    a run records then means the same on the host and in every container) and the environment a process worker
-    would have passed on (``env``)."""
-    template = json.loads((REPO / "deploy" / "docker" / "pipeline-pool.json").read_text(encoding="utf-8"))
-    variables = template["variables"]["properties"]
-    variables["image"]["default"] = image
-    variables["image_pull_policy"]["default"] = "Never"
-    variables["volumes"]["default"] = [f"{folder}:{folder}:{mode}" for folder, mode in mounts.items()]
-    variables["env"]["default"] = env
-    return template
-
-
 def create_promotion_locks(env: dict[str, str]) -> list[str]:
     """One Prefect global concurrency limit (one slot) per deployed registered model, ``promote-<model>``: the
     flows hold it while they read the champion, compare and move the alias. Existing limits are kept."""
@@ -460,12 +455,17 @@ class Stack:
             for folder in mounts:
                 folder.mkdir(parents=True, exist_ok=True)
             template = self.home / "docker-pool.json"
-            write_json(template, docker_pool_template(image, mounts, {"MLFLOW_TRACKING_URI": services["mlflow"].url,
-                                                                      **extra}))
+            # the image built here is never pulled; the folders a run reads and writes are mounted at their own
+            # paths, so that a path a run records means the same on the host and in every container
+            write_json(template, pools.template("docker", WORK_POOL, {
+                "image": image, "image_pull_policy": "Never",
+                "volumes": [f"{folder}:{folder}:{mode}" for folder, mode in mounts.items()],
+                "env": {"MLFLOW_TRACKING_URI": services["mlflow"].url, **extra}}))
             pool = ["--type", "docker", "--base-job-template", str(template)]
             # the pull step's {{ $AIAYN_PROJECT_DIR }} stays for each container to fill: the image's project folder
             env.pop("AIAYN_PROJECT_DIR")
         prefect_cli(["work-pool", "create", WORK_POOL, *pool, "--overwrite"], env)
+        prefect_cli(["work-pool", "create", GPU_POOL, "--type", "process", "--overwrite"], env)
         prefect_cli(["deploy", "--all"], env)
         create_promotion_locks(env)
         if "prefect-worker" not in services:
@@ -474,13 +474,17 @@ class Stack:
             services["prefect-worker"] = start_worker(self.home / "prefect", api_url, services["mlflow"].url, extra,
                                                       worker)
             self.save(services)
+        if "prefect-gpu-worker" not in services and cuda_devices():
+            services["prefect-gpu-worker"] = start_worker(self.home / "prefect", api_url, services["mlflow"].url,
+                                                          extra, pool=GPU_POOL)
+            self.save(services)
         return services
 
     def down(self) -> list[str]:
         """Stop exactly the recorded processes that are still ours; forget the record. Returns their names."""
         services = self.load()
         stopped = []
-        for name in ("prefect-worker", "prefect-server", "mlflow"):  # worker first: it talks to the server
+        for name in ("prefect-worker", "prefect-gpu-worker", "prefect-server", "mlflow"):  # workers first
             if name in services and services[name].alive():
                 services[name].stop()
                 stopped.append(name)
@@ -535,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"databases:   Prefect {services['prefect-server'].database}, MLflow {services['mlflow'].database}")
             kind = "process" if args.worker == "process" else f"docker, image {args.image}"
             print(f"worker:      pool {WORK_POOL} ({kind}), log {services['prefect-worker'].log}")
+            gpu = services.get("prefect-gpu-worker")
+            print(f"GPU worker:  pool {GPU_POOL}, log {gpu.log}" if gpu else
+                  f"GPU worker:  none (no CUDA device here): runs of the {GPU_POOL} pool's deployments wait")
             print(f"export PREFECT_API_URL={services['prefect-server'].url}/api "
                   f"MLFLOW_TRACKING_URI={services['mlflow'].url}")
         elif args.action == "deploy":
