@@ -29,7 +29,7 @@ from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.objects import FlowRun, WorkerStatus
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run, task_run
 from prefect.states import Cancelled, Cancelling
@@ -55,6 +55,11 @@ class TrainingFailed(RuntimeError):
 
 class TrainingRefused(TrainingFailed, UserError):
     """The training processes refused the config or input: a retry would fail the same way."""
+
+
+class NodesNotStarted(TrainingFailed, UserError):
+    """A node run did not start within ``launch.node_start_timeout_s``: no worker took it (not retried: a retry
+    would wait for the same missing worker)."""
 
 
 def _retry_unless_refused(task, task_run, state) -> bool:
@@ -198,10 +203,12 @@ def _run_nodes(launch: LaunchConfig, rendezvous: Rendezvous, job: dict[str, Any]
                 launch.node_deployment, timeout=0, as_subflow=True, tags=[f"parent-flow-run:{parent}"],
                 flow_run_name=f"{flow_run.get_name()}-node-{rank}-of-{launch.nnodes}",
                 idempotency_key=f"{rendezvous.run_id}-node-{rank}",
-                job_variables={"labels": {"aiayn-node-rank": str(rank)}},  # e.g. for a Service selecting node 0
+                # the label, e.g. for a Service selecting node 0; then the config's own for this node
+                job_variables={"labels": {"aiayn-node-rank": str(rank)},
+                               **launch.node_job_variables.get(str(rank), {})},
                 parameters={**job, "launch": launch.model_dump(mode="json"), "node_rank": rank,
                             "rdzv_endpoint": rendezvous.endpoint, "rdzv_id": rendezvous.run_id}))
-        failed = _watch(runs, logger)
+        failed = _watch(runs, logger, launch)
         if failed is not None:
             why = f"node {failed[0]} ended {failed[1].state.type.value}"
     finally:
@@ -223,9 +230,12 @@ def _nodes_failed(failures: list[tuple[int, FlowRun]], nnodes: int) -> TrainingF
         for rank, run in failures))
 
 
-def _watch(runs: list[FlowRun], logger: logging.Logger | logging.LoggerAdapter) -> tuple[int, FlowRun] | None:
-    """Poll the node runs until all completed (None) or one did not: ``(its rank, the run)``."""
+def _watch(runs: list[FlowRun], logger: logging.Logger | logging.LoggerAdapter,
+           launch: LaunchConfig) -> tuple[int, FlowRun] | None:
+    """Poll the node runs until all completed (None) or one did not: ``(its rank, the run)``. Raises
+    :class:`NodesNotStarted` when one has not started ``launch.node_start_timeout_s`` after they were created."""
     seen: dict[UUID, str] = {}
+    deadline = time.monotonic() + launch.node_start_timeout_s
     with get_client(sync_client=True) as client:
         while True:
             current = [client.read_flow_run(r.id) for r in runs]
@@ -240,7 +250,24 @@ def _watch(runs: list[FlowRun], logger: logging.Logger | logging.LoggerAdapter) 
                 return bad
             if all(run.state and run.state.type.value == "COMPLETED" for run in current):
                 return None
+            waiting = [(rank, run) for rank, run in enumerate(current)
+                       if run.state is None or run.state.type.value in ("SCHEDULED", "PENDING")]
+            if waiting and time.monotonic() > deadline:
+                raise NodesNotStarted(_not_started(client, launch, waiting))
             time.sleep(_POLL_S)
+
+
+def _not_started(client, launch: LaunchConfig, waiting: list[tuple[int, FlowRun]]) -> str:
+    """Why node runs still wait: the node deployment's work pool and the workers it has online."""
+    pool = client.read_deployment_by_name(launch.node_deployment).work_pool_name
+    online = [w for w in client.read_workers_for_work_pool(pool) if w.status == WorkerStatus.ONLINE]
+    nodes = ", ".join(f"node {rank} ({run.name})" for rank, run in waiting)
+    why = (f"work pool {pool} has no worker online: start one (prefect worker start --pool {pool}) or "
+           "point launch.node_deployment at a deployment of a served pool" if not online else
+           f"work pool {pool} has {len(online)} worker(s) online, but none started them (is the pool or its "
+           "queue paused, or its concurrency limit reached?)")
+    return (f"{nodes} did not start within {launch.node_start_timeout_s:g} s (launch.node_start_timeout_s) of "
+            f"{launch.node_deployment}: {why}")
 
 
 def _cancel_unfinished(runs: list[FlowRun], why: str, wait_s: float = 120.0) -> None:

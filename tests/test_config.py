@@ -530,3 +530,12 @@ def test_the_cpu_class_is_what_the_cpu_flags_say() -> None:
     expected = ("amx" if "amx_tile" in flags else "avx512-bf16" if "avx512_bf16" in flags
                 else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "other")
     assert cpu_class() == expected and expected in CPU_CLASSES
+
+
+def test_node_job_variables_are_keyed_by_node_rank() -> None:
+    from pipeline.config import LaunchConfig
+
+    ok = LaunchConfig(nnodes=2, node_job_variables={"0": {"networks": ["aiayn"]}})
+    assert ok.node_job_variables["0"] == {"networks": ["aiayn"]}
+    with pytest.raises(ValueError, match="names 2, node0: keys are node ranks, 0 to 1"):
+        LaunchConfig(nnodes=2, node_job_variables={"2": {}, "node0": {}})

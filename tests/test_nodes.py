@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -140,6 +141,29 @@ def test_an_unreachable_rendezvous_fails_every_node_and_the_run_naming_it(stack)
     failed = nodes[states.index("FAILED")]
     assert message in prefect.logs(failed["id"])
     assert message in prefect.logs(parent)  # the run's own failure names it too
+
+
+def test_node_runs_that_no_worker_takes_fail_the_stage_in_time_naming_the_pool(stack) -> None:
+    """A node deployment on a pool that no worker serves: the runs stay Scheduled, and the training stage fails
+    after launch.node_start_timeout_s (not retried), naming the pool and the missing worker."""
+    prefect = stack["prefect"]
+    cli = [str(Path(sys.executable).with_name("prefect")), "--no-prompt"]
+    for args in (["work-pool", "create", "aiayn-unserved", "--type", "process"],
+                 ["deploy", "flows/nodes.py:train_node", "--name", "unserved", "--pool", "aiayn-unserved"]):
+        res = subprocess.run([*cli, *args], cwd=REPO_ROOT, env=prefect.env, capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+    params = _params(**{"launch.node_deployment": "train-node/unserved", "launch.node_start_timeout_s": 10,
+                        "launch.retries": 1, "train.seed": 8})
+    begun = time.monotonic()
+    status, out, parent = prefect.run_deployment("train-en-de/multi30k-cpu", {**params, "max_steps": 10})
+    assert status != 0 and prefect.flow_run(parent)["state"]["type"] == "FAILED"
+    assert time.monotonic() - begun < 120
+    logs = prefect.logs(parent)
+    assert "did not start within 10 s (launch.node_start_timeout_s) of train-node/unserved" in logs
+    assert "work pool aiayn-unserved has no worker online" in logs
+    assert logs.count("starting 2 node runs") == 1  # refused, not retried
+    assert {n["state"]["type"] for n in _node_runs(prefect, parent)} == {"CANCELLED"}
 
 
 def _wait_for_checkpointing_agent(prefect, parent: str, node_rank: int, step: int,

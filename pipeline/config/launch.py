@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -37,6 +37,13 @@ class LaunchConfig(Strict):
     node_deployment: str = Field(default="train-node/local", description=(
         "The Prefect deployment (<flow>/<deployment>) of flows/nodes.py:train_node that runs one node when "
         "nnodes > 1."))
+    node_start_timeout_s: float = Field(default=600.0, gt=0, description=(
+        "How long, in seconds, a node run may wait to start (Scheduled or Pending) before the training stage fails, "
+        "naming the node deployment's work pool and whether a worker serves it."))
+    node_job_variables: dict[str, dict[str, Any]] = Field(default_factory=dict, description=(
+        "Job variables of one node's run, by node rank (\"0\", \"1\", ...), over the deployment's: e.g. node 0's "
+        "network alias on a Docker network (container_create_kwargs.networking_config), so that the others reach "
+        "its rendezvous by name."))
     max_restarts: int = Field(default=0, ge=0, description=(
         "torchrun's elastic restarts of a node's failed worker group; 0 = none."))
     retries: int = Field(default=1, ge=0, description=(
@@ -47,6 +54,9 @@ class LaunchConfig(Strict):
     def _check(self) -> "LaunchConfig":
         if isinstance(self.nproc_per_node, int) and self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node ({self.nproc_per_node}) must be >= 1 or 'auto'")
+        bad = sorted(k for k in self.node_job_variables if not (k.isdigit() and int(k) < self.nnodes))
+        if bad:
+            raise ValueError(f"node_job_variables names {', '.join(bad)}: keys are node ranks, 0 to {self.nnodes - 1}")
         host = (self.rdzv_endpoint or "").rpartition(":")[0]
         if not (host and self.rdzv_endpoint.rpartition(":")[2].isdigit()) and self.rdzv_endpoint is not None:
             raise ValueError(f"rdzv_endpoint {self.rdzv_endpoint!r} must be host:port (node 0's address)")
