@@ -103,9 +103,9 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
-def port_in_use(port: int) -> bool:
+def port_in_use(port: int, host: str = HOST) -> bool:
     with socket.socket() as s:
-        return s.connect_ex((HOST, port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
@@ -223,13 +223,14 @@ class PostgreSQL:
                              f"{self.user}) or give the role CREATEDB") from None
 
 
-def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None) -> Service:
-    """An MLflow tracking server on 127.0.0.1:``port``: runs and registry in SQLite (or in ``database``),
-    artifacts in a folder."""
+def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host: str = HOST) -> Service:
+    """An MLflow tracking server on ``host``:``port`` (127.0.0.1 by default): runs and registry in SQLite (or in
+    ``database``), artifacts in a folder, served through it (proxied: clients need no access to the folder). It
+    accepts requests addressed to ``host`` (MLflow's --allowed-hosts) and to this machine's loopback."""
     home = home.resolve()
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
-    if port_in_use(port):
-        raise StackError(f"port {port} on {HOST} is taken; stop what uses it or pass --mlflow-port")
+    if port_in_use(port, host):
+        raise StackError(f"port {port} on {host} is taken; stop what uses it or pass --mlflow-port")
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # unused job runner (STACK-NOTES)
     if database is None:
         env["MLFLOW_BACKEND_STORE_URI"], shown = f"sqlite:///{home / 'mlflow.db'}", "sqlite"
@@ -238,9 +239,10 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None) -> S
         # by the environment, not --backend-store-uri: a password on the command line is in every `ps`
         env["MLFLOW_BACKEND_STORE_URI"] = database.url(DATABASES["mlflow"])
         shown = database.shown(DATABASES["mlflow"])
-    cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", HOST, "--port", str(port),
-           "--workers", "1", "--artifacts-destination", str(home / "artifacts")]
-    url = f"http://{HOST}:{port}"
+    cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", host, "--port", str(port),
+           "--workers", "1", "--artifacts-destination", str(home / "artifacts"),
+           "--allowed-hosts", ",".join(f"{name}:{port},{name}" for name in dict.fromkeys([host, HOST, "localhost"]))]
+    url = f"http://{host}:{port}"
     return start_service("mlflow", cmd, env, f"{url}/health", url, home / "mlflow.log", database=shown)
 
 
@@ -253,11 +255,11 @@ def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
     return env
 
 
-def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = None) -> Service:
-    """A Prefect server on 127.0.0.1:``port`` with SQLite under ``home`` (or its database on ``database``; the
-    server migrates it to its schema as it starts)."""
-    if port_in_use(port):
-        raise StackError(f"port {port} on {HOST} is taken; stop what uses it or pass --prefect-port")
+def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = None, host: str = HOST) -> Service:
+    """A Prefect server on ``host``:``port`` (127.0.0.1 by default) with SQLite under ``home`` (or its database on
+    ``database``; the server migrates it to its schema as it starts)."""
+    if port_in_use(port, host):
+        raise StackError(f"port {port} on {host} is taken; stop what uses it or pass --prefect-port")
     env = prefect_env(home, None)
     env.pop("PREFECT_API_URL", None)
     shown = "sqlite"
@@ -267,12 +269,12 @@ def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = No
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = database.url(DATABASES["prefect-server"], "asyncpg")
         shown = database.shown(DATABASES["prefect-server"])
     env["PREFECT_SERVER_API_PORT"] = str(port)
-    env["PREFECT_SERVER_API_HOST"] = HOST
-    url = f"http://{HOST}:{port}"
+    env["PREFECT_SERVER_API_HOST"] = host
+    url = f"http://{host}:{port}"
     # The UI calls the API at server.ui.api_url, which defaults to api.url: prefect.toml's port 4200, not this
     # server's (on another port every page would say "Can't connect to Server API").
     env["PREFECT_SERVER_UI_API_URL"] = f"{url}/api"
-    cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", HOST, "--port", str(port)]
+    cmd = [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", host, "--port", str(port)]
     return start_service("prefect-server", cmd, env, f"{url}/api/health", url, home / "server.log", database=shown)
 
 
@@ -415,7 +417,7 @@ class Stack:
     def up(self, prefect_port: int, mlflow_port: int, data_root: Path | None = None,
            work_dir: Path | None = None, result_storage: str | None = None,
            database: PostgreSQL | None = None, worker: str = "process",
-           image: str | None = None) -> dict[str, Service]:
+           image: str | None = None, host: str = HOST) -> dict[str, Service]:
         """Start what is not running, deploy prefect.yaml, and return the services (safe to call twice).
 
         ``worker``: ``process`` runs each flow run as a process of this checkout; ``docker`` as a container of
@@ -432,10 +434,10 @@ class Stack:
                                  f"{wanted}: stop it first (python -m ops.localstack down --home {self.home}) or use "
                                  "another --home")
         if "mlflow" not in services:
-            services["mlflow"] = start_mlflow(self.home / "mlflow", mlflow_port, database)
+            services["mlflow"] = start_mlflow(self.home / "mlflow", mlflow_port, database, host)
             self.save(services)
         if "prefect-server" not in services:
-            services["prefect-server"] = start_prefect_server(self.home / "prefect", prefect_port, database)
+            services["prefect-server"] = start_prefect_server(self.home / "prefect", prefect_port, database, host)
             self.save(services)
         api_url = services["prefect-server"].url + "/api"
         env = prefect_env(self.home / "prefect", api_url)
@@ -519,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", choices=["process", "docker"], default="process",
                    help="how flow runs run: processes of this checkout, or containers of --image started by a "
                         "Docker worker (a Docker work pool; the data root, work dir and result storage mounted)")
+    p.add_argument("--host", default=HOST,
+                   help="the address both servers listen on and are reached at: 127.0.0.1, this machine only, or "
+                        "an address of this machine that other machines or containers reach")
     p.add_argument("--image", help="with --worker docker: the project's image (deploy/build-image.sh builds one)")
     return p
 
@@ -533,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action == "up":
             database = PostgreSQL.parse(args.database_url) if args.database_url else None
             services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir,
-                                args.result_storage, database, args.worker, args.image)
+                                args.result_storage, database, args.worker, args.image, args.host)
             print(f"Prefect UI:  {services['prefect-server'].url}")
             print(f"MLflow UI:   {services['mlflow'].url}")
             print(f"databases:   Prefect {services['prefect-server'].database}, MLflow {services['mlflow'].database}")

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.support.provenance import short_commit
-from tests.conftest import QUICK, REPO_ROOT, Prefect, _apt_install, short_multi30k
+from tests.conftest import QUICK, REPO_ROOT, Prefect, _apt_install, api, short_multi30k
 
 IMAGE = "aiayn-pipeline:test"
 
@@ -136,3 +137,135 @@ def test_the_default_deployment_runs_in_containers_of_a_docker_pool(image: str, 
             if left.stdout.split():
                 docker("rm", "-f", *left.stdout.split(), check=False)
         assert down.returncode == 0, down.stderr
+
+
+# Run inside a node's container: each listening TCP socket (IPv4 and IPv6) as "address:port command line"
+LISTENING = r"""
+import glob, os
+def sockets():
+    for name in ("tcp", "tcp6"):
+        for line in open(f"/proc/net/{name}").read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A":
+                hexaddr, port = f[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                if len(raw) == 4:
+                    address = ".".join(str(b) for b in raw[::-1])
+                else:
+                    words = [raw[i:i + 4][::-1] for i in range(0, 16, 4)]
+                    address = ":".join(b"".join(words).hex()[i:i + 4] for i in range(0, 32, 4))
+                yield f[9], f"{address}:{int(port, 16)}"
+owners = {}
+for fd in glob.glob("/proc/[0-9]*/fd/*"):
+    try:
+        target = os.readlink(fd)
+    except OSError:
+        continue
+    if target.startswith("socket:["):
+        pid = fd.split("/")[2]
+        owners[target[8:-1]] = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:120]
+for inode, where in sockets():
+    print(where, owners.get(inode, "?"))
+"""
+
+
+def _listening(container: str) -> set[str]:
+    """The container's listening TCP sockets, each "address:port command line" (its own /proc)."""
+    res = docker("exec", container, "python", "-c", LISTENING, timeout=30, check=False)
+    return set(res.stdout.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_nodes_in_two_containers_train_as_one_node_of_two(image: str, shared_data: Path, tmp_path: Path) -> None:
+    """A multi-node training run whose node runs are containers of a Docker pool, each in its own network
+    namespace on an internal network this test creates (nothing leaves it but the servers' address on its
+    gateway): node 0 is reached by its alias there (launch.node_job_variables), every socket a node listens on is
+    bound to eth0's address, and the final checkpoint equals one node with two processes at the same seed."""
+    import threading
+
+    from ops import pools
+    from ops.localstack import Stack, free_port
+    from tests.test_nodes import NODES, _final_weights, _one_node_of_two_processes, _run_folder
+
+    net = f"aiayn-test-{os.getpid()}"
+    docker("network", "create", "--internal", net)
+    gateway = docker("network", "inspect", net, "-f", "{{(index .IPAM.Config 0).Gateway}}").stdout.strip()
+    home, work = tmp_path / "stack", tmp_path / "work"
+    data = short_multi30k(shared_data, tmp_path / "data", train=2500, val=300, test2016=200, newstest2014=100)
+    threads = os.environ.get("AIAYN_CPU_THREADS") or str(len(os.sched_getaffinity(0)))
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "AIAYN_PROJECT_DIR")},
+           "PREFECT_WORKER_QUERY_SECONDS": "1", "AIAYN_CPU_THREADS": threads}
+    cmd = [sys.executable, "-m", "ops.localstack", "--home", str(home), "--host", gateway, "--prefect-port",
+           str(free_port()), "--mlflow-port", str(free_port()), "--data-root", str(data), "--work-dir", str(work)]
+    worker, seen, addresses = None, {}, {}
+    try:
+        up = subprocess.run([*cmd[:3], "up", *cmd[3:]], env=env, capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+        services = Stack(home).load()
+        api_url = services["prefect-server"].url + "/api"
+        env["PREFECT_API_URL"] = api_url
+        prefect = Prefect(api_url, env)
+        pools.create("aiayn-test-nodes", "docker", pools.template("docker", "aiayn-cpu", {
+            "image": image, "image_pull_policy": "Never", "networks": [net], "volumes": [f"{work}:{work}:rw"],
+            "env": {"MLFLOW_TRACKING_URI": services["mlflow"].url, "AIAYN_CPU_THREADS": threads}}), env)
+        cli = str(Path(sys.executable).with_name("prefect"))
+        res = subprocess.run([cli, "--no-prompt", "deploy", "flows/nodes.py:train_node", "--name", "docker",
+                              "--pool", "aiayn-test-nodes"], cwd=REPO_ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        worker = subprocess.Popen([cli, "worker", "start", "--pool", "aiayn-test-nodes", "--type", "docker"],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        alias = {"container_create_kwargs": {"networking_config": {net: {"Aliases": ["aiayn-node0"]}}}}
+        params = {"data_root": str(data), "max_steps": 10, "overrides": {
+            **NODES, "tracking.registered_model": "transformer-en-de-docker-nodes",
+            "launch.node_deployment": "train-node/docker", "launch.rdzv_endpoint": "aiayn-node0:29500",
+            "launch.interface": "eth0", "launch.node_job_variables": {"0": alias}}}
+        parent = prefect.start_deployment("train-en-de/multi30k-cpu", params)
+        done = threading.Event()
+
+        def sample() -> None:  # each running node container's address and listening sockets, while the run lasts
+            while not done.wait(1.0):
+                for container in docker("ps", "--filter", f"network={net}", "--format", "{{.ID}}",
+                                        check=False).stdout.split():
+                    if container not in addresses:
+                        addresses[container] = docker("inspect", container, "-f", "{{(index .NetworkSettings.Networks"
+                                                      f" \"{net}\").IPAddress}}}}", check=False).stdout.strip()
+                    seen.setdefault(container, set()).update(_listening(container))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        deadline = time.monotonic() + 900
+        while prefect.flow_run(parent)["state"]["type"] not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            assert time.monotonic() < deadline, "the two-node run did not finish"
+            time.sleep(2)
+        done.set()
+        sampler.join()
+        nodes = api(api_url, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"parent-flow-run:{parent}"]}}})
+        assert prefect.flow_run(parent)["state"]["type"] == "COMPLETED", prefect.logs(parent)[-4000:] + "".join(
+            f"\n--- {n['name']}:\n{prefect.logs(n['id'])[-3000:]}" for n in nodes)
+        assert len(nodes) == 2 and {n["state"]["type"] for n in nodes} == {"COMPLETED"}
+        # the training job listens on eth0's address only; anything else in a node (Prefect's own flow-run
+        # process, Docker's resolver) on loopback only: nothing on 0.0.0.0, ::, or another interface
+        for container, listening in seen.items():
+            for entry in listening:
+                where, command = entry.split(" ", 1)
+                address = where.rsplit(":", 1)[0]
+                job = "torch.distributed.run" in command or "pipeline.train" in command
+                assert address == addresses[container] if job else address.startswith("127."), entry
+        assert any(f"{addresses[c]}:29500 " in e and "torch.distributed.run" in e for c in seen for e in seen[c]), \
+            seen  # node 0's agent hosts the rendezvous at its alias's port
+        run = _run_folder(prefect, parent)
+        one = _one_node_of_two_processes(run, tmp_path / "one-node")
+        two = _final_weights(run)
+        assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    finally:
+        if worker is not None:
+            worker.terminate()
+            worker.wait(timeout=60)
+        subprocess.run([*cmd[:3], "down", "--home", str(home)], env=env, capture_output=True, timeout=120)
+        left = docker("ps", "-aq", "--filter", f"network={net}", check=False).stdout.split()
+        if left:
+            docker("rm", "-f", *left, check=False)
+        docker("network", "rm", net, check=False)
+
