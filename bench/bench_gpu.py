@@ -66,11 +66,6 @@ PAPER = {"base": {"steps": 100_000, "hours": 12.0}, "big": {"steps": 300_000, "h
 PAPER_TOKENS_PER_STEP = 25_000
 
 
-def paper_step_s(preset: str) -> float | None:
-    p = PAPER.get(preset)
-    return p["hours"] * 3600 / p["steps"] if p else None
-
-
 def preset_config(preset: str, overrides: Sequence[str] = ()) -> RunConfig:
     """A preset's config: ``wmt14-en-de-<preset>``, or for ``tiny`` the CPU default's, ``multi30k-cpu``."""
     return load_config("multi30k-cpu" if preset == "tiny" else f"wmt14-en-de-{preset}", list(overrides))
@@ -348,7 +343,8 @@ def against_paper(train: list[dict]) -> list[dict]:
     out = []
     for preset in dict.fromkeys(r["preset"] for r in train):
         best = max((r for r in train if r["preset"] == preset), key=lambda r: r["tgt_tokens_per_s"])
-        step, ours = paper_step_s(preset), PAPER_TOKENS_PER_STEP / best["tgt_tokens_per_s"]
+        step = PAPER[preset]["hours"] * 3600 / PAPER[preset]["steps"]  # the paper's seconds per step
+        ours = PAPER_TOKENS_PER_STEP / best["tgt_tokens_per_s"]
         out.append({"preset": preset, "variant": f"{best['precision']} {best['variant']}, max_tokens "
                     f"{best['max_tokens']}", "tgt_tokens_per_s": best["tgt_tokens_per_s"], "s_per_paper_update": ours,
                     "paper_s_per_step": step, "paper_tgt_tokens_per_s": PAPER_TOKENS_PER_STEP / step,

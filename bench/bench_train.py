@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from bench.harness import (DATA, alternate, child_command, common_flags, emit, median, print_table, ratio,
+from bench.harness import (DATA, alternate, child_command, common_flags, emit, median, print_table, ratio, timed,
                            write_record)
 from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler
 from pipeline.config import load_config
@@ -79,14 +78,8 @@ def child(args: argparse.Namespace) -> None:
             opt.zero_grad(set_to_none=True)
             return b.n_tgt
 
-    times, tokens = [], []
-    for i, idx in enumerate(batches):
-        t0 = time.perf_counter()
-        n = step(idx)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-            tokens.append(n)
-    emit({"times": times, "tokens": tokens})
+    runs = [timed(step, idx) for idx in batches][args.warmup:]  # (target tokens, seconds) of each step
+    emit({"times": [t for _, t in runs], "tokens": [n for n, _ in runs]})
 
 
 def main() -> None:

@@ -56,8 +56,8 @@ from pathlib import Path
 
 from bench import bench_model
 from bench.bench_train import build, multi30k_flags
-from bench.harness import (REPO, RESULTS, checked_child, child_command, emit, median, print_table,
-                           rotations, timed, write_record)
+from bench.harness import (REPO, RESULTS, child_command, emit, median, print_table, rotations, run_child, timed,
+                           write_record)
 from pipeline.data import read_manifest
 from pipeline.shards import ShardDataset, read_shard_manifest
 from pipeline.speed import cpu_name
@@ -211,7 +211,7 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
                 else:
                     cmd = ours_train_cmd(paths, size, impl.split("-")[1], args.updates, args.log_every, out,
                                          args.data_root, repo)
-                child, _ = checked_child(impl, cmd, log, env, repo)
+                child = run_child(impl, cmd, log, env, repo)
                 rows = fairseq_intervals(log, args.log_every) if impl == "fairseq" else ours_intervals(out)
                 # CPU time is far less sensitive to other work on the cores than wall time, but includes
                 # start-up (imports, data loading): a whole-process figure, for 1-thread runs
@@ -311,13 +311,13 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
     # the weights; the short training only gives realistic, non-degenerate weights).
     ours_ckpt = work / "ours" / "checkpoints"
     if not any(ours_ckpt.glob("ckpt-*.pt")):
-        checked_child("ours", ours_train_cmd(paths, "tiny", "fp32", args.train_updates, 10, work / "ours",
-                                             args.data_root), work / "ours.log", env)
+        run_child("ours", ours_train_cmd(paths, "tiny", "fp32", args.train_updates, 10, work / "ours",
+                                         args.data_root), work / "ours.log", env)
     checkpoint = sorted(ours_ckpt.glob("ckpt-*.pt"))[-1]
     fs_ckpt = work / "fairseq" / "checkpoint_last.pt"
     if not fs_ckpt.is_file():
-        checked_child("fairseq", fairseq_train_cmd(args.venv, paths, "tiny", args.train_updates, 10, work / "fairseq"),
-                      work / "fairseq.log", env)
+        run_child("fairseq", fairseq_train_cmd(args.venv, paths, "tiny", args.train_updates, 10, work / "fairseq"),
+                  work / "fairseq.log", env)
     ct2_dir = work / "ct2"
     if not (ct2_dir / "model.bin").is_file():
         subprocess.run([args.venv / "bin" / "python", "-c", FULL_LOAD + "from ctranslate2.converters.fairseq "
@@ -348,7 +348,8 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
             else:
                 cmd = [args.venv / "bin" / "python", work / "ct2_bench.py", ct2_dir, src_text, beam, args.batch,
                        args.length, args.threads, args.sentences]
-            child, text = checked_child(impl, cmd, log, env)
+            child = run_child(impl, cmd, log, env)
+            text = child.output
             if impl == "fairseq":
                 m = re.search(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s", text)
                 r = {"sentences": int(m[1].replace(",", "")), "tokens": int(m[2].replace(",", "")),

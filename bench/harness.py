@@ -122,25 +122,29 @@ def peak_rss_mb() -> float:
 
 @dataclass(frozen=True)
 class Child:
-    """One finished child process: its exit status, wall and CPU seconds (user + system) and peak RSS (MB, the
-    largest of it and the descendants it waited for, from ``wait4``: at least this process's own at the start, so
-    run a child whose memory matters from a small parent, or let it report its own, :func:`emit`)."""
+    """One child process that succeeded: its wall and CPU seconds (user + system), peak RSS (MB, the largest of it
+    and the descendants it waited for, from ``wait4``: at least this process's own at the start, so run a child
+    whose memory matters from a small parent, or let it report its own, :func:`emit`) and its output."""
 
-    returncode: int
     wall_s: float
     cpu_s: float
     peak_rss_mb: float
+    output: str
 
 
-def run_child(cmd: Sequence, log: Path, env: Mapping[str, str] | None = None, cwd: Path = REPO) -> Child:
-    """Run ``cmd`` in ``cwd``, its stdout and stderr to ``log``, and measure it."""
+def run_child(name: str, cmd: Sequence, log: Path, env: Mapping[str, str] | None = None, cwd: Path = REPO) -> Child:
+    """Run ``cmd`` in ``cwd``, its stdout and stderr to ``log``, and measure it. A failed child stops the
+    benchmark with the end of its log (``name`` says which child it was)."""
     start = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen([str(c) for c in cmd], env=None if env is None else dict(env), cwd=cwd, stdout=out,
                                 stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
-    return Child(os.waitstatus_to_exitcode(status), time.monotonic() - start, usage.ru_utime + usage.ru_stime,
-                 usage.ru_maxrss / 1024)
+    wall = time.monotonic() - start
+    output = Path(log).read_text(encoding="utf-8", errors="replace")
+    if code := os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{name} failed ({code}); the end of its log {log}:\n{output[-3000:]}")
+    return Child(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, output)
 
 
 def rotations(arms: Sequence[str], repeats: int) -> Iterator[tuple[int, str]]:
@@ -149,16 +153,6 @@ def rotations(arms: Sequence[str], repeats: int) -> Iterator[tuple[int, str]]:
         shift = rep % len(arms)
         for arm in [*arms[shift:], *arms[:shift]]:
             yield rep, arm
-
-
-def checked_child(name: str, cmd: Sequence, log: Path, env: Mapping[str, str] | None = None, cwd: Path = REPO
-                  ) -> tuple[Child, str]:
-    """:func:`run_child`, and the text of its log; a failed child stops the benchmark with the end of its log."""
-    child = run_child(cmd, log, env, cwd)
-    text = Path(log).read_text(encoding="utf-8", errors="replace")
-    if child.returncode:
-        raise SystemExit(f"{name} failed ({child.returncode}); the end of its log {log}:\n{text[-3000:]}")
-    return child, text
 
 
 def alternate(commands: Mapping[str, Sequence], repeats: int, work: Path | None = None,
@@ -171,9 +165,9 @@ def alternate(commands: Mapping[str, Sequence], repeats: int, work: Path | None 
             return alternate(commands, repeats, Path(tmp), env)
     results: dict[str, list[dict]] = {arm: [] for arm in commands}
     for rep, arm in rotations(list(commands), repeats):
-        child, text = checked_child(arm, commands[arm], Path(work) / f"{arm}-{rep}.log", env)
-        results[arm].append({"peak_rss_mb": round(child.peak_rss_mb), **json.loads(text.strip().splitlines()[-1]),
-                             "wall_s": round(child.wall_s, 2)})
+        child = run_child(arm, commands[arm], Path(work) / f"{arm}-{rep}.log", env)
+        result = json.loads(child.output.strip().splitlines()[-1])
+        results[arm].append({"peak_rss_mb": round(child.peak_rss_mb), **result, "wall_s": round(child.wall_s, 2)})
     return results
 
 

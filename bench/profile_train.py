@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.bench_train import build, multi30k_flags
-from bench.harness import print_table, write_record
+from bench.harness import print_table, timed, write_record
 from model import Transformer
 from pipeline.config import load_config
 from pipeline.shards import ShardDataset
@@ -79,12 +78,9 @@ def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Na
 
     for idx in batches[: args.warmup]:
         update(idx)
-    times, counts = [], []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for idx in batches[args.warmup:]:
-            t0 = time.perf_counter()
-            counts.append(update(idx))
-            times.append(time.perf_counter() - t0)
+        runs = [timed(update, idx) for idx in batches[args.warmup:]]  # ((sources, targets, sentences), seconds)
+    counts, times = [c for c, _ in runs], [t for _, t in runs]
     ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in ops)
     shares: dict[str, float] = defaultdict(float)
