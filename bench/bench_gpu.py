@@ -1,19 +1,15 @@
 """GPU benchmark: our training step and beam search on one CUDA device, against the paper's 8 x P100 speed.
 
-Training. For each preset (``--presets``, the configs ``wmt14-en-de-<preset>``), one update is exactly what the
-trainer runs on one GPU: :class:`pipeline.train.TrainStep` (our Transformer, label-smoothed loss, Adam + the
-paper's schedule, in ``train.precision``) accumulating ``round(train.update_tokens / train.max_tokens)``
-micro-batches, then ``apply``. The micro-batches come from :func:`pipeline.shards.token_batches` (our
-length-bucketed batcher: padded batches of at most ``max_tokens`` = sentences x longest pair) over synthetic
-sentence pairs of the paper's shape: shared vocab ``tokenizer.vocab_size`` (37,000), source lengths uniform in
-``--min-len``..``--max-len`` BPE tokens, target length the source's times U(0.8, 1.25), each side framed with
-bos/eos as :func:`pipeline.train.make_batch` does. An update holds ~25,000 target tokens (``train.update_tokens``),
-the paper's batch. Each preset runs with every ``--max-tokens`` (default: the config's ``train.max_tokens``, i.e.
-several micro-batches per update, and ``train.update_tokens``, i.e. one, which a GPU's memory allows).
-``--warmup`` updates are untimed; then ``--steps`` updates run twice. The first pass meets every batch shape for
-the first time, and eager CUDA pays a one-off host cost per new shape, so it is reported only as "1st pass
-s/update". The second pass over the same updates is the measurement, the steady state of a long run whose batch
-shapes recur: back to back between two ``torch.cuda.synchronize`` calls, per-update times from CUDA events.
+Training. For each preset (``--presets``, the configs ``wmt14-en-de-<preset>``) and each ``--max-tokens``
+(default: the config's ``train.max_tokens``, several micro-batches per update, and ``train.update_tokens``, one,
+which a GPU's memory allows), one update is exactly what the trainer runs on one GPU:
+:class:`pipeline.train.TrainStep` (our Transformer, label-smoothed loss, Adam + the paper's schedule, in
+``train.precision``) accumulating ``round(train.update_tokens / train.max_tokens)`` micro-batches of synthetic
+pairs of the paper's shape (:func:`synthetic_updates`), then ``apply``; an update holds ~25,000 target tokens, the
+paper's batch. ``--warmup`` updates are untimed; then ``--steps`` updates run twice. The first pass meets every
+batch shape for the first time, and eager CUDA pays a one-off host cost per new shape, so it is reported only as
+"1st pass s/update". The second pass over the same updates is the measurement, the steady state of a long run whose
+batch shapes recur: back to back between two ``torch.cuda.synchronize`` calls, per-update times from CUDA events.
 
 Reported per variant: target (and source) tokens/s, updates/s, s/update, model TFLOP/s from
 :meth:`model.Transformer.flops_per_token` applied to the batch-average sentence lengths (the trainer's MFU
@@ -100,13 +96,16 @@ def random_model(cfg: RunConfig, device: torch.device) -> Transformer:
 # ---------------------------------------------------------------------------------------------- batches
 
 
-def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argparse.Namespace,
-                      seed: int = 0) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]]:
-    """``updates`` groups of ``accumulation_steps`` CPU micro-batches (src, tgt_in, tgt_out, n_src, n_tgt),
-    cut by :func:`token_batches` from synthetic pairs, collated as :func:`pipeline.train.make_batch` does."""
+def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argparse.Namespace
+                      ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]]:
+    """``updates`` groups of ``accumulation_steps`` CPU micro-batches (src, tgt_in, tgt_out, n_src, n_tgt), cut by
+    :func:`token_batches` (our length-bucketed batcher: padded batches of at most ``max_tokens`` = sentences x
+    longest pair) from synthetic pairs: random ids of the shared vocabulary (``tokenizer.vocab_size``), source
+    lengths uniform in ``--min-len``..``--max-len``, target length the source's times U(0.8, 1.25), each side
+    framed with bos/eos as :func:`pipeline.train.make_batch` does."""
     accum = accumulation_steps(cfg.train.update_tokens, max_tokens, 1)
     sp, vocab = cfg.tokenizer.special, cfg.tokenizer.vocab_size
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     mean_size = (args.min_len + args.max_len) / 2 * 1.1 + 1
     n_pairs = int(updates * accum * max_tokens / mean_size * 1.5) + 1000  # enough pairs for the batches needed
     src_len = rng.integers(args.min_len, args.max_len + 1, n_pairs)  # [N]
@@ -193,7 +192,7 @@ def bench_train(preset: str, max_tokens: int, precision: str, args: argparse.Nam
     one more config override, or several joined by commas (``--levers``), measured against the same variant
     without it."""
     overrides = [f"train.max_tokens={max_tokens}", f"train.precision={precision}", *(lever.split(",") if lever else [])]
-    cfg = load_config(f"wmt14-en-de-{preset}", overrides)
+    cfg = preset_config(preset, overrides)
     dev = setup().device
     warmup = args.warmup
     model, update, groups = train_update(cfg, max_tokens, warmup + args.steps, args, dev)
