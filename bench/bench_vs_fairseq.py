@@ -31,7 +31,7 @@ Peer environment (outside the repo; fairseq pins numpy < 2; pip warns about torc
     /work/peers/fairseq-venv/bin/pip install fairseq-fixed==0.12.3.1 "numpy<2"
     /work/peers/fairseq-venv/bin/pip install ctranslate2==4.8.5
 
-Run (results also in bench/results/vs_fairseq_{train,decode}.json)::
+Run (the record goes to bench/results/vs_fairseq_<command>[_<sizes>]_t<threads>[_<tag>].json)::
 
     python -m bench.bench_vs_fairseq train --sizes tiny base
     python -m bench.bench_vs_fairseq train --sizes tiny --updates 200 --skip 20 --repeats 1   # longer loss curve
