@@ -21,9 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-
+from bench.harness import common_flags, median, print_table, ratio, write_record
 from model.attention import CPU_FP32_EXPLICIT_MAX_KEYS, attention_with_weights, causal_keep_mask
-from bench.harness import common_flags, median, ratio, write_record
 from pipeline.speed import cpu_name
 
 
@@ -79,11 +78,9 @@ def main() -> None:
     print(f"{cpu_name()}, {args.threads} threads, ~{args.tokens} tokens a batch, {args.heads} heads of {args.d_k}, "
           f"median of {args.repeats} forward + backward calls each (alternating); in use: explicit products for "
           f"fp32 up to {CPU_FP32_EXPLICIT_MAX_KEYS} keys, always for bf16\n")
-    print("| precision | keys | batch | mask | fused ms | explicit ms | explicit / fused |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['precision']} | {r['keys']} | {r['batch']} | {r['mask']} | {r['fused_ms']:.2f} | "
-              f"{r['explicit_ms']:.2f} | {r['explicit_over_fused']:.2f} |")
+    print_table(["precision", "keys", "batch", "mask", "fused ms", "explicit ms", "explicit / fused"],
+                [[r["precision"], r["keys"], r["batch"], r["mask"], f"{r['fused_ms']:.2f}", f"{r['explicit_ms']:.2f}",
+                  f"{r['explicit_over_fused']:.2f}"] for r in rows])
     write_record(args.out, {"rows": rows}, args.threads, args)
 
 

@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import REPO, write_record
+from bench.harness import DATA, REPO, RESULTS, timed, write_record
 from pipeline.support.fsutil import disk_mb
 
 NEWS = ["news-test2008", "newssyscomb2009", "newstest2009", "newstest2010", "newstest2011", "newstest2012"]
@@ -51,16 +51,10 @@ READER_SECONDS = 20.0  # collating time per reader run, after planning
 # --------------------------------------------------------------------------------- runs (child processes)
 
 
-def _config(config: str, overrides: list[str]):
-    from pipeline.config import load_config
-
-    return load_config(config, overrides)
-
-
 def _data_config(root: Path, config: str, overrides: list[str]):
-    from pipeline.config import DataConfig
+    from pipeline.config import DataConfig, load_config
 
-    cleaning = _config(config, overrides).data.cleaning.model_dump()
+    cleaning = load_config(config, overrides).data.cleaning.model_dump()
     return DataConfig.model_validate({
         "root": str(root), "src_lang": "en", "tgt_lang": "de",
         "train": [{"name": "synthetic", "format": "text", "path": "train"}],
@@ -69,15 +63,15 @@ def _data_config(root: Path, config: str, overrides: list[str]):
 
 
 def _tokenizer_config(config: str, overrides: list[str], workers: int = 2):
-    return _config(config, [*overrides, f"tokenizer.num_workers={workers}"]).tokenizer
+    from pipeline.config import load_config
+
+    return load_config(config, [*overrides, f"tokenizer.num_workers={workers}"]).tokenizer
 
 
 def ours_data(root: Path, work: Path, config: str, overrides: list[str]) -> dict:
     from pipeline.data import prepare_corpus, read_manifest
 
-    t = time.perf_counter()
-    corpus = prepare_corpus(_data_config(root, config, overrides), work)
-    seconds = time.perf_counter() - t
+    corpus, seconds = timed(lambda: prepare_corpus(_data_config(root, config, overrides), work))
     report = read_manifest(corpus)["splits"]["train"]["cleaning"]
     return {"pairs": report["read"], "kept": report["kept"], "removed": report["removed"], "seconds": seconds,
             "out": str(corpus)}
@@ -109,9 +103,7 @@ def ours_tokenizer(corpus: Path, work: Path, config: str, overrides: list[str]) 
     from pipeline.support.fsutil import MANIFEST
     from pipeline.tokenize import train_tokenizer
 
-    t = time.perf_counter()
-    out = train_tokenizer(corpus, _tokenizer_config(config, overrides), work)
-    seconds = time.perf_counter() - t
+    out, seconds = timed(lambda: train_tokenizer(corpus, _tokenizer_config(config, overrides), work))
     sample = json.loads((out / MANIFEST).read_text(encoding="utf-8"))["train"]
     return {"pairs": read_manifest(corpus)["splits"]["train"]["rows"], "sentences": sample["sentences"],
             "sample": sample["used"], "seconds": seconds, "out": str(out)}
@@ -135,9 +127,7 @@ def floor_tokenizer(corpus: Path, work: Path, config: str, overrides: list[str])
 def ours_shards(corpus: Path, tokenizer: Path, work: Path, config: str, overrides: list[str], workers: int) -> dict:
     from pipeline.shards import build_shards, read_shard_manifest
 
-    t = time.perf_counter()
-    out = build_shards(corpus, tokenizer, _tokenizer_config(config, overrides, workers), work)
-    seconds = time.perf_counter() - t
+    out, seconds = timed(lambda: build_shards(corpus, tokenizer, _tokenizer_config(config, overrides, workers), work))
     splits = read_shard_manifest(out)["splits"]
     return {"pairs": sum(s["rows"] for s in splits.values()), "seconds": seconds, "out": str(out)}
 
@@ -166,12 +156,8 @@ def ours_reader(shards: Path) -> dict:
     """Open, plan one epoch's batches, collate for READER_SECONDS as training's make_batch does (numpy side)."""
     from pipeline.shards import ShardDataset
 
-    t = time.perf_counter()
-    ds = ShardDataset(shards, "train", verify=False)
-    opened = time.perf_counter() - t
-    t = time.perf_counter()
-    batches = ds.batches(READER_TOKENS, seed=0)
-    planned = time.perf_counter() - t
+    ds, opened = timed(ShardDataset, shards, "train", verify=False)
+    batches, planned = timed(ds.batches, READER_TOKENS, seed=0)
     tokens = done = 0
     t = time.perf_counter()
     for b in batches:
@@ -361,10 +347,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="shard-writing worker processes")
     ap.add_argument("--readers", type=int, nargs="+", default=[1, 2], help="reader processes at once")
     ap.add_argument("--rss-cap-gb", type=float, default=20.0)
-    ap.add_argument("--data-root", type=Path, default=REPO.parent / "shared" / "data")
+    ap.add_argument("--data-root", type=Path, default=DATA)
     ap.add_argument("--work-dir", type=Path, default=REPO / "runs" / "bench-data")
     ap.add_argument("--keep", action="store_true", help="keep each size's files (a re-run reuses the text)")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "bench_data.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "bench_data.json")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -24,22 +24,20 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
-
 
 import pyarrow.parquet as pq
 import torch
 
-from bench.harness import common_flags, write_record
-from pipeline.speed import cpu_name
+from bench.harness import common_flags, print_table, timed, write_record
 from pipeline.config import load_config
 from pipeline.data import read_manifest
 from pipeline.engines import CTranslate2Engine
 from pipeline.export import export_checkpoint
-from pipeline.support.fsutil import disk_mb
 from pipeline.inference import load_model, translate
 from pipeline.promotion import paired_bootstrap
+from pipeline.speed import cpu_name
+from pipeline.support.fsutil import disk_mb
 from pipeline.tokenize import Tokenizer
 
 
@@ -53,13 +51,9 @@ def _measure(args: argparse.Namespace, src: list[str], refs: list[str], searches
                 **{q: disk_mb(work / q) for q in args.quantizations}}
     rows = []
     for search, dec in searches.items():
-        start = time.perf_counter()
-        ours = translate(model, tokenizer, src, dec)
-        ours_s = time.perf_counter() - start
+        ours, ours_s = timed(translate, model, tokenizer, src, dec)
         for q, engine in engines.items():
-            start = time.perf_counter()
-            theirs = [n[0] for n in engine.translate(src, dec)]
-            theirs_s = time.perf_counter() - start
+            theirs, theirs_s = timed(lambda: [n[0] for n in engine.translate(src, dec)])
             c = paired_bootstrap("sacrebleu", ours, theirs, refs)
             rows.append({"search": search, "quantization": q, "sentences": len(src),
                          "identical": round(sum(a == b for a, b in zip(ours, theirs)) / len(src), 4),
@@ -93,13 +87,11 @@ def main() -> None:
         sizes_mb, rows = _measure(args, src, refs, searches, Path(work))
     print(f"\n{args.split}: {len(src)} sentences, {args.threads} threads, {cpu_name()}, {args.checkpoint}")
     print(f"sizes (MB): {sizes_mb}\n")
-    print("| search | export | identical | ours sacreBLEU | export sacreBLEU | delta (95% CI) | p | ours s | export s "
-          "| speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['search']} | {r['quantization']} | {r['identical']:.1%} | {r['ours_bleu']:.2f} | "
-              f"{r['export_bleu']:.2f} | {r['delta']:+.2f} [{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}] | "
-              f"{r['p_value']:.3f} | {r['ours_s']} | {r['export_s']} | {r['speedup']}x |")
+    print_table(["search", "export", "identical", "ours sacreBLEU", "export sacreBLEU", "delta (95% CI)", "p", "ours s",
+                 "export s", "speed-up"],
+                [[r["search"], r["quantization"], f"{r['identical']:.1%}", f"{r['ours_bleu']:.2f}",
+                  f"{r['export_bleu']:.2f}", f"{r['delta']:+.2f} [{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]",
+                  f"{r['p_value']:.3f}", r["ours_s"], r["export_s"], f"{r['speedup']}x"] for r in rows])
     write_record(args.out, {"checkpoint": str(args.checkpoint), "split": args.split, "sizes_mb": sizes_mb,
                             "rows": rows}, args.threads, args)
 

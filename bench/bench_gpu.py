@@ -1,21 +1,15 @@
 """GPU benchmark: our training step and beam search on one CUDA device, against the paper's 8 x P100 speed.
 
-Training. For each preset (``--presets``, the configs ``wmt14-en-de-<preset>``, loaded with
-:func:`pipeline.config.load_config`), one update is exactly what the trainer runs on one GPU:
-:class:`pipeline.train.TrainStep` (our Transformer, label-smoothed loss, Adam + the paper's schedule, bf16
-autocast) accumulating ``round(train.update_tokens / train.max_tokens)`` micro-batches, then ``apply``. The
-micro-batches come from :func:`pipeline.shards.token_batches` (our length-bucketed batcher: padded batches of at
-most ``max_tokens`` = sentences x longest pair) over synthetic sentence pairs of the paper's shape: shared vocab
-``tokenizer.vocab_size`` (37,000), source lengths uniform in ``--min-len``..``--max-len`` BPE tokens, target
-length the source's times U(0.8, 1.25), each side framed with bos/eos as :func:`pipeline.train.make_batch` does.
-An update holds ~25,000 target tokens (``train.update_tokens``), the paper's batch. Each preset runs with every
-``--max-tokens`` (default: the config's ``train.max_tokens``, i.e. several micro-batches per update, and
-``train.update_tokens``, i.e. one micro-batch per update, which a GPU's memory allows). ``--warmup`` updates are
-untimed; then ``--steps`` updates
-run twice. The first pass meets every batch shape for the first time, and eager CUDA pays a one-off host cost
-per new shape, so it is reported only as "1st pass s/update". The second pass over the same updates is the
-measurement: it is the steady state of a long run, whose batch shapes recur. Its updates run back to back
-between two ``torch.cuda.synchronize`` calls, with per-update times from CUDA events.
+Training. For each preset (``--presets``, the configs ``wmt14-en-de-<preset>``) and each ``--max-tokens``
+(default: the config's ``train.max_tokens``, several micro-batches per update, and ``train.update_tokens``, one,
+which a GPU's memory allows), one update is exactly what the trainer runs on one GPU:
+:class:`pipeline.train.TrainStep` (our Transformer, label-smoothed loss, Adam + the paper's schedule, in
+``train.precision``) accumulating ``round(train.update_tokens / train.max_tokens)`` micro-batches of synthetic
+pairs of the paper's shape (:func:`synthetic_updates`), then ``apply``; an update holds ~25,000 target tokens, the
+paper's batch. ``--warmup`` updates are untimed; then ``--steps`` updates run twice. The first pass meets every
+batch shape for the first time, and eager CUDA pays a one-off host cost per new shape, so it is reported only as
+"1st pass s/update". The second pass over the same updates is the measurement, the steady state of a long run whose
+batch shapes recur: back to back between two ``torch.cuda.synchronize`` calls, per-update times from CUDA events.
 
 Reported per variant: target (and source) tokens/s, updates/s, s/update, model TFLOP/s from
 :meth:`model.Transformer.flops_per_token` applied to the batch-average sentence lengths (the trainer's MFU
@@ -26,13 +20,13 @@ in 3.5 days, on 8 P100 with ~25,000 source + ~25,000 target tokens per step.
 Decoding. :func:`model.decoding.beam_search` and, beside it on the same model and sources,
 :func:`model.static_decoding.static_beam_search` (``decode.search=static``: its step replayed as a CUDA graph)
 and CTranslate2's CUDA beam search over the same weights (the export's mapping, synthetic pieces), with the
-config's beam (4) and length penalty (0.6) on the
-``--decode-preset`` model (random weights), ``--decode-batch`` synthetic source sentences of ``--decode-src-len``
-+-5 tokens per call, output forced to ``--decode-out-len`` tokens + eos (``min_len`` = max length, as
-bench/bench_vs_fairseq.py does), in fp32 and bf16 (:func:`pipeline.inference.decoding_model`, the bf16 copy that
+config's beam (4) and length penalty (0.6) on the ``--decode-preset`` model (random weights), ``--decode-batch``
+synthetic source sentences of ``--decode-src-len`` +-5 tokens per call, output forced to ``--decode-out-len``
+tokens + eos, in fp32 and bf16 (:func:`pipeline.inference.decoding_model`, the bf16 copy that
 ``decode.precision=bf16`` uses). Sentences/s over ``--decode-calls`` timed calls after one warm-up call.
 
-Needs a CUDA device (it exits with a message otherwise); not part of the tests or CI.
+bench/profile_gpu.py profiles the same updates and calls (the synthetic batches, models and searches here). Needs
+a CUDA device (it exits with a message otherwise); not part of the tests or CI.
 
     python -m bench.bench_gpu                                  # base and big, eager
     python -m bench.bench_gpu --presets base big --steps 30 --out bench/results/gpu_h100.json
@@ -47,6 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -67,21 +62,50 @@ PAPER = {"base": {"steps": 100_000, "hours": 12.0}, "big": {"steps": 300_000, "h
 PAPER_TOKENS_PER_STEP = 25_000
 
 
-def paper_step_s(preset: str) -> float | None:
-    p = PAPER.get(preset)
-    return p["hours"] * 3600 / p["steps"] if p else None
+def preset_config(preset: str, overrides: Sequence[str] = ()) -> RunConfig:
+    """A preset's config: ``wmt14-en-de-<preset>``, or for ``tiny`` the CPU default's, ``multi30k-cpu``."""
+    return load_config("multi30k-cpu" if preset == "tiny" else f"wmt14-en-de-{preset}", list(overrides))
+
+
+def micro_batch_sizes(cfg: RunConfig) -> list[int]:
+    """The default ``--max-tokens``: the config's micro-batch, then the whole update as one."""
+    return sorted({cfg.train.micro_batch_tokens(1), cfg.train.update_tokens})
+
+
+def synthetic_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of the synthetic updates and the decoding call (this script's and bench/profile_gpu.py's)."""
+    p.add_argument("--warmup", type=int, default=3, help="untimed updates first (eager)")
+    p.add_argument("--max-tokens", type=int, nargs="+",
+                   help="train.max_tokens values to run (default: the config's, and train.update_tokens)")
+    p.add_argument("--min-len", type=int, default=10, help="shortest synthetic source sentence (tokens)")
+    p.add_argument("--max-len", type=int, default=60, help="longest synthetic source sentence (tokens)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decoding benchmark")
+    p.add_argument("--decode-preset", default="base", choices=["tiny", "base", "big"])
+    p.add_argument("--decode-batch", type=int, default=128)
+    p.add_argument("--decode-src-len", type=int, default=25, help="mean source length (+-5)")
+    p.add_argument("--decode-out-len", type=int, default=25, help="forced output length, eos not counted")
+    return p
+
+
+def random_model(cfg: RunConfig, device: torch.device) -> Transformer:
+    """The config's model with random weights, the same for every variant (seed 0), on ``device``."""
+    torch.manual_seed(0)
+    return Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, cfg.tokenizer.special.pad)).to(device)
 
 
 # ---------------------------------------------------------------------------------------------- batches
 
 
-def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argparse.Namespace,
-                      seed: int = 0) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]]:
-    """``updates`` groups of ``accumulation_steps`` CPU micro-batches (src, tgt_in, tgt_out, n_src, n_tgt),
-    cut by :func:`token_batches` from synthetic pairs, collated as :func:`pipeline.train.make_batch` does."""
+def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argparse.Namespace
+                      ) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]]:
+    """``updates`` groups of ``accumulation_steps`` CPU micro-batches (src, tgt_in, tgt_out, n_src, n_tgt), cut by
+    :func:`token_batches` (our length-bucketed batcher: padded batches of at most ``max_tokens`` = sentences x
+    longest pair) from synthetic pairs: random ids of the shared vocabulary (``tokenizer.vocab_size``), source
+    lengths uniform in ``--min-len``..``--max-len``, target length the source's times U(0.8, 1.25), each side
+    framed with bos/eos as :func:`pipeline.train.make_batch` does."""
     accum = accumulation_steps(cfg.train.update_tokens, max_tokens, 1)
     sp, vocab = cfg.tokenizer.special, cfg.tokenizer.vocab_size
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(0)
     mean_size = (args.min_len + args.max_len) / 2 * 1.1 + 1
     n_pairs = int(updates * accum * max_tokens / mean_size * 1.5) + 1000  # enough pairs for the batches needed
     src_len = rng.integers(args.min_len, args.max_len + 1, n_pairs)  # [N]
@@ -114,6 +138,50 @@ def synthetic_updates(cfg: RunConfig, max_tokens: int, updates: int, args: argpa
     return groups
 
 
+def train_update(cfg: RunConfig, max_tokens: int, updates: int, args: argparse.Namespace, device: torch.device
+                 ) -> tuple[Transformer, Callable, list]:
+    """Our TrainStep on ``device`` and ``updates`` synthetic updates for it (:func:`synthetic_updates`): the model,
+    ``update(group)`` (one update; its loss sums) and the updates."""
+    info = setup()
+    groups = synthetic_updates(cfg, max_tokens, updates, args)
+    model = random_model(cfg, device)
+    step_fn = TrainStep(model, cfg, info, cfg.tokenizer.special.pad)
+
+    def update(group) -> torch.Tensor:
+        micro = [Batch(s.to(device, non_blocking=True), ti.to(device, non_blocking=True),
+                       to.to(device, non_blocking=True), n_src, n_tgt) for s, ti, to, n_src, n_tgt in group]
+        sums, counts = step_fn.accumulate(micro)
+        step_fn.apply(sums, counts)
+        return sums
+
+    return model, update, groups
+
+
+def synthetic_sources(cfg: RunConfig, args: argparse.Namespace, gen: torch.Generator) -> torch.Tensor:
+    """``--decode-batch`` random sources of ``--decode-src-len`` +-5 ids, each + eos, right-padded, on the CPU:
+    (batch, longest + 1)."""
+    sp = cfg.tokenizer.special
+    lens = torch.randint(args.decode_src_len - 5, args.decode_src_len + 6, (args.decode_batch,), generator=gen)
+    src = torch.full((args.decode_batch, int(lens.max()) + 1), sp.pad, dtype=torch.long)
+    for i, n in enumerate(lens.tolist()):
+        src[i, :n] = torch.randint(4, cfg.tokenizer.vocab_size, (n,), generator=gen)
+        src[i, n] = sp.eos
+    return src
+
+
+def beam_call(model: torch.nn.Module, search: str, cfg: RunConfig, out_len: int) -> Callable:
+    """``call(src)``: one beam search (``search``: ``decode.search``, dynamic or static) with the config's beam and
+    length penalty, the output forced to ``out_len`` tokens; its hypotheses."""
+    run = static_beam_search if search == "static" else beam_search
+    sp, d = cfg.tokenizer.special, cfg.decode
+
+    def call(src: torch.Tensor) -> list:
+        return run(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
+                   max_len_a=0.0, max_len_b=out_len, min_len=out_len)
+
+    return call
+
+
 # --------------------------------------------------------------------------------------------- training
 
 
@@ -124,21 +192,10 @@ def bench_train(preset: str, max_tokens: int, precision: str, args: argparse.Nam
     one more config override, or several joined by commas (``--levers``), measured against the same variant
     without it."""
     overrides = [f"train.max_tokens={max_tokens}", f"train.precision={precision}", *(lever.split(",") if lever else [])]
-    cfg = load_config(f"wmt14-en-de-{preset}", overrides)
-    info = setup()
+    cfg = preset_config(preset, overrides)
+    dev = setup().device
     warmup = args.warmup
-    groups = synthetic_updates(cfg, max_tokens, warmup + args.steps, args)
-    torch.manual_seed(0)
-    model = Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, cfg.tokenizer.special.pad)).to(info.device)
-    step_fn = TrainStep(model, cfg, info, cfg.tokenizer.special.pad)
-    dev = info.device
-
-    def update(group) -> torch.Tensor:
-        micro = [Batch(s.to(dev, non_blocking=True), ti.to(dev, non_blocking=True), to.to(dev, non_blocking=True),
-                       n_src, n_tgt) for s, ti, to, n_src, n_tgt in group]
-        sums, counts = step_fn.accumulate(micro)
-        step_fn.apply(sums, counts)
-        return sums
+    model, update, groups = train_update(cfg, max_tokens, warmup + args.steps, args, dev)
 
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
@@ -191,7 +248,7 @@ def bench_train(preset: str, max_tokens: int, precision: str, args: argparse.Nam
         "first_pass_s_per_update": first_pass_s / len(timed),
         "loss_per_token": float(loss[0]) / n_tgt,
     }
-    step_fn = model = groups = None  # free GPU memory for the next variant (update() closes over these names)
+    model = update = groups = None  # free GPU memory for the next variant
     torch.cuda.empty_cache()
     return row
 
@@ -229,23 +286,12 @@ def bench_decode(preset: str, precision: str, search: str, args: argparse.Namesp
     (``tokens``)."""
     from pipeline.inference import decoding_model  # lazily: sacremoses etc., only the decoding part needs them
 
-    cfg = load_config(f"wmt14-en-de-{preset}")
-    info = setup()
-    dev, sp, d = info.device, cfg.tokenizer.special, cfg.decode
-    torch.manual_seed(0)  # the same random model for every search
-    base = Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, sp.pad)).to(dev).eval()
+    cfg = preset_config(preset)
+    dev, sp, d = setup().device, cfg.tokenizer.special, cfg.decode
+    base = random_model(cfg, dev).eval()  # the same random model for every search
     gen = torch.Generator().manual_seed(1)  # and the same sources
-
-    def sources() -> torch.Tensor:  # (batch, longest + 1): ids + eos, right-padded
-        lens = torch.randint(args.decode_src_len - 5, args.decode_src_len + 6, (args.decode_batch,), generator=gen)
-        src = torch.full((args.decode_batch, int(lens.max()) + 1), sp.pad, dtype=torch.long)
-        for i, n in enumerate(lens.tolist()):
-            src[i, :n] = torch.randint(4, cfg.tokenizer.vocab_size, (n,), generator=gen)
-            src[i, n] = sp.eos
-        return src.to(dev)
-
     out_len = args.decode_out_len + 1  # eos included
-    batches = [sources() for _ in range(args.decode_calls + 1)]
+    batches = [synthetic_sources(cfg, args, gen).to(dev) for _ in range(args.decode_calls + 1)]
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     if search == "ctranslate2":
@@ -262,13 +308,10 @@ def bench_decode(preset: str, precision: str, search: str, args: argparse.Namesp
                                              min_decoding_length=out_len - 1, max_decoding_length=out_len - 1)
             return [[ids[p] for p in r.hypotheses[0]] for r in out]
     else:
-        model = decoding_model(base, precision)
-        run = static_beam_search if search == "static" else beam_search
+        search_call = beam_call(decoding_model(base, precision), search, cfg, out_len)
 
         def call(src: torch.Tensor) -> list[list[int]]:
-            hyps = run(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
-                       max_len_a=0.0, max_len_b=out_len, min_len=out_len)
-            return [h[0].tokens for h in hyps]
+            return [h[0].tokens for h in search_call(src)]
 
     call(batches[0])  # warm-up
     torch.cuda.synchronize(dev)
@@ -288,7 +331,7 @@ def bench_decode(preset: str, precision: str, search: str, args: argparse.Namesp
            "forced_len_ok": all(x == out_len for x in lengths), "sentences_per_s": n / sum(times),
            "tokens_per_s": sum(lengths) / sum(times), "s_per_call_median": statistics.median(times),
            "peak_memory_gib": peak_memory_mb(dev) / 1024}
-    call = base = None  # free GPU memory for the next variant (call() closes over the model)
+    call = search_call = base = None  # free GPU memory for the next variant (the calls hold the model)
     torch.cuda.empty_cache()
     return row
 
@@ -299,7 +342,8 @@ def against_paper(train: list[dict]) -> list[dict]:
     out = []
     for preset in dict.fromkeys(r["preset"] for r in train):
         best = max((r for r in train if r["preset"] == preset), key=lambda r: r["tgt_tokens_per_s"])
-        step, ours = paper_step_s(preset), PAPER_TOKENS_PER_STEP / best["tgt_tokens_per_s"]
+        step = PAPER[preset]["hours"] * 3600 / PAPER[preset]["steps"]  # the paper's seconds per step
+        ours = PAPER_TOKENS_PER_STEP / best["tgt_tokens_per_s"]
         out.append({"preset": preset, "variant": f"{best['precision']} {best['variant']}, max_tokens "
                     f"{best['max_tokens']}", "tgt_tokens_per_s": best["tgt_tokens_per_s"], "s_per_paper_update": ours,
                     "paper_s_per_step": step, "paper_tgt_tokens_per_s": PAPER_TOKENS_PER_STEP / step,
@@ -312,18 +356,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", nargs="+", default=["base", "big"], choices=sorted(PAPER))
     p.add_argument("--steps", type=int, default=20, help="timed updates per variant")
-    p.add_argument("--warmup", type=int, default=3, help="untimed updates first (eager)")
-    p.add_argument("--max-tokens", type=int, nargs="+",
-                   help="train.max_tokens values to run (default: the config's, and train.update_tokens)")
     p.add_argument("--train-precisions", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                    help="train.precision values to run (bf16 autocast; fp32, the paper's)")
-    p.add_argument("--min-len", type=int, default=10, help="shortest synthetic source sentence (tokens)")
-    p.add_argument("--max-len", type=int, default=60, help="longest synthetic source sentence (tokens)")
-    p.add_argument("--no-decode", action="store_true", help="skip the decoding benchmark")
-    p.add_argument("--decode-preset", default="base", choices=sorted(PAPER))
-    p.add_argument("--decode-batch", type=int, default=128)
-    p.add_argument("--decode-src-len", type=int, default=25, help="mean source length (+-5)")
-    p.add_argument("--decode-out-len", type=int, default=25, help="forced output length, eos not counted")
+    synthetic_flags(p)
     p.add_argument("--decode-calls", type=int, default=4, help="timed beam-search calls per precision")
     p.add_argument("--levers", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="config overrides each measured as its own bf16 eager variant beside the plain one, e.g. "
@@ -355,11 +390,8 @@ def main() -> None:
             print(f"{label}: {json.dumps(row)} ({time.perf_counter() - t0:.0f} s)", flush=True)
         write_record(args.out, res, None, args)
 
-    variants = []
-    for preset in args.presets:
-        t = load_config(f"wmt14-en-de-{preset}").train
-        for mt in args.max_tokens or sorted({t.micro_batch_tokens(1), t.update_tokens}):
-            variants.append((preset, mt))
+    variants = [(preset, mt) for preset in args.presets
+                for mt in args.max_tokens or micro_batch_sizes(preset_config(preset))]
     for preset, mt in variants:
         for precision in args.train_precisions:
             attempt("train", f"train {preset} {precision} eager max_tokens={mt}", bench_train, preset, mt,

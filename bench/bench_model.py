@@ -2,9 +2,8 @@
 
 One step = forward, label-smoothed loss, backward, Adam update, on the same synthetic batch (~3,800 target
 tokens, sentence lengths within +-``--len-spread`` of ``--mean-len`` as a length-bucketed batcher gives) with
-the same sizes and thread count. Each implementation runs in child processes of its own (so its peak RSS is its
-own), the two alternating repeat by repeat (:mod:`bench.harness`): a burst of load from another process hits both
-alike. Prints target tokens/s from the median step time, ours / torch, and peak RSS per process.
+the same sizes and thread count, the two implementations alternating in child processes (:mod:`bench.harness`).
+Prints target tokens/s from the median step time, ours / torch, and peak RSS per process.
 
     python -m bench.bench_model                                   # tiny, 2 threads
     python -m bench.bench_model --sizes tiny base --steps 4 --warmup 1 --out model_step.json
@@ -14,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bench.harness import alternate, child_command, common_flags, emit, median, ratio, write_record
+from bench.harness import alternate, child_command, common_flags, emit, median, print_table, ratio, write_record
 from model import LabelSmoothedCrossEntropy, Transformer, TransformerConfig
 
 PAD, BOS, EOS = 0, 2, 3
@@ -111,8 +109,7 @@ def run_pair(args: argparse.Namespace, size: str) -> dict[str, dict]:
               ("tokens", "mean_len", "len_spread", "vocab", "threads", "adam", "warmup", "steps")]  # fmt: skip
     commands = {impl: child_command("bench.bench_model", f"--worker={impl}", f"--size={size}", *common)
                 for impl in ("ours", "torch")}
-    with tempfile.TemporaryDirectory(prefix="bench-model-") as work:
-        runs = alternate(commands, args.repeats, work)
+    runs = alternate(commands, args.repeats)
     out = {}
     for impl, rs in runs.items():
         seconds = [t for r in rs for t in r["seconds"]]
@@ -143,14 +140,12 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {args.threads} threads, vocab {args.vocab}, Adam {args.adam}, "
           f"{args.repeats} x ({args.warmup} + {args.steps}) steps each, alternating; tok/s from the median step")
-    print(f"{'size':<5} {'impl':<6} {'params':>11} {'batch (n, src, tgt)':>20} {'tgt tokens':>10} {'tgt tok/s':>10} "
-          f"{'ours/torch':>10} {'peak RSS MB':>12}")  # fmt: skip
-    results = {}
-    for size in args.sizes:
-        results[size] = run_pair(args, size)
-        for impl, r in results[size].items():
-            print(f"{size:<5} {impl:<6} {r['params']:>11,} {str(tuple(r['batch'])):>20} {r['target_tokens']:>10,} "
-                  f"{r['tok_per_s']:>10,.0f} {r.get('ours_over_torch', 1.0):>10.2f} {r['peak_rss_mb']:>12,.0f}")
+    results = {size: run_pair(args, size) for size in args.sizes}
+    print_table(["size", "impl", "params", "batch (n, src, tgt)", "tgt tokens", "tgt tok/s", "ours/torch",
+                 "peak RSS MB"],
+                [[size, impl, f"{r['params']:,}", tuple(r["batch"]), f"{r['target_tokens']:,}",
+                  f"{r['tok_per_s']:,.0f}", f"{r.get('ours_over_torch', 1.0):.2f}", f"{r['peak_rss_mb']:,.0f}"]
+                 for size, rows in results.items() for impl, r in rows.items()])
     write_record(args.out, {"sizes": results}, args.threads, args)
 
 

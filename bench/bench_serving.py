@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.harness import REPO, common_flags, write_record
+from bench.harness import DATA, REPO, common_flags, print_table, write_record
 from pipeline.checkpoint import load_checkpoint
 from pipeline.config import load_config
 from pipeline.export import export_checkpoint
@@ -47,12 +47,7 @@ from pipeline.promotion import paired_bootstrap
 from pipeline.support.proc import free_port
 from pipeline.tracking.pyfunc import save_translator
 
-SHARED = REPO.parent / "shared" / "data" / "multi30k"
-
-
-def save_variant(folder: Path, checkpoint: Path, tokenizer: Path, decode, export: Path | None) -> Path:
-    cleaning = load_checkpoint(checkpoint)["config"]["data"]["cleaning"]
-    return save_translator(folder, checkpoint, tokenizer, decode, cleaning, export)
+SHARED = DATA / "multi30k"
 
 
 class RssSampler(threading.Thread):
@@ -152,12 +147,13 @@ def main() -> None:
         if export.exists():
             shutil.rmtree(export)
         variants[f"ct2-{q}"] = (export_checkpoint(args.checkpoint, args.tokenizer, q, export), decode, "ctranslate2")
+    cleaning = load_checkpoint(args.checkpoint)["config"]["data"]["cleaning"]
     rows = []
     for name, (export, dec, engine) in variants.items():
         folder = args.work / f"model-{name}"
         if folder.exists():
             shutil.rmtree(folder)
-        save_variant(folder, args.checkpoint, args.tokenizer, dec, export)
+        save_translator(folder, args.checkpoint, args.tokenizer, dec, cleaning, export)
         rows.append(measure(name, folder, sources, args, engine))
         print(f"{name}: {json.dumps({k: v for k, v in rows[-1].items() if k != 'outputs'})}", flush=True)
     base = rows[0]
@@ -169,14 +165,13 @@ def main() -> None:
                 "worker_memory_x": round(row["peak_worker_rss_mb"] / base["peak_worker_rss_mb"], 2)}
     print(f"\n{len(sources)} sentences of {args.source.name}, beam {decode.beam_size}, alpha {decode.length_penalty}, "
           f"{args.threads} threads, requests of {args.batch}; ratios against torch-fp32\n")
-    print("| variant | served by | p50 ms | p95 ms | sent/s | x | peak RSS MB (worker) | x | sacreBLEU | "
-          "delta (95% CI) | p |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['served_by']} | {r['latency_p50_ms']} | {r['latency_p95_ms']} | "
-              f"{r['sentences_per_s']} | {r['throughput_x']} | {r['peak_rss_mb']} ({r['peak_worker_rss_mb']}) | "
-              f"{r['memory_x']} | {r['sacrebleu']:.2f} | {r['bleu_vs_torch_fp32']:+.2f} "
-              f"[{r['bleu_ci95'][0]:+.2f}, {r['bleu_ci95'][1]:+.2f}] | {r['p_value']:.3f} |")
+    print_table(["variant", "served by", "p50 ms", "p95 ms", "sent/s", "x", "peak RSS MB (worker)", "x", "sacreBLEU",
+                 "delta (95% CI)", "p"],
+                [[r["variant"], r["served_by"], r["latency_p50_ms"], r["latency_p95_ms"], r["sentences_per_s"],
+                  r["throughput_x"], f"{r['peak_rss_mb']} ({r['peak_worker_rss_mb']})", r["memory_x"],
+                  f"{r['sacrebleu']:.2f}",
+                  f"{r['bleu_vs_torch_fp32']:+.2f} [{r['bleu_ci95'][0]:+.2f}, {r['bleu_ci95'][1]:+.2f}]",
+                  f"{r['p_value']:.3f}"] for r in rows])
     write_record(args.out, {"checkpoint": str(args.checkpoint), "sentences": len(sources), "batch": args.batch,
                             "decode": decode.model_dump(),
                             "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]}, args.threads, args)

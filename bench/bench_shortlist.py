@@ -1,14 +1,14 @@
-"""Issue 55, item 3: what a vocabulary shortlist (pipeline/shortlist.py, export.shortlist) buys in decoding speed
-and costs in BLEU, for one trained model's int8 CTranslate2 export, side by side in one run.
+"""What a vocabulary shortlist (pipeline/shortlist.py, export.shortlist) buys in decoding speed and costs in BLEU,
+for one trained model's int8 CTranslate2 export, side by side in one run.
 
 Variants: the config's beam search and greedy search (beam 1), each with the whole vocabulary and with a map of
 each ``--shortlists`` size (``--frequent`` always-candidates), all decoded by our engine
 (:class:`pipeline.engines.CTranslate2Engine`, ``--threads``). For each: sacreBLEU and chrF on dev and test2016;
 test2016 sentences/s, the median of ``--repeats`` timed passes taken in turn over the variants (after one warm-up
 pass each), and its ratio to the baseline (the config's beam, whole vocabulary); the paired bootstrap of each
-against that baseline, and, with ``--default-record`` (a bench/distill_study.py record: the default's outputs),
-against the default's own translations. Peak memory: the process's maximum resident set. Run it on an idle
-machine.
+against that baseline, and, with ``--default-record`` (a record under bench/results/distill_study/: the default's
+outputs), against the default's own translations. Peak memory: the process's maximum resident set. Run it on an
+idle machine.
 
     python -m bench.bench_shortlist --config multi30k-student-tiny --work-dir /work/study --checkpoint <last20.pt> \\
         --default-record bench/results/distill_study/en-de/original-seed1.json --out bench/results/shortlist.json
@@ -20,13 +20,11 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
-
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from bench.harness import median, peak_rss_mb, ratio, write_record
+from bench.harness import median, peak_rss_mb, ratio, timed, write_record
 from pipeline.config import resolve_config
 from pipeline.data import read_manifest
 from pipeline.engines import VMAP_FILE, CTranslate2Engine
@@ -65,7 +63,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="the engine's threads (0: every core this process may use)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--default-record", type=Path, default=None,
-                   help="a bench/distill_study.py record whose dev and test2016 outputs are the default's")
+                   help="a record under bench/results/distill_study/ whose dev and test2016 outputs are the default's")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
@@ -95,9 +93,7 @@ def main() -> None:
         sources = data["test2016"][0]
         for _ in range(args.repeats):
             for name, (engine, decode) in variants.items():
-                start = time.perf_counter()
-                engine.translate(sources, decode)
-                rows[name]["seconds"].append(time.perf_counter() - start)
+                rows[name]["seconds"].append(timed(engine.translate, sources, decode)[1])
         vmap = {k: vmap_stats(e / VMAP_FILE) for k, e in exports.items() if k}
         sizes = {k: round(disk_mb(e), 2) for k, e in exports.items()}
 

@@ -1,6 +1,6 @@
 """What a student architecture costs to serve, apart from what it learned: decoding speed and size of each config's
-model against the current default's, on one machine (issue 41's speed goal: an int8 student at 2x the default's
-CTranslate2 int8 sentences/s).
+model against the current default's, on one machine (the goal: an int8 student at 2x the default's CTranslate2 int8
+sentences/s).
 
 A trained model's speed also depends on how long its outputs are, which its training decides. Here every output
 is forced to the same length (``decode.min_len`` = ``max_len_b``; CTranslate2's ``min/max_decoding_length``): the
@@ -10,7 +10,7 @@ sentences/s compares architectures. Each config's model is trained for a few upd
 from being degenerate. Per config: parameters, size on disk (float32 weights; the int8 CTranslate2 export folder),
 and test2016 sentences/s with PyTorch fp32 and the int8 export, the config's beam search and greedy, 1 and 2
 threads, each measured ``--repeats`` times with the configs' order rotated between repeats (the median is
-reported). A student's quality is the distillation study's (bench/distill_study.py); this measures only speed and
+reported). A student's quality is the distillation study's (studies/distill.py); this measures only speed and
 size. Run it on an otherwise idle machine: a second busy process on 2 cores slows a run several times over.
 
     python -m bench.bench_students --out bench/results/students_cost.json
@@ -23,13 +23,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
-from bench.harness import REPO, median, ratio, write_record
+from bench.harness import REPO, median, ratio, rotations, timed, write_record
 from pipeline.config import RunConfig, resolve_config
 from pipeline.data import read_manifest
 from pipeline.engines import CTranslate2Engine
@@ -90,12 +89,10 @@ def sources(corpus: Path) -> list[str]:
     return read_split(corpus, read_manifest(corpus), TEST)[0]
 
 
-def timed(decode, sentences: list[str]) -> float:
+def sentences_per_s(decode, sentences: list[str]) -> float:
     """Sentences/s of ``decode(sentences)`` after one warm-up batch."""
     decode(sentences[:32])
-    start = time.perf_counter()
-    decode(sentences)
-    return round(len(sentences) / (time.perf_counter() - start), 2)
+    return round(len(sentences) / timed(decode, sentences)[1], 2)
 
 
 def measure(m: dict, sentences: list[str], length: int, threads: int) -> dict:
@@ -110,8 +107,8 @@ def measure(m: dict, sentences: list[str], length: int, threads: int) -> dict:
     engine = CTranslate2Engine(m["export"], tok, threads)
     out = {}
     for search, decode in searches.items():
-        out[f"pytorch_fp32.{search}"] = timed(lambda s: translate(model, tok, s, decode), sentences)
-        out[f"ct2_int8.{search}"] = timed(lambda s: engine.translate(s, decode), sentences)
+        out[f"pytorch_fp32.{search}"] = sentences_per_s(lambda s: translate(model, tok, s, decode), sentences)
+        out[f"ct2_int8.{search}"] = sentences_per_s(lambda s: engine.translate(s, decode), sentences)
     return out
 
 
@@ -191,14 +188,11 @@ def main() -> None:
         raise SystemExit(f"the configs' tokenizers give the references different mean lengths {sorted(lengths)}")
     length, sentences = lengths.pop(), sources(first["corpus"])
     runs: dict[str, dict[str, list[float]]] = {n: {} for n in models}
-    for rep in range(args.repeats):
-        order = args.configs[rep % len(args.configs):] + args.configs[:rep % len(args.configs)]
-        for name in order:
-            for threads in args.threads:
-                for key, value in measure(models[name], sentences, length, threads).items():
-                    runs[name].setdefault(f"{key}.threads{threads}", []).append(value)
-                    print(f"repeat {rep} {name:<17} {key:<20} {threads} thread(s): {value:8.2f} sentences/s",
-                          flush=True)
+    for rep, name in rotations(args.configs, args.repeats):
+        for threads in args.threads:
+            for key, value in measure(models[name], sentences, length, threads).items():
+                runs[name].setdefault(f"{key}.threads{threads}", []).append(value)
+                print(f"repeat {rep} {name:<17} {key:<20} {threads} thread(s): {value:8.2f} sentences/s", flush=True)
     result = {"sentences": len(sentences), "forced_length": length,
               "repeats": args.repeats, "baseline": base, "models": {}}
     base_runs = runs[base]

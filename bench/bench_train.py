@@ -4,9 +4,8 @@ Ours: :class:`pipeline.train.TrainStep` (token-count all-reduce, loss scaling, a
 clipping hook, schedule) with one micro-batch per update. Plain: forward, ``loss_sum / tokens``, backward, Adam
 and LambdaLR steps. Both collate the same Multi30k batches (length-bucketed, ``--max-tokens`` per batch, ~3,800
 target tokens at 4096) from the shards inside the timed step, on the tiny preset's model, with ``--threads``
-threads; no DDP, no checkpoints. Each implementation runs in child processes of its own (so that its peak RSS
-is its own), the two alternating repeat by repeat (:mod:`bench.harness`). Prints target tokens/s (median over
-steps), ours / plain and peak RSS.
+threads; no DDP, no checkpoints; the two alternate in child processes (:mod:`bench.harness`). Prints target
+tokens/s (median over steps), ours / plain and peak RSS.
 
     python -m bench.bench_train                          # tiny preset, 2 threads
     python -m bench.bench_train --steps 20 --repeats 3
@@ -18,28 +17,32 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from bench.harness import REPO, alternate, child_command, common_flags, emit, median, ratio, write_record
+from bench.harness import (DATA, alternate, child_command, common_flags, emit, median, print_table, ratio, timed,
+                           write_record)
 from model import LabelSmoothedCrossEntropy, Transformer, transformer_lr_scheduler
 from pipeline.config import load_config
-from pipeline.data import prepare_corpus
-from pipeline.shards import ShardDataset, build_shards
-from pipeline.tokenize import train_tokenizer
+from pipeline.shards import ShardDataset
 from pipeline.train import TrainStep, make_batch, setup, usable_batches
+from pipeline.workdir import Inputs, build_inputs
 
 
-def build(data_root: str, work_dir: Path, overrides: Sequence[str] = ()) -> Path:
-    """The tiny preset's shards (cached: a no-op when they exist), with its tokenizer as ``overrides`` set it
-    (``tokenizer.vocab_size=4000``: shards of their own, fingerprinted apart)."""
-    cfg = load_config("multi30k-cpu", [("data.root", data_root), *overrides])
-    corpus = prepare_corpus(cfg.data, work_dir)
-    return build_shards(corpus, train_tokenizer(corpus, cfg.tokenizer, work_dir), cfg.tokenizer, work_dir)
+def build(data_root: str, work_dir: Path, overrides: Sequence[str] = ()) -> Inputs:
+    """The tiny preset's corpus, tokenizer and shards (cached: a no-op when they exist), with its tokenizer as
+    ``overrides`` set it (``tokenizer.vocab_size=4000``: shards of their own, fingerprinted apart)."""
+    return build_inputs(load_config("multi30k-cpu", [("data.root", data_root), ("work_dir", str(work_dir)),
+                                                     *overrides]))
+
+
+def multi30k_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Where :func:`build` finds the data and keeps what it builds: ``--data-root``, ``--work-dir``."""
+    p.add_argument("--data-root", default=str(DATA))
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
+    return p
 
 
 def child(args: argparse.Namespace) -> None:
@@ -75,21 +78,13 @@ def child(args: argparse.Namespace) -> None:
             opt.zero_grad(set_to_none=True)
             return b.n_tgt
 
-    times, tokens = [], []
-    for i, idx in enumerate(batches):
-        t0 = time.perf_counter()
-        n = step(idx)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-            tokens.append(n)
-    emit({"times": times, "tokens": tokens})
+    runs = [timed(step, idx) for idx in batches][args.warmup:]  # (target tokens, seconds) of each step
+    emit({"times": [t for _, t in runs], "tokens": [n for n, _ in runs]})
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common_flags(p, repeats=2)
-    p.add_argument("--data-root", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
+    multi30k_flags(common_flags(p, repeats=2))
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
                    help="ours: train.precision (fp32 on any CPU: the class without native bf16); plain is fp32")
@@ -104,13 +99,12 @@ def main() -> None:
     if args.impl:
         child(args)
         return
-    shards = build(args.data_root, args.work_dir, args.set)
+    shards = build(args.data_root, args.work_dir, args.set).shards
     flags = ["--shards", shards, "--data-root", args.data_root, "--max-tokens", args.max_tokens, "--threads",
              args.threads, "--precision", args.precision, "--steps", args.steps, "--warmup", args.warmup,
              *[a for o in args.set for a in ("--set", o)]]
     commands = {impl: child_command("bench.bench_train", "--impl", impl, *flags) for impl in ("ours", "plain")}
-    with tempfile.TemporaryDirectory(prefix="bench-train-") as work:
-        runs = alternate(commands, args.repeats, work)
+    runs = alternate(commands, args.repeats)
     summary = {}
     for impl, rs in runs.items():
         times, tokens = [t for r in rs for t in r["times"]], [n for r in rs for n in r["tokens"]]
@@ -122,10 +116,9 @@ def main() -> None:
     shape = "".join(f" {o}" for o in args.set)
     print(f"tiny preset{shape}, {args.threads} threads, max_tokens {args.max_tokens}, "
           f"precision {args.precision} (ours), {args.steps} steps x {args.repeats}")
-    print(f"{'impl':<6} {'tgt tok/s':>10} {'tok/batch':>10} {'step s':>8} {'peak RSS MB':>12}")
-    for impl, s in summary.items():
-        print(f"{impl:<6} {s['tgt_tokens_per_s']:>10.0f} {s['mean_tgt_tokens_per_batch']:>10.0f} "
-              f"{s['median_step_s']:>8.3f} {s['peak_rss_mb']:>12.0f}")
+    print_table(["impl", "tgt tok/s", "tok/batch", "step s", "peak RSS MB"],
+                [[impl, f"{s['tgt_tokens_per_s']:.0f}", f"{s['mean_tgt_tokens_per_batch']:.0f}",
+                  f"{s['median_step_s']:.3f}", f"{s['peak_rss_mb']:.0f}"] for impl, s in summary.items()])
     print(f"ours / plain: {ours_over_plain:.3f}")
     write_record(args.out, {**summary, "ratio": ours_over_plain}, args.threads, args)
 

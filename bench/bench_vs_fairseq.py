@@ -3,19 +3,17 @@
 ``train``: target tokens/s and peak RSS of ``python -m pipeline.train`` (fp32, the paper's precision, and bf16,
 ``train.precision=bf16``: a bf16 working copy of the model with fp32 weights and Adam) against ``fairseq-train`` on
 the same Multi30k training pairs, encoded with OUR sentencepiece model (fairseq binarizes the very same piece ids
-with an 8,000-entry dictionary), the same architecture (post-norm, sinusoidal positions, shared embeddings; tiny: d
-256, 3+3 layers, ffn 1024, 4 heads; base: d 512, 6+6, ffn 2048, 8 heads; fp32-recipe: d 128, 3+3, ffn 512, 4 heads,
-the model and batches the tiny preset's ``recipes.fp32`` trains on CPUs without bf16), the same batching rule
-(``max_tokens`` of max(src, tgt) + 1 per batch, length-bucketed: 4,096, or 2,048 for fp32-recipe), Adam (0.9, 0.98,
-1e-9), label smoothing 0.1, dropout 0.1 and the same learning rate schedule (fairseq's inverse_sqrt with ``--lr
-(d_model * warmup)^-0.5`` and a warm-up from 0 is the paper's formula; fairseq's update k uses the rate our update k
-- 1 does). Each run is a fresh process for a fixed number of updates; the implementations alternate (A B C A B C
-...), and throughput is taken over the updates after ``--skip`` (start-up and allocator warm-up excluded) from each
-trainer's own interval logs: tokens of those updates / their wall time. Peak RSS is the child's ``ru_maxrss``
-(``os.wait4``). The loss at equal update counts is reported for every run (fairseq logs base-2 bits; converted to
-nats). fairseq logs its wall clock in whole seconds: each interval's time is off by up to a second, so its "best
-interval" means little unless the intervals are long, and the timed span must be long against a second (``--updates
-160 --skip 20 --log-every 20`` for fp32-recipe, whose updates take a third of a second).
+with an 8,000-entry dictionary), the same architecture (post-norm, sinusoidal positions, shared embeddings;
+``SIZES``: fp32-recipe is the model and batches the tiny preset's ``recipes.fp32`` trains on CPUs without bf16),
+the same batching rule (``MAX_TOKENS`` of max(src, tgt) + 1 per batch, length-bucketed), Adam (0.9, 0.98, 1e-9),
+label smoothing 0.1, dropout 0.1 and the same learning rate schedule (fairseq's inverse_sqrt with ``--lr (d_model
+* warmup)^-0.5`` and a warm-up from 0 is the paper's formula; fairseq's update k uses the rate our update k - 1
+does). Each run is a fresh process for a fixed number of updates, the implementations alternating
+(:func:`bench.harness.rotations`); throughput is taken over the updates after ``--skip`` (start-up and allocator
+warm-up excluded) from each trainer's own interval logs: tokens of those updates / their wall time. Peak RSS is the
+child's (``os.wait4``). The loss at equal update counts is reported for every run (fairseq logs base-2 bits;
+converted to nats). fairseq logs its wall clock in whole seconds, so its "best interval" means little unless the
+intervals are long, and at a fast shape the timed span must be long (``--updates 160 --skip 20 --log-every 20``).
 
 ``decode``: sentences/s, target tokens/s and peak RSS of beam 4 and greedy on the 1,000 sentences of Multi30k
 test2016, batch 64, against ``fairseq-generate`` and CTranslate2 (converted from the fairseq checkpoint), on
@@ -33,7 +31,7 @@ Peer environment (outside the repo; fairseq pins numpy < 2; pip warns about torc
     /work/peers/fairseq-venv/bin/pip install fairseq-fixed==0.12.3.1 "numpy<2"
     /work/peers/fairseq-venv/bin/pip install ctranslate2==4.8.5
 
-Run (results also in bench/results/vs_fairseq_{train,decode}.json)::
+Run (the record goes to bench/results/vs_fairseq_<command>[_<sizes>]_t<threads>[_<tag>].json)::
 
     python -m bench.bench_vs_fairseq train --sizes tiny base
     python -m bench.bench_vs_fairseq train --sizes tiny --updates 200 --skip 20 --repeats 1   # longer loss curve
@@ -54,23 +52,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-from bench.harness import REPO, RESULTS, rotations, run_child, write_record
+from bench import bench_model
+from bench.bench_train import build, multi30k_flags
+from bench.harness import (REPO, RESULTS, child_command, emit, median, print_table, rotations, run_child, timed,
+                           write_record)
+from pipeline.data import read_manifest
+from pipeline.shards import ShardDataset, read_shard_manifest
 from pipeline.speed import cpu_name
-from pipeline.config import load_config
-from pipeline.data import prepare_corpus, read_manifest
-from pipeline.shards import ShardDataset, build_shards
-from pipeline.tokenize import train_tokenizer
 
-SIZES = {  # the presets' model sections (configs/presets/tiny.yaml, base.yaml; fp32-recipe: tiny's recipes.fp32)
-    "tiny": dict(encoder_layers=3, decoder_layers=3, d_model=256, d_ff=1024, n_heads=4),
-    "base": dict(encoder_layers=6, decoder_layers=6, d_model=512, d_ff=2048, n_heads=8),
-    "fp32-recipe": dict(encoder_layers=3, decoder_layers=3, d_model=128, d_ff=512, n_heads=4),
-}
+# the presets' model sections (bench_model.SIZES); fp32-recipe: the tiny preset's recipes.fp32
+SIZES = {**bench_model.SIZES, "fp32-recipe": dict(encoder_layers=3, decoder_layers=3, d_model=128, d_ff=512, n_heads=4)}
 MAX_TOKENS = {"tiny": 4096, "base": 4096, "fp32-recipe": 2048}  # tokens per batch (= per update), both trainers
 WARMUP = 1000  # the tiny preset's warm-up, used for both sizes so that the loss curves are comparable
 TEST_SPLIT = "test.test2016"
@@ -82,11 +75,9 @@ TEST_SPLIT = "test.test2016"
 def prepare(data_root: str, work_dir: Path, venv: Path) -> dict[str, Path]:
     """Our corpus, tokenizer and shards (the multi30k-cpu config; cached), and the same piece ids binarized for
     fairseq with a dictionary whose index of every non-special piece equals our id."""
-    cfg = load_config("multi30k-cpu", [("data.root", data_root)])
-    corpus = prepare_corpus(cfg.data, work_dir)
-    tokenizer = train_tokenizer(corpus, cfg.tokenizer, work_dir)
-    shards = build_shards(corpus, tokenizer, cfg.tokenizer, work_dir)
-    manifest = json.loads((shards / "manifest.json").read_text())
+    inputs = build(data_root, work_dir)
+    shards = inputs.shards
+    manifest = read_shard_manifest(shards)
     fs_dir = work_dir / "fairseq" / manifest["fingerprint"][:16]
     if not (fs_dir / "bin" / "dict.en.txt").is_file():
         text = fs_dir / "text"
@@ -104,7 +95,7 @@ def prepare(data_root: str, work_dir: Path, venv: Path) -> dict[str, Path]:
                         "--trainpref", text / "train", "--validpref", text / "valid", "--testpref", text / "test",
                         "--srcdict", text / "dict.txt", "--joined-dictionary", "--destdir", fs_dir / "bin",
                         "--workers", "2"], check=True, capture_output=True)
-    return {"corpus": corpus, "tokenizer": tokenizer, "shards": shards, "fairseq_data": fs_dir / "bin"}
+    return {"corpus": inputs.corpus, "tokenizer": inputs.tokenizer, "shards": shards, "fairseq_data": fs_dir / "bin"}
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -211,7 +202,7 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-vs-fairseq-") as tmp:
         for size in args.sizes:
-            runs: dict[str, list] = {impl: [] for impl in impls}
+            runs = results[size] = {impl: [] for impl in impls}
             for rep, impl in rotations(impls, args.repeats):
                 out, log = Path(tmp) / f"{size}-{impl}-{rep}", Path(tmp) / f"{size}-{impl}-{rep}.log"
                 repo = args.baseline if impl.startswith("baseline") else REPO
@@ -220,9 +211,7 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
                 else:
                     cmd = ours_train_cmd(paths, size, impl.split("-")[1], args.updates, args.log_every, out,
                                          args.data_root, repo)
-                child = run_child(cmd, log, env, repo)
-                if child.returncode:
-                    raise SystemExit(f"{impl} failed ({child.returncode}); its log:\n{log.read_text()[-3000:]}")
+                child = run_child(impl, cmd, log, env, repo)
                 rows = fairseq_intervals(log, args.log_every) if impl == "fairseq" else ours_intervals(out)
                 # CPU time is far less sensitive to other work on the cores than wall time, but includes
                 # start-up (imports, data loading): a whole-process figure, for 1-thread runs
@@ -235,7 +224,6 @@ def cmd_train(args: argparse.Namespace, paths: dict) -> dict:
                       f"{run['tgt_tokens_per_update']:5.0f} tok/update, peak RSS {child.peak_rss_mb:6.0f} MB, "
                       f"{child.wall_s:5.0f} s, {run['all_tgt_tokens_per_process_cpu_s']:5.0f} tok per process "
                       "CPU-s", flush=True)
-            results[size] = runs
     return results
 
 
@@ -243,35 +231,31 @@ def print_train(results: dict, args: argparse.Namespace) -> None:
     print(f"\nTraining: {args.updates} updates per run, tokens/s over updates {args.skip + 1}-{args.updates}, "
           f"{args.threads} threads, max_tokens {', '.join(f'{s} {MAX_TOKENS[s]}' for s in args.sizes)}, "
           f"{args.repeats} runs each (A B C interleaved)\n")
-    print("| size | implementation | tgt tok/s per run | median | ours / fairseq | best interval per run | "
-          "best / fairseq best | tok/update | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for size, runs in results.items():
-        fs = statistics.median(r["tgt_tokens_per_s"] for r in runs["fairseq"])
+        fs = median([r["tgt_tokens_per_s"] for r in runs["fairseq"]])
         fs_best = max(r["best_interval_tgt_tokens_per_s"] for r in runs["fairseq"])
         for impl, rs in runs.items():
-            med = statistics.median(r["tgt_tokens_per_s"] for r in rs)
+            med = median([r["tgt_tokens_per_s"] for r in rs])
             best = max(r["best_interval_tgt_tokens_per_s"] for r in rs)
-            per_run = ", ".join(f"{r['tgt_tokens_per_s']:,.0f}" for r in rs)
-            best_per_run = ", ".join(f"{r['best_interval_tgt_tokens_per_s']:,.0f}" for r in rs)
-            print(f"| {size} | {impl} | {per_run} | {med:,.0f} | {med / fs:.2f} | {best_per_run} | "
-                  f"{best / fs_best:.2f} | "
-                  f"{statistics.mean(r['tgt_tokens_per_update'] for r in rs):,.0f} | "
-                  f"{max(r['peak_rss_mb'] for r in rs):,} |")
+            rows.append([size, impl, ", ".join(f"{r['tgt_tokens_per_s']:,.0f}" for r in rs), f"{med:,.0f}",
+                         f"{med / fs:.2f}", ", ".join(f"{r['best_interval_tgt_tokens_per_s']:,.0f}" for r in rs),
+                         f"{best / fs_best:.2f}", f"{statistics.mean(r['tgt_tokens_per_update'] for r in rs):,.0f}",
+                         f"{max(r['peak_rss_mb'] for r in rs):,}"])
+    print_table(["size", "implementation", "tgt tok/s per run", "median", "ours / fairseq", "best interval per run",
+                 "best / fairseq best", "tok/update", "peak RSS MB"], rows)
     print("\nLabel-smoothed training loss (nats per target token, mean over each log interval; first run of each):\n")
     for size, runs in results.items():
         updates = sorted(set.intersection(*(set(rs[0]["loss_curve"]) for rs in runs.values())))
-        print(f"| {size}: update | " + " | ".join(runs) + " |")
-        print("|---" * (len(runs) + 1) + "|")
-        for u in updates:
-            print(f"| {u} | " + " | ".join(f"{rs[0]['loss_curve'][u]:.3f}" for rs in runs.values()) + " |")
+        print_table([f"{size}: update", *runs],
+                    [[u, *(f"{rs[0]['loss_curve'][u]:.3f}" for rs in runs.values())] for u in updates])
         print()
     if args.baseline:
         print(f"Before and after: ours at this checkout over ours at {args.baseline} "
               f"({args.baseline_commit}), median tgt tok/s:\n")
         for size, runs in results.items():
             for p in args.precisions:
-                now, before = (statistics.median(r["tgt_tokens_per_s"] for r in runs[f"{who}-{p}"])
+                now, before = (median([r["tgt_tokens_per_s"] for r in runs[f"{who}-{p}"]])
                                for who in ("ours", "baseline"))
                 print(f"- {size} {p}: {now / before:.3f}")
 
@@ -281,8 +265,7 @@ def print_train(results: dict, args: argparse.Namespace) -> None:
 
 def ours_decode_child(args: argparse.Namespace) -> None:
     """(child) Translate the test split with our checkpoint; print one JSON line."""
-    import resource
-
+    import pyarrow.parquet as pq
     import torch
 
     from pipeline.config import DecodeConfig
@@ -297,12 +280,9 @@ def ours_decode_child(args: argparse.Namespace) -> None:
     sentences = table.column("src").to_pylist()[: args.sentences]
     decode = DecodeConfig(beam_size=args.beam, batch_sentences=args.batch, max_len_a=0.0, max_len_b=args.length + 1,
                           min_len=args.length + 1, length_penalty=0.6, precision=args.precision)
-    start = time.perf_counter()
-    hyps = translate(model, tokenizer, sentences, decode)
-    seconds = time.perf_counter() - start
+    hyps, seconds = timed(translate, model, tokenizer, sentences, decode)
     tokens = sum(len(tokenizer.encode(h)) + 1 for h in hyps)  # re-encoded detokenized output, + eos
-    print(json.dumps({"seconds": seconds, "sentences": len(hyps), "tokens": tokens,
-                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    emit({"seconds": seconds, "sentences": len(hyps), "tokens": tokens})
 
 
 # fairseq's checkpoints pickle an argparse.Namespace, which torch 2.13's default torch.load(weights_only=True)
@@ -331,13 +311,13 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
     # the weights; the short training only gives realistic, non-degenerate weights).
     ours_ckpt = work / "ours" / "checkpoints"
     if not any(ours_ckpt.glob("ckpt-*.pt")):
-        cmd = ours_train_cmd(paths, "tiny", "fp32", args.train_updates, 10, work / "ours", args.data_root)
-        assert run_child(cmd, work / "ours.log", env).returncode == 0, (work / "ours.log").read_text()[-3000:]
+        run_child("ours", ours_train_cmd(paths, "tiny", "fp32", args.train_updates, 10, work / "ours",
+                                         args.data_root), work / "ours.log", env)
     checkpoint = sorted(ours_ckpt.glob("ckpt-*.pt"))[-1]
     fs_ckpt = work / "fairseq" / "checkpoint_last.pt"
     if not fs_ckpt.is_file():
-        cmd = fairseq_train_cmd(args.venv, paths, "tiny", args.train_updates, 10, work / "fairseq")
-        assert run_child(cmd, work / "fairseq.log", env).returncode == 0, (work / "fairseq.log").read_text()[-3000:]
+        run_child("fairseq", fairseq_train_cmd(args.venv, paths, "tiny", args.train_updates, 10, work / "fairseq"),
+                  work / "fairseq.log", env)
     ct2_dir = work / "ct2"
     if not (ct2_dir / "model.bin").is_file():
         subprocess.run([args.venv / "bin" / "python", "-c", FULL_LOAD + "from ctranslate2.converters.fairseq "
@@ -353,11 +333,10 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
         for rep, impl in rotations(impls, args.repeats):
             log = work / f"{impl}-beam{beam}-{rep}.log"
             if impl.startswith("ours"):
-                cmd = [sys.executable, "-m", "bench.bench_vs_fairseq", "decode-child", "--checkpoint", checkpoint,
-                       "--tokenizer",
-                       paths["tokenizer"], "--corpus", paths["corpus"], "--beam", beam, "--batch", args.batch,
-                       "--length", args.length, "--threads", args.threads, "--sentences", args.sentences,
-                       "--precision", impl.split("-")[1]]
+                cmd = child_command("bench.bench_vs_fairseq", "decode-child", "--checkpoint", checkpoint,
+                                    "--tokenizer", paths["tokenizer"], "--corpus", paths["corpus"], "--beam", beam,
+                                    "--batch", args.batch, "--length", args.length, "--threads", args.threads,
+                                    "--sentences", args.sentences, "--precision", impl.split("-")[1])
             elif impl == "fairseq":
                 # fairseq stops at max_len and then appends eos: --max-len-b L gives L tokens + eos.
                 cmd = [args.venv / "bin" / "python", "-c", FULL_LOAD + "from fairseq_cli.generate import "
@@ -369,10 +348,8 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
             else:
                 cmd = [args.venv / "bin" / "python", work / "ct2_bench.py", ct2_dir, src_text, beam, args.batch,
                        args.length, args.threads, args.sentences]
-            child = run_child(cmd, log, env)
-            text = log.read_text()
-            if child.returncode:
-                raise SystemExit(f"{impl} failed ({child.returncode}); its log:\n{text[-3000:]}")
+            child = run_child(impl, cmd, log, env)
+            text = child.output
             if impl == "fairseq":
                 m = re.search(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s", text)
                 r = {"sentences": int(m[1].replace(",", "")), "tokens": int(m[2].replace(",", "")),
@@ -394,18 +371,17 @@ def cmd_decode(args: argparse.Namespace, paths: dict) -> dict:
 def print_decode(results: dict, args: argparse.Namespace) -> None:
     print(f"\nDecoding: {args.sentences} sentences of Multi30k test2016, batch {args.batch}, output forced to "
           f"{args.length} tokens + eos, {args.threads} threads, {args.repeats} runs each (interleaved)\n")
-    print("| beam | implementation | sentences/s per run | median sent/s | tgt tok/s | ours / fairseq | "
-          "tok/sent | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = []
     for beam, runs in results.items():
-        fs = statistics.median(r["sentences_per_s"] for r in runs["fairseq"])
+        fs = median([r["sentences_per_s"] for r in runs["fairseq"]])
         for impl, rs in runs.items():
-            med = statistics.median(r["sentences_per_s"] for r in rs)
-            per_run = ", ".join(f"{r['sentences_per_s']:.1f}" for r in rs)
-            print(f"| {beam[4:]} | {impl} | {per_run} | {med:.1f} | "
-                  f"{statistics.median(r['tgt_tokens_per_s'] for r in rs):,.0f} | {med / fs:.2f} | "
-                  f"{statistics.mean(r['tokens_per_sentence'] for r in rs):.1f} | "
-                  f"{max(r['peak_rss_mb'] for r in rs):,} |")
+            med = median([r["sentences_per_s"] for r in rs])
+            rows.append([beam[4:], impl, ", ".join(f"{r['sentences_per_s']:.1f}" for r in rs), f"{med:.1f}",
+                         f"{median([r['tgt_tokens_per_s'] for r in rs]):,.0f}", f"{med / fs:.2f}",
+                         f"{statistics.mean(r['tokens_per_sentence'] for r in rs):.1f}",
+                         f"{max(r['peak_rss_mb'] for r in rs):,}"])
+    print_table(["beam", "implementation", "sentences/s per run", "median sent/s", "tgt tok/s", "ours / fairseq",
+                 "tok/sent", "peak RSS MB"], rows)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -414,9 +390,7 @@ def print_decode(results: dict, args: argparse.Namespace) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--data-root", default=str(REPO.parent / "shared" / "data"))
-    common.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
+    common = multi30k_flags(argparse.ArgumentParser(add_help=False))
     common.add_argument("--venv", type=Path, default=Path("/work/peers/fairseq-venv"), help="fairseq's venv")
     common.add_argument("--threads", type=int, default=2)
     common.add_argument("--isa", choices=sorted(ISA_LIMITS), default=None,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What a session runs when its CPU is of a class the results ledger has no end-to-end entry for yet (issue 53: the
-# AVX2 class above all), on the idle machine, in about an hour:
+# What a session runs when its CPU is of a class the results ledger has no end-to-end entry for yet (the AVX2 class
+# above all), on the idle machine:
 #   1. the README's main job end to end on its own fresh stack, timed, with what it gave (ops/default_e2e.py);
 #   2. the trainer against fairseq side by side in the precision this class trains in (bench/bench_vs_fairseq.py
 #      train, the tiny size), fairseq's venv made first where it is missing (the recipe in that script's docstring);

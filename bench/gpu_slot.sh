@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
-# The GPU comparison of issue 42 in one call of about 8 minutes on one H100 or H200: where a training update and a
-# beam-search call spend the GPU's time (profile_gpu.py), then the training levers beside the default update
-# (autocast instead of the bf16 copy, the grouped Adam instead of the fused one;
-# train.fused_output_loss, a memory lever, is in the results ledger's L28) and the decoding searches (dynamic,
-# static with CUDA graphs, CTranslate2) side by side (bench_gpu.py), at the paper presets' shape
-# (train.max_tokens: update).
-# Results are written under $OUT (default bench/results), named after the GPU.
+# A GPU session's comparison in one call, each step under its timeout: where a training update and a beam-search
+# call spend the GPU's time (bench/profile_gpu.py), then the training levers beside the default update (autocast
+# instead of the bf16 copy, the grouped Adam instead of the fused one) and the decoding searches (dynamic, static
+# with CUDA graphs, CTranslate2) side by side (bench/bench_gpu.py), at the base and big presets' shapes. Results go
+# under $OUT (default bench/results), named after the GPU.
 #
-# A GPU machine whose Python lacks this project's pure dependencies (pydantic and its three helpers, ctranslate2,
-# sacremoses) can be given them as wheels in .whl/ (`bash bench/gpu_slot.sh wheels`, here, before the device call:
-# the device machine reaches no package index; the pins are requirements/constraints.txt's); they are installed into
-# a temporary folder there (bench/device_env.sh). The device call: run(command="OUT=$OUT bash bench/gpu_slot.sh", carry=[".whl"]).
+# The device machine reaches no package index: `bash bench/gpu_slot.sh wheels`, here, downloads the pure
+# dependencies it may lack (pydantic and its helpers, ctranslate2, sacremoses; the pins of
+# requirements/constraints.txt) into .whl/, which bench/device_env.sh installs there into a temporary folder.
+# The device call: run(command="OUT=$OUT bash bench/gpu_slot.sh", carry=[".whl"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = wheels ]; then

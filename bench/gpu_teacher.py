@@ -1,5 +1,5 @@
-"""Issue 55, item 1: a teacher much stronger than the tiny student, trained on a lent GPU in one device call, whose
-translations of the training sources come back as text for the student that trains on the CPU.
+"""A teacher much stronger than the tiny student, trained on a lent GPU in one device call, whose translations of
+the training sources come back as text for the student that trains on the CPU.
 
 In one call, each step bounded by the call's clock:
 
@@ -18,14 +18,10 @@ lineage: file sha256, config, commit), ``teacher.json`` (every teacher's and the
 choice, the chosen teacher's dev and test2016 outputs, the GPU, the timings) and ``gpu_teacher.log``. Weights stay
 on the GPU machine. The student then trains here on the translations (``distill.translations``), e.g.:
 
-    python -m bench.distill_study students --arms original gpu-distilled --translations <out>/translations
+    python -m studies.distill students --arms original gpu-distilled --translations <out>/translations
 
-The device call (``bash bench/gpu_slot.sh wheels`` first, for pydantic on the device machine; the data travels in
-the ignored folder .carry/data):
-
-    run(command="bash bench/gpu_teacher.sh", carry=[".whl", ".carry"])
-
-Rehearsed on the CPU with a small teacher (``--set`` overrides), which checks the bring-back against the size limits.
+bench/gpu_teacher.sh prepares and makes the device call. A rehearsal on the CPU with a small teacher (``--set``
+overrides) checks the bring-back against the size limits.
 """
 
 from __future__ import annotations

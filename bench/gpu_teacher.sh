@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 55's teacher call on a lent GPU (bench/gpu_teacher.py says what it does and brings back), prepared here:
+# The distillation teacher's call on a lent GPU (bench/gpu_teacher.py says what it does and brings back), prepared here:
 #   bash bench/gpu_slot.sh wheels                    # pydantic and ctranslate2 for the device machine, into .whl/
 #   bash bench/gpu_teacher.sh carry                  # the Multi30k files and the commit, into .carry/ (ignored)
 #   run(command="bash bench/gpu_teacher.sh", carry=[".whl", ".carry"], timeout_s=560)

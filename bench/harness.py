@@ -1,5 +1,5 @@
 """What every benchmark shares: its common flags, implementations alternating in child processes (each child's
-peak RSS its own), medians and ratios, one provenance header and one record writer.
+peak RSS its own), timing, medians and ratios, a Markdown table, one provenance header and one record writer.
 
 A benchmark runs ours next to a baseline in the same run, the two taking turns (A B A B ..., the order rotated each
 repeat) so that a burst of load from elsewhere hits both alike; what travels is the ratio of their medians.
@@ -15,8 +15,9 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from pipeline.speed import cpu_features, cpu_name
 
 REPO = REPO_ROOT
 RESULTS = REPO / "bench" / "results"
+DATA = REPO.parent / "shared" / "data"  # the shared corpora: the benchmarks' default data root
 # the vector instruction sets a result depends on (torch, oneDNN and MKL dispatch on them)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "fma")
 
@@ -80,6 +82,13 @@ def write_record(path: Path | None, result: Mapping, threads: int | None,
     return record
 
 
+def timed(fn: Callable, *args, **kwargs) -> tuple:
+    """``fn(*args, **kwargs)`` and the wall seconds it took."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start
+
+
 def median(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("the median of no measurements: did every repeat fail?")
@@ -89,6 +98,14 @@ def median(values: Sequence[float]) -> float:
 def ratio(ours: float, baseline: float, digits: int = 3) -> float:
     """ours / baseline, rounded: how the side-by-side figures travel."""
     return round(ours / baseline, digits)
+
+
+def print_table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    """A Markdown table on stdout: ``columns``, then one line per row of cells (formatted by the caller)."""
+    print("| " + " | ".join(columns) + " |")
+    print("|---" * len(columns) + "|")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
 
 
 def peak_rss_mb() -> float:
@@ -105,25 +122,29 @@ def peak_rss_mb() -> float:
 
 @dataclass(frozen=True)
 class Child:
-    """One finished child process: its exit status, wall and CPU seconds (user + system) and peak RSS (MB, the
-    largest of it and the descendants it waited for, from ``wait4``: at least this process's own at the start, so
-    run a child whose memory matters from a small parent, or let it report its own, :func:`emit`)."""
+    """One child process that succeeded: its wall and CPU seconds (user + system), peak RSS (MB, the largest of it
+    and the descendants it waited for, from ``wait4``: at least this process's own at the start, so run a child
+    whose memory matters from a small parent, or let it report its own, :func:`emit`) and its output."""
 
-    returncode: int
     wall_s: float
     cpu_s: float
     peak_rss_mb: float
+    output: str
 
 
-def run_child(cmd: Sequence, log: Path, env: Mapping[str, str] | None = None, cwd: Path = REPO) -> Child:
-    """Run ``cmd`` in ``cwd``, its stdout and stderr to ``log``, and measure it."""
+def run_child(name: str, cmd: Sequence, log: Path, env: Mapping[str, str] | None = None, cwd: Path = REPO) -> Child:
+    """Run ``cmd`` in ``cwd``, its stdout and stderr to ``log``, and measure it. A failed child stops the
+    benchmark with the end of its log (``name`` says which child it was)."""
     start = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen([str(c) for c in cmd], env=None if env is None else dict(env), cwd=cwd, stdout=out,
                                 stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
-    return Child(os.waitstatus_to_exitcode(status), time.monotonic() - start, usage.ru_utime + usage.ru_stime,
-                 usage.ru_maxrss / 1024)
+    wall = time.monotonic() - start
+    output = Path(log).read_text(encoding="utf-8", errors="replace")
+    if code := os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{name} failed ({code}); the end of its log {log}:\n{output[-3000:]}")
+    return Child(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, output)
 
 
 def rotations(arms: Sequence[str], repeats: int) -> Iterator[tuple[int, str]]:
@@ -134,20 +155,19 @@ def rotations(arms: Sequence[str], repeats: int) -> Iterator[tuple[int, str]]:
             yield rep, arm
 
 
-def alternate(commands: Mapping[str, Sequence], repeats: int, work: Path, env: Mapping[str, str] | None = None
-              ) -> dict[str, list[dict]]:
-    """Each arm's command run ``repeats`` times, alternating (:func:`rotations`); per arm, each run's result: the
-    JSON object its last line of output prints (:func:`emit`: with the child's own ``peak_rss_mb``), and its
-    ``wall_s``. A failed child stops the benchmark with the end of its log."""
+def alternate(commands: Mapping[str, Sequence], repeats: int, work: Path | None = None,
+              env: Mapping[str, str] | None = None) -> dict[str, list[dict]]:
+    """Each arm's command run ``repeats`` times, alternating (:func:`rotations`), its logs in ``work`` (default: a
+    temporary folder); per arm, each run's result: the JSON object its last line of output prints (:func:`emit`:
+    with the child's own ``peak_rss_mb``), and its ``wall_s``. A failed child stops the benchmark."""
+    if work is None:
+        with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+            return alternate(commands, repeats, Path(tmp), env)
     results: dict[str, list[dict]] = {arm: [] for arm in commands}
     for rep, arm in rotations(list(commands), repeats):
-        log = Path(work) / f"{arm}-{rep}.log"
-        child = run_child(commands[arm], log, env)
-        text = log.read_text(encoding="utf-8")
-        if child.returncode:
-            raise SystemExit(f"{arm} failed ({child.returncode}); the end of its log {log}:\n{text[-3000:]}")
-        results[arm].append({"peak_rss_mb": round(child.peak_rss_mb), **json.loads(text.strip().splitlines()[-1]),
-                             "wall_s": round(child.wall_s, 2)})
+        child = run_child(arm, commands[arm], Path(work) / f"{arm}-{rep}.log", env)
+        result = json.loads(child.output.strip().splitlines()[-1])
+        results[arm].append({"peak_rss_mb": round(child.peak_rss_mb), **result, "wall_s": round(child.wall_s, 2)})
     return results
 
 

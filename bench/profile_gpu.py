@@ -1,8 +1,9 @@
-"""Where a GPU training update and a beam-search call spend the GPU's own time (issue 42, "profile first").
+"""Where a GPU training update and a beam-search call spend the GPU's own time: a profile to read before choosing a
+lever.
 
 Training: for each preset (``--presets``, the configs ``wmt14-en-de-<preset>``), the update bench/bench_gpu.py
 times (our :class:`pipeline.train.TrainStep`: forward, label-smoothed loss, backward, Adam and the schedule, bf16
-autocast) on the same synthetic WMT-shaped batches (:func:`bench_gpu.synthetic_updates`), with each
+autocast) on the same synthetic WMT-shaped batches (:func:`bench.bench_gpu.train_update`), with each
 ``--max-tokens`` (default: the config's micro-batch, then the whole 25,000-token update as one). ``--warmup``
 updates run first (new shapes, allocator growth), then ``--updates`` updates under ``torch.profiler``.
 
@@ -35,19 +36,16 @@ import json
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-
-from bench.bench_gpu import synthetic_updates
+from bench.bench_gpu import (beam_call, micro_batch_sizes, preset_config, random_model, synthetic_flags,
+                             synthetic_sources, train_update)
 from bench.harness import write_record
-from model import Transformer
-from model.decoding import beam_search
-from model.static_decoding import static_beam_search
-from pipeline.config import RunConfig, load_config
-from pipeline.train import Batch, TrainStep, setup
+from pipeline.config import RunConfig
 
 # Kernel (or, on a CPU, operator) name fragments per category, first match wins; lower case.
 CATEGORIES = [
@@ -97,38 +95,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def profiled(fn: Callable[[], None], device: torch.device, steps: int) -> tuple[float, dict]:
+    """``fn()`` under torch.profiler (the GPU's kernels too, on a GPU): its wall seconds, and its
+    :func:`device_table` per step (``steps`` in it)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    return wall, device_table(prof, device.type, steps)
+
+
 def profile_train(cfg: RunConfig, preset: str, max_tokens: int, args: argparse.Namespace, device: torch.device) -> dict:
     """``--warmup`` then ``--updates`` profiled updates of TrainStep at ``max_tokens`` per micro-batch."""
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_tokens": max_tokens})})
-    info = setup()
-    groups = synthetic_updates(cfg, max_tokens, args.warmup + args.updates, args)
-    torch.manual_seed(0)
-    model = Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, cfg.tokenizer.special.pad)).to(device)
-    step_fn = TrainStep(model, cfg, info, cfg.tokenizer.special.pad)
-
-    def update(group) -> None:
-        micro = [Batch(s.to(device, non_blocking=True), ti.to(device, non_blocking=True),
-                       to.to(device, non_blocking=True), n_src, n_tgt) for s, ti, to, n_src, n_tgt in group]
-        sums, counts = step_fn.accumulate(micro)
-        step_fn.apply(sums, counts)
-
+    _, update, groups = train_update(cfg, max_tokens, args.warmup + args.updates, args, device)
     for group in groups[: args.warmup]:
         update(group)
     _sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     timed = groups[args.warmup:]
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
+
+    def updates() -> None:
         for group in timed:
             update(group)
-        _sync(device)
-        wall = (time.perf_counter() - t0) / len(timed)
-    table = device_table(prof, device.type, len(timed))
+
+    wall, table = profiled(updates, device, len(timed))
+    wall /= len(timed)
     n_tgt = sum(b[4] for g in timed for b in g) / len(timed)
     row = {"what": "train", "preset": preset, "precision": cfg.train.precision, "max_tokens": max_tokens,
            "accumulation": len(timed[0]), "tgt_tokens_per_update": n_tgt, "wall_s": wall,
            "busy_share": table["busy_s"] / wall, **table}
-    step_fn = model = groups = None  # free the device memory for the next variant (update() closes over them)
+    update = groups = None  # free the device memory for the next variant (update holds the model)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -139,37 +137,17 @@ def profile_decode(preset: str, search: str, args: argparse.Namespace, device: t
     ``search`` (``decode.search``: dynamic, or static with its step replayed as a CUDA graph on the GPU)."""
     from pipeline.inference import decoding_model  # sacremoses etc.: only decoding needs them
 
-    cfg = load_config(f"wmt14-en-de-{preset}") if preset != "tiny" else load_config("multi30k-cpu")
-    sp, d = cfg.tokenizer.special, cfg.decode
-    torch.manual_seed(0)
-    base = Transformer(cfg.model.architecture(cfg.tokenizer.vocab_size, sp.pad)).to(device).eval()
+    cfg = preset_config(preset)
+    base = random_model(cfg, device).eval()
     model = decoding_model(base, "bf16" if device.type == "cuda" else "fp32")
-    gen = torch.Generator().manual_seed(1)
-    lens = torch.randint(args.decode_src_len - 5, args.decode_src_len + 6, (args.decode_batch,), generator=gen)
-    src = torch.full((args.decode_batch, int(lens.max()) + 1), sp.pad, dtype=torch.long)  # (batch, src_len)
-    for i, n in enumerate(lens.tolist()):
-        src[i, :n] = torch.randint(4, cfg.tokenizer.vocab_size, (n,), generator=gen)
-        src[i, n] = sp.eos
-    src = src.to(device)
+    src = synthetic_sources(cfg, args, torch.Generator().manual_seed(1)).to(device)
     out_len = args.decode_out_len + 1
-
-    run = static_beam_search if search == "static" else beam_search
-
-    def call() -> None:
-        run(model, src, bos_id=sp.bos, eos_id=sp.eos, beam_size=d.beam_size, alpha=d.length_penalty,
-            max_len_a=0.0, max_len_b=out_len, min_len=out_len)
-
-    call()
+    call = beam_call(model, search, cfg, out_len)
+    call(src)
     _sync(device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        call()
-        _sync(device)
-        wall = time.perf_counter() - t0
-    table = device_table(prof, device.type, out_len)  # per decoding step
-    return {"what": "decode", "preset": preset, "search": search, "beam": d.beam_size, "batch": args.decode_batch,
-            "out_len": out_len,
+    wall, table = profiled(lambda: call(src), device, out_len)  # per decoding step
+    return {"what": "decode", "preset": preset, "search": search, "beam": cfg.decode.beam_size,
+            "batch": args.decode_batch, "out_len": out_len,
             "wall_s": wall, "sentences_per_s": args.decode_batch / wall, "step_wall_s": wall / out_len,
             "busy_share": table["busy_s"] * out_len / wall, **table}
 
@@ -178,17 +156,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--presets", nargs="+", default=["base", "big"])
-    p.add_argument("--max-tokens", type=int, nargs="+", help="micro-batch sizes (default: the config's, then its "
-                                                              "update_tokens)")
-    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--updates", type=int, default=5, help="profiled updates per variant")
-    p.add_argument("--min-len", type=int, default=10, help="shortest synthetic source sentence (tokens)")
-    p.add_argument("--max-len", type=int, default=60, help="longest synthetic source sentence (tokens)")
-    p.add_argument("--no-decode", action="store_true")
-    p.add_argument("--decode-preset", default="base")
-    p.add_argument("--decode-batch", type=int, default=128)
-    p.add_argument("--decode-src-len", type=int, default=25)
-    p.add_argument("--decode-out-len", type=int, default=25)
+    synthetic_flags(p)
     p.add_argument("--out", type=Path, help="write the record (JSON) here")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -196,10 +165,10 @@ def main() -> None:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     res: dict = {"device": device.type, "rows": []}
     for preset in args.presets:
-        cfg = load_config(f"wmt14-en-de-{preset}") if preset != "tiny" else load_config("multi30k-cpu")
+        cfg = preset_config(preset)
         if device.type == "cuda":
             cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "bf16"})})
-        for max_tokens in args.max_tokens or sorted({cfg.train.micro_batch_tokens(1), cfg.train.update_tokens}):
+        for max_tokens in args.max_tokens or micro_batch_sizes(cfg):
             res["rows"].append(profile_train(cfg, preset, max_tokens, args, device))
             print(json.dumps({k: v for k, v in res["rows"][-1].items() if k != "heaviest"}), flush=True)
     if not args.no_decode:

@@ -23,17 +23,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-
-from bench.bench_train import build  # the tiny preset's shards, built once
-
-from bench.harness import REPO, write_record
+from bench.bench_train import build, multi30k_flags
+from bench.harness import print_table, timed, write_record
 from model import Transformer
 from pipeline.config import load_config
 from pipeline.shards import ShardDataset
@@ -81,12 +78,9 @@ def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Na
 
     for idx in batches[: args.warmup]:
         update(idx)
-    times, counts = [], []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for idx in batches[args.warmup:]:
-            t0 = time.perf_counter()
-            counts.append(update(idx))
-            times.append(time.perf_counter() - t0)
+        runs = [timed(update, idx) for idx in batches[args.warmup:]]  # ((sources, targets, sentences), seconds)
+    counts, times = [c for c, _ in runs], [t for _, t in runs]
     ops = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total = sum(e.self_cpu_time_total for e in ops)
     shares: dict[str, float] = defaultdict(float)
@@ -109,9 +103,7 @@ def profile_variant(preset: str, precision: str, shards: Path, args: argparse.Na
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-root", default=str(REPO.parent / "shared" / "data"))
-    p.add_argument("--work-dir", type=Path, default=Path("/tmp/aiayn-bench"))
+    p = multi30k_flags(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--presets", nargs="+", default=["tiny", "base"], choices=sorted(PRESETS))
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--max-tokens", type=int, default=4096)
@@ -124,19 +116,17 @@ def main() -> None:
                         "tokenizer.vocab_size=4000 (its own shards)")
     p.add_argument("--out", type=Path, help="also write the results as JSON here")
     args = p.parse_args()
-    shards = build(args.data_root, args.work_dir, args.set)
+    shards = build(args.data_root, args.work_dir, args.set).shards
     rows = [profile_variant(preset, precision, shards, args)
             for preset in args.presets for precision in args.precisions]
     cats = [c for c, _ in CATEGORIES] + ["other"]
     print(f"{args.threads} threads, {args.max_tokens} tokens per update, {args.updates} profiled updates each\n")
-    print("| variant | update s | tgt tok/s | achieved GFLOP/s | matmul roofline GFLOP/s | MFU vs roofline | "
-          + " | ".join(cats) + " |")
-    print("|---" * (6 + len(cats)) + "|")
-    for r in rows:
-        roof = r["roofline_gflops"]
-        print(f"| {r['preset']} {r['precision']} | {r['median_update_s']:.2f} | {r['tgt_tokens_per_s']:,.0f} | "
-              f"{r['achieved_gflops']:,.0f} | {min(roof.values()):,.0f}-{max(roof.values()):,.0f} | "
-              f"{r['mfu_vs_roofline']:.1%} | " + " | ".join(f"{r['shares'].get(c, 0):.1%}" for c in cats) + " |")
+    print_table(["variant", "update s", "tgt tok/s", "achieved GFLOP/s", "matmul roofline GFLOP/s", "MFU vs roofline",
+                 *cats],
+                [[f"{r['preset']} {r['precision']}", f"{r['median_update_s']:.2f}", f"{r['tgt_tokens_per_s']:,.0f}",
+                  f"{r['achieved_gflops']:,.0f}",
+                  f"{min(r['roofline_gflops'].values()):,.0f}-{max(r['roofline_gflops'].values()):,.0f}",
+                  f"{r['mfu_vs_roofline']:.1%}", *(f"{r['shares'].get(c, 0):.1%}" for c in cats)] for r in rows])
     for r in rows:
         print(f"\n{r['preset']} {r['precision']}: heaviest operators (share of self CPU time, calls)")
         for op in r["top_ops"]:

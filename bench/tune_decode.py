@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-
-from bench.harness import write_record
+from bench.harness import timed, write_record
 from pipeline.checkpoint import load_checkpoint
 from pipeline.config import DecodeConfig
 from pipeline.data import read_manifest
@@ -52,9 +50,7 @@ def main() -> int:
     for beam in (int(b) for b in floats(args.beams)):
         for alpha in floats(args.alphas) if beam > 1 else [0.0]:  # greedy has no length penalty
             decode = base.model_copy(update={"beam_size": beam, "length_penalty": alpha})
-            start = time.perf_counter()
-            hyps = translate(model, tokenizer, src, decode)
-            seconds = time.perf_counter() - start
+            hyps, seconds = timed(translate, model, tokenizer, src, decode)
             scores = score_translations(hyps, refs, corpus["tgt_lang"])
             rows.append({"beam": beam, "alpha": alpha, "sacrebleu": scores["sacrebleu"]["score"],
                          "chrf": scores["chrf"]["score"], "sentences_per_s": round(len(src) / seconds, 1)})
