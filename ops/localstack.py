@@ -540,7 +540,9 @@ def main(argv: list[str] | None = None) -> int:
             services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir,
                                 args.result_storage, database, args.worker, args.image, args.host)
             print(f"Prefect UI:  {services['prefect-server'].url}")
-            print(f"MLflow UI:   {services['mlflow'].url}")
+            from pipeline.tracking import ui_link
+
+            print(f"MLflow UI:   {ui_link(services['mlflow'].url, 'experiments')}")
             print(f"databases:   Prefect {services['prefect-server'].database}, MLflow {services['mlflow'].database}")
             kind = "process" if args.worker == "process" else f"docker, image {args.image}"
             print(f"worker:      pool {WORK_POOL} ({kind}), log {services['prefect-worker'].log}")

@@ -624,6 +624,9 @@ def test_the_run_pages_show_report_scores_form_and_heat_maps_in_a_browser(stack,
     for needle in ("config", "overrides", "precision", "multi30k-cpu-hub"):
         assert needle in text["prefect-run-form"], needle
     assert name in text["mlflow-run"]
+    # MLflow in its model-training view, as the links ask (workflowType): its side bar, not the GenAI one
+    for key in ("mlflow-runs-view", "mlflow-run", "mlflow-model-version"):
+        assert "Model registry" in text[key] and "Judges" not in text[key], (key, text[key][:600])
     # the heat-map: listed, and shown as an image the page loaded from the artifact store
     assert "attention/dev1_encoder_decoder_layer1.png" in text["mlflow-attention"]
     assert any(src.startswith("blob:") for src in pages["mlflow-attention"]["images"])

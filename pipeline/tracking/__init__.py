@@ -27,7 +27,7 @@ _SOURCES = {
     "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training", "model_scores"),
     "runs": ("TrackingError", "check_reachable", "close_flow_run", "close_stale_runs", "connect", "finish_run",
              "flatten", "flow_run_pages", "log_headline", "log_metrics", "log_params", "run_url", "runs_view_url",
-             "set_tags", "start_pipeline_run", "start_stage_run", "version_url"),
+             "set_tags", "start_pipeline_run", "start_stage_run", "ui_link", "version_url"),
     "sink": ("MlflowSink",),
     "sweep": ("dev_curve", "log_child", "log_sweep_result", "run_outcome", "start_sweep_run"),
 }

@@ -27,7 +27,8 @@ KINDS = ("metric", "param", "tag", "artifact")
 RUNS = {
     "pipeline": "The parent run of one pipeline run, named after its Prefect flow run: the resolved config, the "
                 "code version, the promotion decision and the headline figures of its stages (the columns of the "
-                "experiment's runs view, ``#/experiments/<id>/runs?viewStateShareKey=aiayn-pipeline-runs``); "
+                "experiment's runs view, ``#/experiments/<id>/runs?viewStateShareKey=aiayn-pipeline-runs``, "
+                "opened in the UI's model-training view by ``workflowType=machine_learning``); "
                 "every stage run below is its child.",
     "data": "Child run of the data stage: the cleaned corpus and what cleaning did.",
     "distill": "Child run of the distillation stage (configs with teachers only): the teachers by registered "

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any, Callable, Iterable
-from urllib.parse import quote, urlparse
+from urllib.parse import quote, urlencode, urlparse
 
 import mlflow
 from mlflow.entities import Metric, Param, RunStatus, RunTag
@@ -204,10 +204,17 @@ def runs_view_url(experiment: str) -> str | None:
     return _runs_view(ui, exp) if exp is not None else None
 
 
+def ui_link(ui: str, route: str, **query: str) -> str:
+    """The MLflow UI's page ``route`` (e.g. ``experiments/1/runs/<id>``) in its model-training view: the pinned
+    UI opens in its GenAI view unless the address's ``workflowType`` query parameter says otherwise (it reads that
+    before the choice it keeps in the browser), so every link the pipeline gives carries it."""
+    return f"{ui}/#/{route}?{urlencode({**query, 'workflowType': 'machine_learning'})}"
+
+
 def _runs_view(ui: str, experiment) -> str | None:
     if RUNS_VIEW_TAG not in experiment.tags:
         return None
-    return f"{ui}/#/experiments/{experiment.experiment_id}/runs?viewStateShareKey={RUNS_VIEW}"
+    return ui_link(ui, f"experiments/{experiment.experiment_id}/runs", viewStateShareKey=RUNS_VIEW)
 
 
 # Tags a child run copies from its parent, so that stage runs can be filtered on their own.
@@ -264,14 +271,14 @@ def run_url(run_id: str) -> str | None:
     """The run's page in the MLflow UI (http(s) tracking servers only), e.g. for the Prefect report."""
     if (ui := _ui()) is None:
         return None
-    return f"{ui}/#/experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}"
+    return ui_link(ui, f"experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}")
 
 
 def version_url(name: str, version: str) -> str | None:
     """A registered model version's page in the MLflow UI (http(s) tracking servers only)."""
     if (ui := _ui()) is None:
         return None
-    return f"{ui}/#/models/{quote(name)}/versions/{version}"
+    return ui_link(ui, f"models/{quote(name)}/versions/{version}")
 
 
 def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
@@ -288,21 +295,21 @@ def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
     if not parents:
         raise TrackingError(f"no MLflow run is tagged with the Prefect flow run {flow_run_id}")
     parent = parents[0].info
-    base = f"{ui}/#/experiments/{parent.experiment_id}"
-    pages = {"mlflow-run": f"{base}/runs/{parent.run_id}"}
+    base = f"experiments/{parent.experiment_id}"
+    pages = {"mlflow-run": ui_link(ui, f"{base}/runs/{parent.run_id}")}
     if view := _runs_view(ui, c.get_experiment(parent.experiment_id)):
         pages["mlflow-runs-view"] = view
     children = {r.data.tags.get("stage"): r.info.run_id for r in child_runs(c, parents[0])}
     if "evaluate" in children:
         figures = sorted(a.path for a in c.list_artifacts(children["evaluate"], "attention") if not a.is_dir)
         if figures:
-            pages["mlflow-attention"] = f"{base}/runs/{children['evaluate']}/artifacts/{figures[0]}"
+            pages["mlflow-attention"] = ui_link(ui, f"{base}/runs/{children['evaluate']}/artifacts/{figures[0]}")
     if "register" in children:
         for model in c.search_logged_models([parent.experiment_id],
                                             filter_string=f"source_run_id = '{children['register']}'"):
-            pages["mlflow-model"] = f"{base}/models/{model.model_id}"
+            pages["mlflow-model"] = ui_link(ui, f"{base}/models/{model.model_id}")
         for version in c.search_model_versions(f"run_id = '{children['register']}'"):
-            pages["mlflow-model-version"] = f"{ui}/#/models/{quote(version.name)}/versions/{version.version}"
+            pages["mlflow-model-version"] = ui_link(ui, f"models/{quote(version.name)}/versions/{version.version}")
     return pages
 
 
