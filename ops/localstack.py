@@ -26,8 +26,10 @@ export the ``PREFECT_API_URL`` that ``up`` prints.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -106,6 +108,13 @@ def _running(proc: psutil.Process) -> bool:
 def port_in_use(port: int, host: str = HOST) -> bool:
     with socket.socket() as s:
         return s.connect_ex((host, port)) == 0
+
+
+def login() -> tuple[str, str] | None:
+    """The stack's login, from the environment only (never a command line): ``AIAYN_STACK_USER`` (default aiayn)
+    and ``AIAYN_STACK_PASSWORD``; None without a password: servers that ask for none (loopback only)."""
+    password = os.environ.get("AIAYN_STACK_PASSWORD")
+    return (os.environ.get("AIAYN_STACK_USER", "aiayn"), password) if password else None
 
 
 def healthy(url: str, timeout_s: float = 2.0) -> bool:
@@ -232,6 +241,16 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host
     if port_in_use(port, host):
         raise StackError(f"port {port} on {host} is taken; stop what uses it or pass --mlflow-port")
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # unused job runner (STACK-NOTES)
+    auth = []
+    if (credentials := login()) is not None:  # MLflow's basic-auth app: the stack's user is its admin
+        config = home / "basic_auth.ini"
+        config.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{home / 'auth.db'}\n"
+                          f"admin_username = {credentials[0]}\n"
+                          "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n",
+                          encoding="utf-8")
+        env |= {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_AUTH_ADMIN_PASSWORD": credentials[1],
+                "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
+        auth = ["--app-name", "basic-auth"]
     if database is None:
         env["MLFLOW_BACKEND_STORE_URI"], shown = f"sqlite:///{home / 'mlflow.db'}", "sqlite"
     else:
@@ -241,7 +260,8 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host
         shown = database.shown(DATABASES["mlflow"])
     cmd = [str(Path(sys.executable).with_name("mlflow")), "server", "--host", host, "--port", str(port),
            "--workers", "1", "--artifacts-destination", str(home / "artifacts"),
-           "--allowed-hosts", ",".join(f"{name}:{port},{name}" for name in dict.fromkeys([host, HOST, "localhost"]))]
+           "--allowed-hosts", ",".join(f"{name}:{port},{name}" for name in dict.fromkeys([host, HOST, "localhost"])),
+           *auth]
     url = f"http://{host}:{port}"
     return start_service("mlflow", cmd, env, f"{url}/health", url, home / "mlflow.log", database=shown)
 
@@ -252,6 +272,9 @@ def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
            "AIAYN_PROJECT_DIR": str(REPO)}  # prefect.yaml's pull step runs flows in this checkout
     if api_url:
         env["PREFECT_API_URL"] = api_url
+    if (credentials := login()) is not None:  # the clients' side of both servers' login
+        env |= {"PREFECT_API_AUTH_STRING": ":".join(credentials), "MLFLOW_TRACKING_USERNAME": credentials[0],
+                "MLFLOW_TRACKING_PASSWORD": credentials[1]}
     return env
 
 
@@ -268,6 +291,8 @@ def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = No
         database.ensure(DATABASES["prefect-server"])
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = database.url(DATABASES["prefect-server"], "asyncpg")
         shown = database.shown(DATABASES["prefect-server"])
+    if (credentials := login()) is not None:  # every API call but the health check then needs the login
+        env["PREFECT_SERVER_API_AUTH_STRING"] = ":".join(credentials)
     env["PREFECT_SERVER_API_PORT"] = str(port)
     env["PREFECT_SERVER_API_HOST"] = host
     url = f"http://{host}:{port}"
@@ -304,6 +329,13 @@ def cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
+def auth_header() -> dict[str, str]:
+    """The Authorization header of the stack's login for its Prefect server's API (none without a login)."""
+    credentials = login()
+    return {} if credentials is None else {
+        "Authorization": "Basic " + base64.b64encode(":".join(credentials).encode()).decode()}
+
+
 def prefect_api(base: str, path: str, body: dict | None = None, attempts: int = 5, timeout: float = 30.0):
     """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer.
 
@@ -311,7 +343,8 @@ def prefect_api(base: str, path: str, body: dict | None = None, attempts: int = 
     ``timeout`` seconds; like Prefect's own client, the call is retried then, a few times with a growing pause
     (every call made here is safe to repeat: reads, filters, forced state changes, deployment upserts)."""
     req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+                                 headers={"Content-Type": "application/json", **auth_header()},
+                                 method="GET" if body is None else "POST")
     for attempt in range(attempts):
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -423,6 +456,11 @@ class Stack:
         ``worker``: ``process`` runs each flow run as a process of this checkout; ``docker`` as a container of
         ``image`` (deploy/Dockerfile), with ``data_root`` mounted read-only and the work dir and result storage
         read-write."""
+        if worker == "docker" and login() is not None:
+            raise StackError("--worker docker with a login (AIAYN_STACK_PASSWORD): the Docker pool's template would "
+                             "carry the MLflow password where every reader of the pool sees it; on a team's servers "
+                             "give containers their credentials from the cluster's secrets "
+                             "(docs/how-to/team-servers.md)")
         if worker == "docker" and (image is None or data_root is None):
             raise StackError("--worker docker needs --image (deploy/build-image.sh builds one) and --data-root "
                              "(the corpora mounted into each flow run's container)")
@@ -545,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"MLflow UI:   {ui_link(services['mlflow'].url, 'experiments')}")
             print(f"databases:   Prefect {services['prefect-server'].database}, MLflow {services['mlflow'].database}")
             kind = "process" if args.worker == "process" else f"docker, image {args.image}"
+            if (credentials := login()) is not None:
+                print(f"login:       user {credentials[0]} on both servers (password: AIAYN_STACK_PASSWORD)")
             print(f"worker:      pool {WORK_POOL} ({kind}), log {services['prefect-worker'].log}")
             gpu = services.get("prefect-gpu-worker")
             print(f"GPU worker:  pool {GPU_POOL}, log {gpu.log}" if gpu else
