@@ -140,3 +140,31 @@ def test_pools_are_applied_to_the_server_at_prefect_api_url(tmp_path: Path) -> N
         assert res.returncode == 2 and "PREFECT_API_URL is not set" in res.stderr
     finally:
         server.stop()
+
+
+def test_the_cluster_manifests_agree_with_the_templates_and_prefect_yaml() -> None:
+    """One namespace, one claim, one Service name and one label across deploy/kubernetes/*.yaml, the pools'
+    templates, prefect.yaml's two-node deployment and the label the training stage sets."""
+    from ops.pools import TEMPLATES
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for f in ("namespace", "node0-service", "workers")
+            for d in yaml.safe_load_all((DEPLOY / "kubernetes" / f"{f}.yaml").read_text(encoding="utf-8"))}
+    for name in TEMPLATES["kubernetes"].values():
+        variables = load(name)["variables"]["properties"]
+        namespace, claim = variables["namespace"]["default"], variables["shared_claim"]["default"]
+        assert ("Namespace", namespace) in docs and ("PersistentVolumeClaim", claim) in docs, name
+        assert docs[("PersistentVolumeClaim", claim)]["spec"]["accessModes"] == ["ReadWriteMany"]
+    service = docs[("Service", "aiayn-node0")]
+    assert service["metadata"]["namespace"] == namespace
+    assert service["spec"]["selector"] == {"aiayn-node-rank": "0"}
+    assert '{"aiayn-node-rank": str(rank)}' in (DEPLOY.parent / "tasks" / "training.py").read_text(encoding="utf-8")
+    spec = yaml.safe_load((DEPLOY.parent / "prefect.yaml").read_text(encoding="utf-8"))
+    (two,) = [d for d in spec["deployments"] if d["name"] == "wmt14-base-2nodes"]
+    host, port = two["parameters"]["overrides"]["launch.rdzv_endpoint"].split(":")
+    assert host == f"aiayn-node0.{namespace}.svc.cluster.local" and int(port) == service["spec"]["ports"][0]["port"]
+    workers = {d["spec"]["template"]["spec"]["containers"][0]["args"][4]: d for k, d in docs.items()
+               if k[0] == "Deployment"}
+    assert sorted(workers) == sorted(TEMPLATES["kubernetes"])
+    assert all(w["spec"]["template"]["spec"]["serviceAccountName"] == "prefect-worker" for w in workers.values())
+    rules = docs[("Role", "prefect-worker")]["rules"]
+    assert any("jobs" in r["resources"] and "create" in r["verbs"] for r in rules)
