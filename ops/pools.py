@@ -3,13 +3,13 @@
 that no template is edited by hand.
 
     python -m ops.pools apply --type kubernetes --image REGISTRY/aiayn-pipeline:TAG \\
-        [--gpu-image REGISTRY/aiayn-pipeline-gpu:TAG] [--set VARIABLE=JSON ...] [--gpu-set VARIABLE=JSON ...]
-    python -m ops.pools apply --type docker --image aiayn-pipeline:TAG --set 'volumes=["/srv/aiayn:/shared"]'
+        [--gpu-image REGISTRY/aiayn-pipeline-gpu:TAG] [--var VARIABLE=JSON ...] [--gpu-var VARIABLE=JSON ...]
+    python -m ops.pools apply --type docker --image aiayn-pipeline:TAG --var 'volumes=["/srv/aiayn:/shared"]'
     python -m ops.pools show ...      # the templates ``apply`` would send, as JSON, creating nothing
 
 Pools by role, as prefect.yaml's deployments name them: ``aiayn-cpu`` (the CPU pipeline runs and their node runs)
 and ``aiayn-gpu`` (the paper-scale runs and their nodes: one pod with its GPUs; Kubernetes only). Each value of
-``--set`` (both pools) or ``--gpu-set`` (the GPU pool) is JSON (a bare word is a string) and is checked against the
+``--var`` (both pools) or ``--gpu-var`` (the GPU pool) is JSON (a bare word is a string) and is checked against the
 variable's schema before anything is sent. ``apply`` talks to the server at PREFECT_API_URL, which must be set:
 without it prefect.toml sends the Prefect CLI to this machine's 127.0.0.1.
 """
@@ -97,10 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", dest="kind", choices=sorted(TEMPLATES), required=True, help="the workers' type")
     p.add_argument("--image", required=True, help="the project's image, as the workers pull it")
     p.add_argument("--gpu-image", help="the GPU pool's image (deploy/Dockerfile with the CUDA torch; default --image)")
-    p.add_argument("--set", dest="values", type=_assignment, action="append", default=[], metavar="VARIABLE=JSON",
+    p.add_argument("--var", dest="values", type=_assignment, action="append", default=[], metavar="VARIABLE=JSON",
                    help="a template variable's default, for every pool (e.g. namespace=ml, "
                         "'image_pull_secrets=[{\"name\": \"regcred\"}]')")
-    p.add_argument("--gpu-set", dest="gpu_values", type=_assignment, action="append", default=[],
+    p.add_argument("--gpu-var", dest="gpu_values", type=_assignment, action="append", default=[],
                    metavar="VARIABLE=JSON", help="the same, for the GPU pool only (e.g. gpus=4, tolerations=...)")
     return p
 

@@ -127,7 +127,7 @@ def test_pools_are_applied_to_the_server_at_prefect_api_url(tmp_path: Path) -> N
     try:
         env = {**os.environ, "PREFECT_API_URL": server.url + "/api", "PREFECT_HOME": str(tmp_path / "prefect")}
         cmd = [sys.executable, "-m", "ops.pools", "apply", "--type", "kubernetes", "--image",
-               "reg/aiayn-pipeline:t1", "--set", "namespace=ml", "--gpu-set", "gpus=2"]
+               "reg/aiayn-pipeline:t1", "--var", "namespace=ml", "--gpu-var", "gpus=2"]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
         pools = {p["name"]: p for p in api(env["PREFECT_API_URL"], "/work_pools/filter", {})}

@@ -204,6 +204,7 @@ ENTRY_POINTS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "pipeline": _parser("pipeline.cli"),
     "pipeline.train": _parser("pipeline.train.__main__"),
     "ops.localstack": _parser("ops.localstack"),
+    "ops.pools": _parser("ops.pools"),
     "ops.screenshots": _parser("ops.screenshots"),
 }
 
