@@ -21,7 +21,7 @@ from model import Ensemble, Transformer
 from pipeline.support.codegraph import code_closure
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import read_manifest
-from pipeline.support.fsutil import code_hash, sha256_file
+from pipeline.support.fsutil import code_hash, sha256_file, write_json, write_text
 from pipeline.inference import decode_device, load_models
 from pipeline.tokenize import Tokenizer
 
@@ -110,6 +110,16 @@ class EvalSetup:
         """A split's sources and raw (unfiltered, untokenized) references, in corpus order."""
         return read_split(corpus_dir, self.corpus, key)
 
+    def write_lines(self, name: str, lines: Iterable[str]) -> None:
+        """``out_dir/name``: one line per item of ``lines``."""
+        write_text(self.out_dir / name, "".join(f"{line}\n" for line in lines))
+
+    def write_samples(self, key: str, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]],
+                      records: list[dict]) -> None:
+        """``<key>.samples.md`` (``rows`` under ``columns``, for humans) and ``<key>.samples.json`` (``records``)."""
+        write_text(self.out_dir / f"{key}.samples.md", samples_markdown(f"{key}: {title}", columns, rows))
+        write_json(self.out_dir / f"{key}.samples.json", records)
+
 
 def read_split(corpus_dir: Path, corpus: dict, key: str) -> tuple[list[str], list[str]]:
     """Split ``key`` of the corpus folder (``corpus``: its manifest): sources and raw (unfiltered, untokenized)
@@ -147,6 +157,22 @@ def eval_setup(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, o
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # only once the checkpoint is known to be usable
     return EvalSetup(corpus, keys, model, tokenizer, out_dir, sentence_counter(total, progress))
+
+
+def evaluate_splits(header: dict, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+                    splits: Sequence[str] | None, device: str | None, progress: Progress | None,
+                    score_split: Callable[[EvalSetup, str], dict]) -> Path:
+    """``out_dir/scores.json``: ``header`` (:func:`scores_header`) and each split's entry, its name and what
+    ``score_split(setup, key)`` decodes and scores; a finished one of the same header is reused
+    (:func:`finished_scores`)."""
+    if (done := finished_scores(out_dir, header, corpus_dir, splits)) is not None:
+        return done
+    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress)
+    results = {key: {"name": setup.corpus["splits"][key].get("name", key), **score_split(setup, key)}
+               for key in setup.keys}
+    path = setup.out_dir / "scores.json"
+    write_json(path, {**header, "splits": results})
+    return path
 
 
 class Evaluator(abc.ABC):
