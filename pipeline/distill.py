@@ -44,6 +44,7 @@ from pipeline.data.corpus import CorpusSplitWriter, rule_report
 from pipeline.support.errors import UserError
 from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, identity_fingerprint,
                              read_stage_manifest, remove_stale_temps, sha256_file, stage_folder, write_json)
+from pipeline.evalsets import sentence_counter
 from pipeline.inference import load_models, translate_nbest, truncation_summary
 from pipeline.tokenize import Tokenizer, verify_file
 
@@ -449,13 +450,13 @@ def _chunk_file(partial: Path, index: int) -> Path:
 
 
 # How a chunk of sources is translated: (sources, where they come from for a warning, the lines cut to the
-# teachers' positions (appended to), progress per batch (sentences)) -> each source's n-best translations
-Decoder = Callable[[list[str], str, list[int], Callable[[int], None]], list[list[str]]]
+# teachers' positions (appended to), progress per batch (sentences) or None) -> each source's n-best translations
+Decoder = Callable[[list[str], str, list[int], Callable[[int], None] | None], list[list[str]]]
 
 
 def torch_decoder(model: Transformer | Ensemble, tokenizer: Tokenizer, distill: DistillConfig) -> Decoder:
     """Our beam search (an ensemble's too), as ``distill.decode`` says, progress per batch."""
-    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None]):
+    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None] | None):
         return translate_nbest(model, tokenizer, sources, distill.decode, advance, nbest=distill.nbest,
                                source=source, truncated=truncated)
     return decode
@@ -467,9 +468,10 @@ def export_decoder(export: Path, tokenizer: Tokenizer, distill: DistillConfig) -
 
     engine = CTranslate2Engine(export, tokenizer)
 
-    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None]):
+    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None] | None):
         out = engine.translate(sources, distill.decode, nbest=distill.nbest, source=source, truncated=truncated)
-        advance(len(sources))
+        if advance:
+            advance(len(sources))
         return out
     return decode
 
@@ -490,13 +492,7 @@ def _decode_chunks(decode: Decoder, corpus_dir: Path, corpus: dict, distill: Dis
                  len(finished), chunks, done, total)
     if progress:
         progress(done, total)
-
-    def advance(sentences: int) -> None:
-        nonlocal done
-        done += sentences
-        if progress:
-            progress(done, total)
-
+    advance = sentence_counter(total, progress, done)
     normalize = Normalizer(CleaningConfig.model_validate(corpus["config"].get("cleaning", {})), Counter())
     for i, table in enumerate(_row_chunks(train, ["src", "tgt"], size)):
         if i in finished:

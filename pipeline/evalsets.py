@@ -128,11 +128,11 @@ def read_split(corpus_dir: Path, corpus: dict, key: str) -> tuple[list[str], lis
     return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
 
 
-def sentence_counter(total: int, progress: Progress | None) -> Callable[[int], None] | None:
-    """A per-batch callback (that batch's sentence count) reporting (done, ``total``) to ``progress``."""
+def sentence_counter(total: int, progress: Progress | None, done: int = 0) -> Callable[[int], None] | None:
+    """A per-batch callback (that batch's sentence count) reporting (done, ``total``) to ``progress``, counting on
+    from ``done``; None without ``progress``."""
     if progress is None:
         return None
-    done = 0
 
     def advance(sentences: int) -> None:
         nonlocal done

@@ -160,10 +160,6 @@ def run_key(study: optuna.Study, what: str) -> str:
     return f"sweep-{study.study_name}-{study.user_attrs[_UID]}-{what}"
 
 
-def _reported(trial: FrozenTrial) -> int:
-    return max(trial.intermediate_values, default=-1)
-
-
 def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of, poll_s: float | None = None,
            logger: logging.Logger | logging.LoggerAdapter = log) -> None:
     """Run trials until ``sweep.trials`` are finished (completed, pruned or failed), at most ``max_in_flight`` at
@@ -272,7 +268,7 @@ def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
     record how it ended. The run to look at next; None when the trial is over."""
     state = runner.state(run_id)
     frozen = optuna_adapter.frozen_trial(study, trial)
-    last = _reported(frozen)
+    last = max(frozen.intermediate_values, default=-1)  # the last step reported
     for seconds, nll in runner.curve(run_id):
         if int(seconds) > last:
             trial.report(-nll if math.isfinite(nll) else float("nan"), int(seconds))
