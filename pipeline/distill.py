@@ -450,13 +450,13 @@ def _chunk_file(partial: Path, index: int) -> Path:
 
 
 # How a chunk of sources is translated: (sources, where they come from for a warning, the lines cut to the
-# teachers' positions (appended to), progress per batch (sentences) or None) -> each source's n-best translations
-Decoder = Callable[[list[str], str, list[int], Callable[[int], None] | None], list[list[str]]]
+# teachers' positions (appended to), progress per batch (sentences)) -> each source's n-best translations
+Decoder = Callable[[list[str], str, list[int], Callable[[int], None]], list[list[str]]]
 
 
 def torch_decoder(model: Transformer | Ensemble, tokenizer: Tokenizer, distill: DistillConfig) -> Decoder:
     """Our beam search (an ensemble's too), as ``distill.decode`` says, progress per batch."""
-    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None] | None):
+    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None]):
         return translate_nbest(model, tokenizer, sources, distill.decode, advance, nbest=distill.nbest,
                                source=source, truncated=truncated)
     return decode
@@ -468,10 +468,9 @@ def export_decoder(export: Path, tokenizer: Tokenizer, distill: DistillConfig) -
 
     engine = CTranslate2Engine(export, tokenizer)
 
-    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None] | None):
+    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None]):
         out = engine.translate(sources, distill.decode, nbest=distill.nbest, source=source, truncated=truncated)
-        if advance:
-            advance(len(sources))
+        advance(len(sources))
         return out
     return decode
 

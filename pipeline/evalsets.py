@@ -103,7 +103,7 @@ class EvalSetup:
     model: Transformer | Ensemble
     tokenizer: Tokenizer
     out_dir: Path
-    # called with each batch's sentence count; reports to the evaluation's Progress (None: nothing to report)
+    # called with each batch's sentence count; reports to the evaluation's Progress
     advance: Callable[[int], None] | None = None
 
     def split(self, corpus_dir: Path, key: str) -> tuple[list[str], list[str]]:
@@ -128,16 +128,14 @@ def read_split(corpus_dir: Path, corpus: dict, key: str) -> tuple[list[str], lis
     return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
 
 
-def sentence_counter(total: int, progress: Progress | None, done: int = 0) -> Callable[[int], None] | None:
-    """A per-batch callback (that batch's sentence count) reporting (done, ``total``) to ``progress``, counting on
-    from ``done``; None without ``progress``."""
-    if progress is None:
-        return None
-
+def sentence_counter(total: int, progress: Progress | None, done: int = 0) -> Callable[[int], None]:
+    """A per-batch callback (that batch's sentence count) reporting (done, ``total``) to ``progress`` (if any),
+    counting on from ``done``."""
     def advance(sentences: int) -> None:
         nonlocal done
         done += sentences
-        progress(done, total)
+        if progress:
+            progress(done, total)
 
     return advance
 
