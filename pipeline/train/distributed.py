@@ -26,7 +26,6 @@ class DistInfo:
 
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
 
     @property
@@ -68,7 +67,7 @@ def setup() -> DistInfo:
         # Long timeout: rank 0 may build shards while the others wait at a barrier.
         dist.init_process_group(backend, timeout=timedelta(hours=2),
                                 device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank, world, local_rank, device)
+    return DistInfo(rank, world, device)
 
 
 def teardown(info: DistInfo) -> None:
