@@ -8,7 +8,6 @@ decodes a sentence into an output line, how it scores a split, and the dev numbe
 from __future__ import annotations
 
 import abc
-import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -18,10 +17,10 @@ from typing import Callable, Iterable, Sequence
 import pyarrow.parquet as pq
 
 from model import Ensemble, Transformer
-from pipeline.support.codegraph import code_closure
+from pipeline.support.codegraph import stage_code_hash
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import read_manifest
-from pipeline.support.fsutil import code_hash, sha256_file, write_json, write_text
+from pipeline.support.fsutil import sha256_file, write_json, write_text
 from pipeline.inference import decode_device, load_models
 from pipeline.tokenize import Tokenizer
 
@@ -45,11 +44,6 @@ def checkpoint_record(checkpoint: Checkpoints) -> dict:
     return {"checkpoint": entries[0]} if len(entries) == 1 else {"ensemble": entries}
 
 
-@functools.cache
-def _code(module: str) -> str:
-    return code_hash(*code_closure(module, ("pipeline.config",)))
-
-
 def scores_header(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, module: str,
                   **task: object) -> dict:
     """What ``scores.json`` records beside the scores, everything that made them: the task's own settings
@@ -57,7 +51,7 @@ def scores_header(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path
     (``module``, the evaluator, with all of ours it runs: decoding and the model included)."""
     return {**task, **checkpoint_record(checkpoint), "tokenizer_sha256": Tokenizer(tokenizer_dir).sha256,
             "corpus_fingerprint": read_manifest(corpus_dir)["fingerprint"], "decoding": decode.model_dump(),
-            "code": _code(module)}
+            "code": stage_code_hash(module)}
 
 
 def finished_scores(out_dir: Path, header: dict, corpus_dir: Path, splits: Sequence[str] | None) -> Path | None:
