@@ -116,10 +116,6 @@ class StaticDecoderCache:
         return self.position
 
 
-def _select_rows_(buffer: Tensor, rows: Tensor) -> None:
-    buffer.copy_(buffer.index_select(0, rows))  # in place: same tensor, same shape every step
-
-
 def _memory_rows(new_order: Tensor, group: int) -> Tensor:
     """The memory rows (sentences) that the decoder rows ``new_order`` read."""
     return new_order if group == 1 else new_order[::group] // group
@@ -139,28 +135,21 @@ def reorder_cache(cache: DecoderCache | StaticDecoderCache, new_order: Tensor,
     A :class:`StaticDecoderCache` is reordered by copying within its buffers: ``new_order`` must then have one
     entry per row (no row leaves).
     """
-    if isinstance(cache, StaticDecoderCache):
-        for entry in cache.self_attn:
-            _select_rows_(entry.key, new_order)
-            _select_rows_(entry.value, new_order)
-        if reorder_memory:
-            sentences = _memory_rows(new_order, cache.group)
-            for entry in cache.cross_attn:
-                _select_rows_(entry.key, sentences)
-                _select_rows_(entry.value, sentences)
-            _select_rows_(cache.src_pad_mask, sentences)
-        return cache
+    in_place = isinstance(cache, StaticDecoderCache)
+
+    def select(t: Tensor | None, rows: Tensor) -> Tensor | None:
+        if t is None:  # a cache before its first step
+            return None
+        if in_place:  # same tensor, same shape every step
+            return t.copy_(t.index_select(0, rows))
+        return t.index_select(0, rows)
+
     for entry in cache.self_attn:
-        if entry.key is not None:
-            entry.key = entry.key.index_select(0, new_order)
-            entry.value = entry.value.index_select(0, new_order)
+        entry.key, entry.value = select(entry.key, new_order), select(entry.value, new_order)
     if reorder_memory:
         sentences = _memory_rows(new_order, cache.group)
         for entry in cache.cross_attn:
-            if entry.key is not None:
-                entry.key = entry.key.index_select(0, sentences)
-                entry.value = entry.value.index_select(0, sentences)
-        if cache.src_pad_mask is not None:
-            cache.src_pad_mask = cache.src_pad_mask.index_select(0, sentences)
+            entry.key, entry.value = select(entry.key, sentences), select(entry.value, sentences)
+        cache.src_pad_mask = select(cache.src_pad_mask, sentences)
     return cache
 

@@ -46,6 +46,13 @@ def max_output_lengths(src_tokens: Tensor, pad_id: int, max_len_a: float, max_le
     return (max_len_a * src_len.double() + max_len_b).floor().long().clamp(min=1, max=limit)
 
 
+def output_limits(model, src_tokens: Tensor, max_len_a: float, max_len_b: int, alpha: float) -> tuple[Tensor, Tensor]:
+    """(batch,) each: the sentences' maximum output lengths (within the model's position table, whose position 0
+    bos takes) and the length penalty at that length, the largest a sentence can reach."""
+    max_lens = max_output_lengths(src_tokens, model.pad_id, max_len_a, max_len_b, model.config.max_positions - 1)
+    return max_lens, length_penalty(max_lens.double(), alpha)
+
+
 def check_search_args(beam_size: int, nbest: int, alpha: float) -> None:
     """Raise ValueError unless beam_size >= 1, 1 <= nbest <= beam_size and alpha >= 0."""
     if beam_size < 1 or not 1 <= nbest <= beam_size:
@@ -118,10 +125,7 @@ def beam_search(
     pad_id, k = model.pad_id, beam_size
     batch = src_tokens.size(0)
     device = src_tokens.device
-    # Positions beyond the position table cannot be decoded; bos takes position 0.
-    limit = model.config.max_positions - 1
-    max_lens = max_output_lengths(src_tokens, pad_id, max_len_a, max_len_b, limit)  # (batch,)
-    max_lp = length_penalty(max_lens.double(), alpha)  # (batch,) largest penalty a sentence can reach
+    max_lens, max_lp = output_limits(model, src_tokens, max_len_a, max_len_b, alpha)  # (batch,) each
 
     memory, src_pad_mask = model.encode(src_tokens)  # (batch, src_len, d_model), (batch, src_len)
     if use_cache:  # the k beams of a sentence read its one memory row (a grouped cache)

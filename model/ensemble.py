@@ -32,7 +32,6 @@ class EnsembleConfig:
     vocab_size: int
     pad_id: int
     max_positions: int
-    members: int
 
 
 class Memories(list):
@@ -63,7 +62,7 @@ class Ensemble(nn.Module):
         self.members = nn.ModuleList(members)
         self.pad_id = members[0].pad_id
         self.config = EnsembleConfig(members[0].config.vocab_size, self.pad_id,
-                                     min(m.config.max_positions for m in members), len(members))
+                                     min(m.config.max_positions for m in members))
 
     def encode(self, src_tokens: Tensor) -> tuple[Memories, Tensor]:
         """src_tokens: (batch, src_len) -> (each member's memory, src_pad_mask (batch, src_len), True at padding)."""

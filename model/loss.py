@@ -20,13 +20,9 @@ _CPU_CHUNK_ELEMENTS = 2**19  # logits per chunk on a CPU: 2 MB in float32, which
 _GPU_CHUNK_ELEMENTS = 2**26
 
 
-def _chunk_rows(logits: Tensor) -> int:
-    """Rows of ``logits`` (tokens, vocab) worked on at once: cache-sized on a CPU, launch-amortising on a GPU."""
-    return _rows_for(logits.device, logits.size(-1))
-
-
-def _rows_for(device: torch.device, vocab: int) -> int:
-    """Rows per chunk of (rows, vocab) logits on ``device`` (see :func:`_chunk_rows`)."""
+def _chunk_rows(device: torch.device, vocab: int) -> int:
+    """Rows of (tokens, vocab) logits on ``device`` worked on at once: cache-sized on a CPU, launch-amortising on a
+    GPU."""
     elements = _CPU_CHUNK_ELEMENTS if device.type == "cpu" else _GPU_CHUNK_ELEMENTS
     return max(1, elements // vocab)
 
@@ -83,7 +79,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         keep = target.ne(ignore_index)  # (tokens,)
         safe_target = target.masked_fill(~keep, 0)[:, None]  # (tokens, 1), a valid index everywhere
         lse, nll, lp_sum = (torch.empty(tokens, dtype=torch.float32, device=logits.device) for _ in range(3))
-        rows = _chunk_rows(logits)
+        rows = _chunk_rows(logits.device, vocab)
         for r in range(0, tokens, rows):
             chunk = slice(r, r + rows)
             # (rows, vocab), float32 even under bf16
@@ -134,7 +130,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         keep = target.ne(ignore_index)  # (tokens,)
         safe_target = target.masked_fill(~keep, 0)[:, None]  # (tokens, 1)
         lse, nll, lp_sum = (torch.empty(tokens, dtype=torch.float32, device=hidden.device) for _ in range(3))
-        rows = _rows_for(hidden.device, vocab)
+        rows = _chunk_rows(hidden.device, vocab)
         for r in range(0, tokens, rows):
             chunk = slice(r, r + rows)
             x = (hidden[chunk].to(dt) @ w.T).float()  # (rows, vocab): this chunk's logits only
@@ -229,7 +225,7 @@ class _SymmetricKL(torch.autograd.Function):
         # a, b: (tokens, vocab) logits of two passes; keep: (tokens,) bool, False on padding
         tokens = a.size(0)
         lse_a, lse_b, kl_pq, kl_qp = (torch.empty(tokens, dtype=torch.float32, device=a.device) for _ in range(4))
-        rows = _chunk_rows(a)
+        rows = _chunk_rows(a.device, a.size(-1))
         for r in range(0, tokens, rows):
             chunk = slice(r, r + rows)
             lp, p, lse_a[chunk] = _log_softmax_and_softmax(a[chunk])  # (rows, vocab) each

@@ -31,14 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .decoding import (
-    Hypothesis,
-    check_search_args,
-    length_penalty,
-    max_output_lengths,
-    select_candidates,
-    sentences_done,
-)
+from .decoding import Hypothesis, check_search_args, length_penalty, output_limits, select_candidates, sentences_done
 
 
 class StaticBeamSearch:
@@ -51,10 +44,7 @@ class StaticBeamSearch:
         k, batch, device = beam_size, src_tokens.size(0), src_tokens.device
         self.model, self.k, self.nbest, self.eos_id, self.min_len = model, k, nbest, eos_id, min_len
         self.pad_id, self.bos_id = model.pad_id, bos_id
-        # Positions beyond the position table cannot be decoded; bos takes position 0.
-        limit = model.config.max_positions - 1
-        self.max_lens = max_output_lengths(src_tokens, self.pad_id, max_len_a, max_len_b, limit)  # (batch,)
-        self.max_lp = length_penalty(self.max_lens.double(), alpha)  # (batch,) largest penalty a sentence can reach
+        self.max_lens, self.max_lp = output_limits(model, src_tokens, max_len_a, max_len_b, alpha)  # (batch,) each
         self.steps = int(self.max_lens.max())  # the one host read before the search: buffer sizes
         # lp by output length, from the same Python floats beam_search divides by (bit-equal scores)
         self.lp = torch.tensor([length_penalty(float(n), alpha) for n in range(self.steps + 1)],

@@ -36,14 +36,15 @@ from sacrebleu.metrics import CHRF
 
 from model import Ensemble, Transformer
 from pipeline.checkpoint import load_checkpoint
-from pipeline.support.codegraph import code_closure
+from pipeline.support.codegraph import stage_code_hash
 from pipeline.config import CleaningConfig, DistillConfig
 from pipeline.data import DataError, read_manifest
 from pipeline.data.clean import Normalizer
 from pipeline.data.corpus import CorpusSplitWriter, rule_report
 from pipeline.support.errors import UserError
-from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, identity_fingerprint,
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, exclusive, identity_fingerprint,
                              read_stage_manifest, remove_stale_temps, sha256_file, stage_folder, write_json)
+from pipeline.evalsets import sentence_counter
 from pipeline.inference import load_models, translate_nbest, truncation_summary
 from pipeline.tokenize import Tokenizer, verify_file
 
@@ -101,12 +102,6 @@ def select_hypothesis(hypotheses: Sequence[str], reference: str, select: str) ->
     return max(hypotheses, key=lambda h: _CHRF.sentence_score(h, [reference]).score)
 
 
-def _code_hash() -> str:
-    """Hash of the code this stage runs (decoding and the model included): a change to what decodes invalidates
-    distilled corpora. The config schema is left out: the settings' values are in the identity."""
-    return code_hash(*code_closure(__name__, ("pipeline.config",)))
-
-
 def _teacher_files(teachers: Sequence[Path | str]) -> tuple[list[Path], list[str]]:
     """The teachers as checkpoint files and their sha256, each checked to exist and to be another model than the
     others (a copy of a file at a second path would weigh one model twice in the ensemble)."""
@@ -144,7 +139,7 @@ def _identities(corpus: dict, teacher_sha256: Sequence[str], distill: DistillCon
     """(what the decoded chunks depend on, what the output depends on: that and the filters); a teacher decoded
     through its CTranslate2 export (``export_sha256``, its weights file) translates otherwise, so it is part of
     both."""
-    decoded = {"format": DISTILL_FORMAT, "code": _code_hash(), "corpus": corpus["fingerprint"],
+    decoded = {"format": DISTILL_FORMAT, "code": stage_code_hash(__name__), "corpus": corpus["fingerprint"],
                "teachers": sorted(teacher_sha256),
                "settings": distill.model_dump(mode="json", exclude=set(_NOT_CONTENT | _FILTERS))}
     if export_sha256 is not None:
@@ -386,7 +381,7 @@ def distill_from_translations(corpus_dir: Path, translations: Path, distill: Dis
     corpus_dir, translations = Path(corpus_dir), Path(translations).expanduser().resolve()
     corpus = _train_corpus(corpus_dir)
     made = read_translations(translations, corpus_dir, corpus)
-    identity = {"format": DISTILL_FORMAT, "code": _code_hash(), "corpus": corpus["fingerprint"],
+    identity = {"format": DISTILL_FORMAT, "code": stage_code_hash(__name__), "corpus": corpus["fingerprint"],
                 "translations": made["sha256"], "filters": distill.model_dump(mode="json", include=set(_FILTERS))}
     out, fingerprint, done = stage_folder(work_dir, "distilled", identity)
     if done:
@@ -490,13 +485,7 @@ def _decode_chunks(decode: Decoder, corpus_dir: Path, corpus: dict, distill: Dis
                  len(finished), chunks, done, total)
     if progress:
         progress(done, total)
-
-    def advance(sentences: int) -> None:
-        nonlocal done
-        done += sentences
-        if progress:
-            progress(done, total)
-
+    advance = sentence_counter(total, progress, done)
     normalize = Normalizer(CleaningConfig.model_validate(corpus["config"].get("cleaning", {})), Counter())
     for i, table in enumerate(_row_chunks(train, ["src", "tgt"], size)):
         if i in finished:

@@ -104,9 +104,8 @@ class CTranslate2Engine:
     Sentences are tokenized by our tokenizer and cut to the model's positions as the PyTorch engine does, then
     handed to CTranslate2 as pieces, eos included only where the export's ``config.json`` does not add it.
     ``shortlist`` (None: as the export says) decodes with its vocabulary map or without. ``threads`` (0: the cores
-    this process may use) run batches side by side, one thread each, and a request is split into at least that many
-    batches (of at most the export's ``batch_sentences``): on 2 cores, beam 4, 2 parallel single-threaded batches
-    decoded 1.66x the sentences/s of one batch on 2 threads (319 against 192, int8, tiny model).
+    this process may use) run batches side by side, one thread each (faster than one batch on every thread), and a
+    request is split into at least that many batches (of at most the export's ``batch_sentences``).
     """
 
     name = "ctranslate2"

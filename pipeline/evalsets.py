@@ -8,7 +8,6 @@ decodes a sentence into an output line, how it scores a split, and the dev numbe
 from __future__ import annotations
 
 import abc
-import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -18,10 +17,10 @@ from typing import Callable, Iterable, Sequence
 import pyarrow.parquet as pq
 
 from model import Ensemble, Transformer
-from pipeline.support.codegraph import code_closure
+from pipeline.support.codegraph import stage_code_hash
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import read_manifest
-from pipeline.support.fsutil import code_hash, sha256_file
+from pipeline.support.fsutil import sha256_file, write_json, write_text
 from pipeline.inference import decode_device, load_models
 from pipeline.tokenize import Tokenizer
 
@@ -45,11 +44,6 @@ def checkpoint_record(checkpoint: Checkpoints) -> dict:
     return {"checkpoint": entries[0]} if len(entries) == 1 else {"ensemble": entries}
 
 
-@functools.cache
-def _code(module: str) -> str:
-    return code_hash(*code_closure(module, ("pipeline.config",)))
-
-
 def scores_header(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, decode: DecodeConfig, module: str,
                   **task: object) -> dict:
     """What ``scores.json`` records beside the scores, everything that made them: the task's own settings
@@ -57,7 +51,7 @@ def scores_header(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path
     (``module``, the evaluator, with all of ours it runs: decoding and the model included)."""
     return {**task, **checkpoint_record(checkpoint), "tokenizer_sha256": Tokenizer(tokenizer_dir).sha256,
             "corpus_fingerprint": read_manifest(corpus_dir)["fingerprint"], "decoding": decode.model_dump(),
-            "code": _code(module)}
+            "code": stage_code_hash(module)}
 
 
 def finished_scores(out_dir: Path, header: dict, corpus_dir: Path, splits: Sequence[str] | None) -> Path | None:
@@ -103,12 +97,22 @@ class EvalSetup:
     model: Transformer | Ensemble
     tokenizer: Tokenizer
     out_dir: Path
-    # called with each batch's sentence count; reports to the evaluation's Progress (None: nothing to report)
+    # called with each batch's sentence count; reports to the evaluation's Progress
     advance: Callable[[int], None] | None = None
 
     def split(self, corpus_dir: Path, key: str) -> tuple[list[str], list[str]]:
         """A split's sources and raw (unfiltered, untokenized) references, in corpus order."""
         return read_split(corpus_dir, self.corpus, key)
+
+    def write_lines(self, name: str, lines: Iterable[str]) -> None:
+        """``out_dir/name``: one line per item of ``lines``."""
+        write_text(self.out_dir / name, "".join(f"{line}\n" for line in lines))
+
+    def write_samples(self, key: str, title: str, columns: Sequence[str], rows: Sequence[Sequence[str]],
+                      records: list[dict]) -> None:
+        """``<key>.samples.md`` (``rows`` under ``columns``, for humans) and ``<key>.samples.json`` (``records``)."""
+        write_text(self.out_dir / f"{key}.samples.md", samples_markdown(f"{key}: {title}", columns, rows))
+        write_json(self.out_dir / f"{key}.samples.json", records)
 
 
 def read_split(corpus_dir: Path, corpus: dict, key: str) -> tuple[list[str], list[str]]:
@@ -118,16 +122,14 @@ def read_split(corpus_dir: Path, corpus: dict, key: str) -> tuple[list[str], lis
     return table.column("src").to_pylist(), table.column("tgt_raw").to_pylist()
 
 
-def sentence_counter(total: int, progress: Progress | None) -> Callable[[int], None] | None:
-    """A per-batch callback (that batch's sentence count) reporting (done, ``total``) to ``progress``."""
-    if progress is None:
-        return None
-    done = 0
-
+def sentence_counter(total: int, progress: Progress | None, done: int = 0) -> Callable[[int], None]:
+    """A per-batch callback (that batch's sentence count) reporting (done, ``total``) to ``progress`` (if any),
+    counting on from ``done``."""
     def advance(sentences: int) -> None:
         nonlocal done
         done += sentences
-        progress(done, total)
+        if progress:
+            progress(done, total)
 
     return advance
 
@@ -147,6 +149,22 @@ def eval_setup(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, o
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)  # only once the checkpoint is known to be usable
     return EvalSetup(corpus, keys, model, tokenizer, out_dir, sentence_counter(total, progress))
+
+
+def evaluate_splits(header: dict, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
+                    splits: Sequence[str] | None, device: str | None, progress: Progress | None,
+                    score_split: Callable[[EvalSetup, str], dict]) -> Path:
+    """``out_dir/scores.json``: ``header`` (:func:`scores_header`) and each split's entry, its name and what
+    ``score_split(setup, key)`` decodes and scores; a finished one of the same header is reused
+    (:func:`finished_scores`)."""
+    if (done := finished_scores(out_dir, header, corpus_dir, splits)) is not None:
+        return done
+    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress)
+    results = {key: {"name": setup.corpus["splits"][key].get("name", key), **score_split(setup, key)}
+               for key in setup.keys}
+    path = setup.out_dir / "scores.json"
+    write_json(path, {**header, "splits": results})
+    return path
 
 
 class Evaluator(abc.ABC):

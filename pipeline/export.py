@@ -55,8 +55,7 @@ log = logging.getLogger("aiayn.export")
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which model/ uses
 SENTENCEPIECE_FILE = "spm.model"  # the tokenizer's model, shipped in the export folder for any client
 # Part of the export folder's name: bumped when the same inputs export differently, so that a re-run does not reuse
-# an older folder (2: config.json adds the source eos, spm.model and translate_batch options ship with it; 3: the
-# options say use_vmap, and a vocabulary map may ship, pipeline.shortlist).
+# an older folder.
 EXPORT_FORMAT = 3
 
 

@@ -72,8 +72,7 @@ def model_from_state(state: dict, device: torch.device | str = "cpu") -> Transfo
 def decoding_model(model: Transformer, precision: str) -> Transformer:
     """The model as decoding runs it: itself for ``fp32``; for ``bf16`` a copy with bf16 weights, so activations
     stay bf16 from layer to layer (beam search still takes log-softmax in float32 and sums scores in float64).
-    Not autocast: its per-operation casts cost ~1/5 of a decoding step at the tiny size (measured with
-    torch.profiler), and a decoding step is many small operations."""
+    Not autocast: a decoding step is many small operations, and autocast would cast at each of them."""
     if next(model.parameters()).device.type == "cpu":
         keep_freed_memory()  # see pipeline.support.allocator: fewer page faults per step
     if precision == "fp32":

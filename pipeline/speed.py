@@ -1,9 +1,9 @@
 """How fast models serve, measured side by side: the same sentences, the same machine, each model with the engine it
 serves with, in alternating rounds.
 
-An absolute sentences/s means something only with its machine (a second busy process on 2 cores slows a run 3-10x,
-and AMX makes the same code several times faster), so a speed is measured beside the speeds it is compared with and
-reported with the CPU's name; the ratio between them is what travels.
+An absolute sentences/s means something only with its machine (another busy process, or the CPU's matrix units,
+change it many times over), so a speed is measured beside the speeds it is compared with and reported with the
+CPU's name; the ratio between them is what travels.
 """
 
 from __future__ import annotations

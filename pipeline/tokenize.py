@@ -242,6 +242,8 @@ class Tokenizer:
         self.sha256: str = self.manifest["model"]["sha256"]
         self.sp = spm.SentencePieceProcessor(model_file=str(self.model_path))
         self.special = SpecialIds.model_validate(self.manifest["special"])
+        self.pad_id, self.unk_id, self.bos_id, self.eos_id = (self.special.pad, self.special.unk, self.special.bos,
+                                                              self.special.eos)
         in_model = {"pad": self.sp.pad_id(), "unk": self.sp.unk_id(), "bos": self.sp.bos_id(), "eos": self.sp.eos_id()}
         if in_model != self.special.model_dump():
             raise TokenizerError(f"{self.model_path}: special ids {in_model} differ from {self.special.model_dump()} "
@@ -261,22 +263,6 @@ class Tokenizer:
         self.is_unknown[self.unk_id] = True
         if self.classes:
             self.is_unknown[[self.sp.piece_to_id(c) for c in word_classes()]] = True
-
-    @property
-    def pad_id(self) -> int:
-        return self.special.pad
-
-    @property
-    def unk_id(self) -> int:
-        return self.special.unk
-
-    @property
-    def bos_id(self) -> int:
-        return self.special.bos
-
-    @property
-    def eos_id(self) -> int:
-        return self.special.eos
 
     def encode(self, text: str) -> list[int]:
         """Piece ids of one normalised sentence, without bos/eos."""

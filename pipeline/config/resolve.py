@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from pipeline.config.base import CONFIG_DIR, ConfigError, DevDomainWarning, tree_leaves
 from pipeline.config.run import RunConfig
-from pipeline.config.yaml_loader import DuplicateKey, load_yaml, parse_value, read_yaml_file
+from pipeline.config.yaml_loader import DuplicateKey, parse_value, read_yaml_file
 from pipeline.support.fsutil import write_text
 from pipeline.support.retired import RetiredOptionError, drop_retired
 
@@ -279,10 +279,7 @@ def resolve_config(name_or_path: str | Path, overrides: Overrides | None = None,
     """
     env = os.environ if environ is None else environ
     items: list = [("work_dir", env[ENV_WORK_DIR])] if env.get(ENV_WORK_DIR) else []
-    if isinstance(overrides, Mapping):
-        items += list(overrides.items())
-    else:
-        items += list(overrides or [])
+    items += list(overrides.items() if isinstance(overrides, Mapping) else overrides or [])
     return load_config(name_or_path, items, data_root=data_root or env.get(ENV_DATA_ROOT) or None)
 
 
@@ -301,16 +298,10 @@ def load_resolved(path: str | Path) -> RunConfig:
     ``local_data``) is refused, saying how to resolve it."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        tree = read_yaml_file(path)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the resolved config: {e.strerror or e}; write one with python -m "
                           "pipeline config --config NAME [--set ...] --out FILE") from None
-    try:
-        tree = load_yaml(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
     preset = sorted(k for k in ("extends", "local_data") if k in tree)
     if preset:
         raise ConfigError(f"{path}: has {preset}: a preset, not a resolved config; resolve it first: python -m "

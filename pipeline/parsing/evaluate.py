@@ -26,9 +26,7 @@ from typing import Callable, Sequence
 from model import Ensemble, Transformer
 from pipeline.config import DecodeConfig, RunConfig
 from pipeline.data import DataError
-from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, eval_setup, finished_scores,
-                               samples_markdown, scores_header)
-from pipeline.support.fsutil import write_json, write_text
+from pipeline.evalsets import SAMPLE_ROWS, Checkpoints, EvalSetup, Evaluator, Progress, evaluate_splits, scores_header
 from pipeline.inference import translate, truncation_summary
 from pipeline.parsing.constraint import tree_constraint
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
@@ -96,41 +94,33 @@ def evaluate_parsing(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: P
     """Parse each dev/test split of the corpus with the checkpoint and score it with EVALB; returns
     ``scores.json``. ``splits`` defaults to every split but ``train``; ``leaves`` is ``data.tree_leaves``;
     ``progress`` hears (sentences parsed, sentences in all those splits) after every batch."""
-    header = scores_header(checkpoint, tokenizer_dir, corpus_dir, decode, __name__, task="parsing", tree_leaves=leaves)
-    if (done := finished_scores(out_dir, header, corpus_dir, splits)) is not None:
-        return done
-    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress)
-    corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
-    results = {}
-    for key in setup.keys:
+    def score_split(setup: EvalSetup, key: str) -> dict:
         src, raw_golds = setup.split(corpus_dir, key)
         golds = [strip_root(parse_tree(g)) for g in raw_golds]
         tags = [[t for t, _ in remove_empty(g).tagged_words()] for g in golds]
         truncated: list[int] = []
-        outputs, parsed = parse(model, tokenizer, src, decode, tags, setup.advance, leaves=leaves, source=key,
-                                truncated=truncated)
+        outputs, parsed = parse(setup.model, setup.tokenizer, src, decode, tags, setup.advance, leaves=leaves,
+                                source=key, truncated=truncated)
         if truncated:
-            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config.max_positions))
+            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), setup.model.config.max_positions))
         trees, repairs = [t for t, _ in parsed], [r for _, r in parsed]
-        write_text(out_dir / f"{key}.hyp", "".join(f"{t}\n" for t in trees))
-        write_text(out_dir / f"{key}.gold", "".join(f"{g}\n" for g in golds))
-        write_text(out_dir / f"{key}.raw", "".join(f"{o}\n" for o in outputs))
+        setup.write_lines(f"{key}.hyp", trees)
+        setup.write_lines(f"{key}.gold", golds)
+        setup.write_lines(f"{key}.raw", outputs)
         samples = [(s, str(g), o, str(t), "yes" if r.needed else "no")
                    for s, g, o, t, r in list(zip(src, golds, outputs, trees, repairs))[:SAMPLE_ROWS]]
-        write_text(out_dir / f"{key}.samples.md", samples_markdown(
-            f"{key}: sample parses", ("words", "gold", "output", "tree", "repaired"), samples))
-        write_json(out_dir / f"{key}.samples.json",
-                   [{"source": s, "reference": g, "output": o, "hypothesis": t, "repaired": r == "yes"}
-                    for s, g, o, t, r in samples])
-        results[key] = {"name": corpus["splits"][key].get("name", key), **score_parses(golds, trees, repairs),
-                        "truncated_sources": len(truncated)}
-        r = results[key]
+        setup.write_samples(key, "sample parses", ("words", "gold", "output", "tree", "repaired"), samples,
+                            [{"source": s, "reference": g, "output": o, "hypothesis": t, "repaired": r == "yes"}
+                             for s, g, o, t, r in samples])
+        r = {**score_parses(golds, trees, repairs), "truncated_sources": len(truncated)}
         log.info("%s: EVALB F1 %.2f (P %.2f R %.2f, exact %.2f), well-formed before repair %.1f%%, "
                  "right-branching F1 %.2f", key, r["f1"], r["precision"], r["recall"], r["exact_match"],
                  100 * r["well_formed_before_repair_rate"], r["right_branching_f1"])
-    path = out_dir / "scores.json"
-    write_json(path, {**header, "splits": results})
-    return path
+        return r
+
+    header = scores_header(checkpoint, tokenizer_dir, corpus_dir, decode, __name__, task="parsing", tree_leaves=leaves)
+    return evaluate_splits(header, checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress,
+                           score_split)
 
 
 class ParsingEvaluator(Evaluator):

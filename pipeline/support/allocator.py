@@ -5,10 +5,8 @@ PyTorch's CPU tensors come from ``malloc``. glibc serves a request above its mma
 (activations, logits, a decoding step's scores) costs page faults on every first touch, each time. glibc's
 threshold does adapt upwards, but the heap is trimmed back to the OS whenever its free top passes twice that
 threshold, and a step then grows it again page by page. With the threshold at glibc's maximum (32 MB), the
-trim threshold at 1 GB and 256 MB of top padding, measured side by side on the 2-core AMX machine (tiny model,
-3 runs each): bf16 training +6%, bf16 beam-4 decoding +12-17% (the profile showed the float32 copy of one
-step's logits taking 4x its in-cache time). The price: up to ~1 GB of freed memory stays with the process
-instead of going back to the OS while it runs.
+trim threshold at 1 GB and 256 MB of top padding, CPU training and beam search run faster. The price: up to
+1 GB of freed memory stays with the process instead of going back to the OS while it runs.
 
 The same settings as environment variables (``MALLOC_MMAP_THRESHOLD_`` ...) would have to be set before the
 interpreter starts; :func:`keep_freed_memory` applies them with ``mallopt`` from inside the process, once. Only

@@ -1,7 +1,8 @@
 """Which of our source files a module runs: its imports of our packages, read with ``ast`` (nothing is imported).
 
-Used for the cache keys of stage tasks (``tasks.caching``: a stage's key covers the code it really runs, derived
-from its imports instead of a hand-written list that drifts) and by ``scripts/import_graph.py``.
+Used for the cache keys of stage tasks (``tasks.caching``) and the code hash in stage folders' identities
+(:func:`stage_code_hash`): each covers the code a stage really runs, derived from its imports instead of a
+hand-written list that drifts; and by ``scripts/import_graph.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from pipeline.support import REPO_ROOT
+from pipeline.support.fsutil import code_hash
 
 REPO = REPO_ROOT
 PACKAGES = ("ops", "flows", "tasks", "pipeline", "model")
@@ -80,3 +82,10 @@ def code_closure(module: str, exclude: tuple[str, ...] = ()) -> tuple[Path, ...]
         for target, _, _ in module_imports(name, known[name], known):
             todo += [m for m in _with_parents(target, known) if m not in seen]
     return tuple(sorted(known[m] for m in seen))
+
+
+@lru_cache(maxsize=None)
+def stage_code_hash(module: str) -> str:
+    """Hash of the code ``module`` runs (:func:`code_closure`), the config schema left out (a stage's identity
+    holds the settings' values): a change to that code invalidates the stage's cached outputs."""
+    return code_hash(*code_closure(module, ("pipeline.config",)))

@@ -148,7 +148,7 @@ def _sync_hunches(sweep: SweepConfig, study: optuna.Study) -> None:
     file is withdrawn (FAIL with user attribute ``withdrawn``; it does not count against ``trials``)."""
     wanted = hunches(sweep, study.user_attrs[_BASE_POINT])
     for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-        if not t.user_attrs.get("base") and enqueued_point(t) not in wanted:
+        if not t.user_attrs.get("base") and optuna_adapter.enqueued_params(t) not in wanted:
             optuna_adapter.set_user_attr(study, t, "withdrawn", "taken out of enqueue before it ran")
             optuna_adapter.set_trial_state(study, t, TrialState.FAIL)
     for point in wanted:
@@ -158,10 +158,6 @@ def _sync_hunches(sweep: SweepConfig, study: optuna.Study) -> None:
 def run_key(study: optuna.Study, what: str) -> str:
     """The idempotency key of one run of this study (``trial-3``, ``confirm-trial-3-seed-2``)."""
     return f"sweep-{study.study_name}-{study.user_attrs[_UID]}-{what}"
-
-
-def _reported(trial: FrozenTrial) -> int:
-    return max(trial.intermediate_values, default=-1)
 
 
 def search(sweep: SweepConfig, study: optuna.Study, runner: Runner, overrides_of, poll_s: float | None = None,
@@ -243,12 +239,6 @@ def _copy(study: optuna.Study, trial: optuna.Trial, twin: int) -> bool:
     return True
 
 
-def enqueued_point(trial: FrozenTrial) -> dict[str, Any] | None:
-    """The point a trial was enqueued with (the base or a hunch of the sweep's ``enqueue``); None for a drawn one.
-    Optuna keeps it in the trial's system attributes (:func:`.optuna_adapter.enqueued_params`)."""
-    return optuna_adapter.enqueued_params(trial)
-
-
 def _launch(study: optuna.Study, runner: Runner, what: str, overrides: dict[str, Any]) -> str:
     """Start run ``what`` of this study (``trial-3``), or find it started. A run stopped from outside (:data:`STOPPED`:
     its process died when the machine went away under it, or it was cancelled with the controller before this one)
@@ -278,7 +268,7 @@ def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
     record how it ended. The run to look at next; None when the trial is over."""
     state = runner.state(run_id)
     frozen = optuna_adapter.frozen_trial(study, trial)
-    last = _reported(frozen)
+    last = max(frozen.intermediate_values, default=-1)  # the last step reported
     for seconds, nll in runner.curve(run_id):
         if int(seconds) > last:
             trial.report(-nll if math.isfinite(nll) else float("nan"), int(seconds))
@@ -287,7 +277,7 @@ def _step(study: optuna.Study, runner: Runner, trial: optuna.Trial, run_id: str,
             # when it passes it, and later trials are measured against those values. The base and the hunches train
             # their whole budget: a hunch is there because its curve is expected to cross the others' late (a larger
             # shape is behind early by construction), and the base is what every other trial is measured against.
-            if trial.should_prune() and state not in FINAL and enqueued_point(frozen) is None:
+            if trial.should_prune() and state not in FINAL and optuna_adapter.enqueued_params(frozen) is None:
                 runner.cancel(run_id, f"pruned by the sweep at {int(seconds)} s of training (dev NLL/sentence "
                                       f"{nll:.3f})")
                 study.tell(trial, state=TrialState.PRUNED)

@@ -14,11 +14,12 @@ from typing import Any
 import optuna
 import yaml
 
-from pipeline.config import RunConfig, deep_merge
+from pipeline.config import RunConfig, apply_overrides, deep_merge
 from pipeline.support.fsutil import write_text
 from pipeline.promotion import Comparison, pooled_bootstrap
 from pipeline.sweep.config import SweepConfig, expand
-from pipeline.sweep.search import Arm, enqueued_point, point
+from pipeline.sweep import optuna_adapter
+from pipeline.sweep.search import Arm, point
 
 
 def leaderboard(study: optuna.Study) -> list[dict[str, Any]]:
@@ -31,7 +32,7 @@ def leaderboard(study: optuna.Study) -> list[dict[str, Any]]:
         last = max(t.intermediate_values, default=None)
         rows.append({"trial": t.number, "state": t.state.name, "value": t.value if t.state.name == "COMPLETE" else None,
                      # a withdrawn one was never asked
-                     "params": point(study, t) if t.params else enqueued_point(t) or {},
+                     "params": point(study, t) if t.params else optuna_adapter.enqueued_params(t) or {},
                      "base": bool(t.user_attrs.get("base")), "steps": t.user_attrs.get("steps"),
                      "note": t.user_attrs.get("withdrawn") or t.user_attrs.get("run_state"),
                      "dev_sentence_nll": -t.intermediate_values[last] if last is not None else None,
@@ -116,17 +117,6 @@ def winner(candidates: list[Arm], dev: list[Verdict]) -> Arm:
     return next(a for a in candidates if a.label == best.label)
 
 
-def _nested(dotted: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in dotted.items():
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
 def write_winner(sweep: SweepConfig, arm: Arm, dev: list[Verdict], tests: list[Verdict], path: Path,
                  base: RunConfig) -> Path:
     """The winner as a preset YAML: ``extends`` the base config, sets the winning values, and says in comments
@@ -149,7 +139,7 @@ def write_winner(sweep: SweepConfig, arm: Arm, dev: list[Verdict], tests: list[V
     if arm.label != "base":
         recipe = base.recipes.get(base.recipe_applied or "none", {})
         tree = {**tree, "name": f"{base.name}-{sweep.name}", "recipe": "none",
-                **deep_merge(recipe, _nested(expand(sweep, arm.params, fixed=False)))}
+                **deep_merge(recipe, apply_overrides({}, expand(sweep, arm.params, fixed=False)))}
     write_text(path, "\n".join(lines) + "\n" + yaml.safe_dump(tree, sort_keys=False))
     return path
 

@@ -1,42 +1,14 @@
 """``python -m pipeline.train``: train a model, in one process or under torchrun, without an orchestrator.
 
 ``--config`` is a resolved config file, loaded as it is (no presets, environment or overrides: those were applied
-once, where it was resolved): the one the pipeline writes into each run folder (``config.yaml``), or one written by
-``python -m pipeline config --config NAME [--set ...] --out FILE``. So every rank, on every node, trains exactly
-the config its launcher resolved.
+once, where it was resolved): a run folder's ``config.yaml``, or one written by ``python -m pipeline config --config
+NAME [--set ...] --out FILE``. So every rank, on every node, trains exactly the config its launcher resolved. How
+to start it in one process, on one node or on several: docs/tutorials/multi-node.md, "torchrun by hand".
 
-One process::
-
-    python -m pipeline config --config multi30k-cpu --set train.max_steps=200 --out run.yaml
-    python -m pipeline.train --config run.yaml --shards runs/shards/<fp> --out runs/train/demo
-
-One node, N processes (DDP; gloo on CPU, NCCL on GPU), every socket on 127.0.0.1 (``pipeline.train.rendezvous``)::
-
-    torchrun --nproc_per_node 2 --rdzv-backend aiayn -m pipeline.train --config run.yaml --out runs/train/demo
-
-Two nodes (run on each node, same command but its own ``--node-rank`` and ``is_host``; HOST0 is reachable from
-both on interface eth0, and ``--out`` should be a shared folder so that a restart on either node finds the
-checkpoints)::
-
-    torchrun --nnodes 2 --nproc_per_node 8 --node-rank 0 --rdzv-backend aiayn --rdzv-endpoint HOST0:29500 \\
-        --rdzv-id my-run --rdzv-conf interface=eth0,is_host=true \\
-        -m pipeline.train --config base.yaml --out /shared/runs/base
-    torchrun --nnodes 2 --nproc_per_node 8 --node-rank 1 --rdzv-backend aiayn --rdzv-endpoint HOST0:29500 \\
-        --rdzv-id my-run --rdzv-conf interface=eth0,is_host=false \\
-        -m pipeline.train --config base.yaml --out /shared/runs/base
-
-With ``--mlflow-run-id RUN_ID`` rank 0 also logs params, step metrics and system metrics into that MLflow run
-(``pipeline.tracking.MlflowSink``); the server is ``MLFLOW_TRACKING_URI``, checked before training starts.
-
-``--init-checkpoint PATH`` starts a new run from that checkpoint's weights (``train.init_from``; same model
-config and tokenizer, else exit status 2); a run that resumes ignores it.
-
-Running the same command again resumes from the newest intact checkpoint in ``--out``. Without ``--shards``
-the shards are built (or reused: every stage is a cached no-op when unchanged) from the config, on rank 0
-first while the other ranks wait. ``--out`` defaults to the config's run folder (``pipeline.workdir.run_dir``:
-``<work_dir>/train/<hash of data, tokenizer, model, train less its budgets>-<shards fingerprint>``), the one
-``python -m pipeline`` uses too.
-Prints the output folder (rank 0).
+Running the same command again resumes from the newest intact checkpoint in ``--out``. Without ``--shards`` the
+shards are built (or reused) from the config, on rank 0 first while the other ranks wait. ``--out`` defaults to the
+config's run folder (:func:`pipeline.workdir.run_dir`), the one ``python -m pipeline`` uses too. Prints the output
+folder (rank 0).
 """
 
 from __future__ import annotations

@@ -55,12 +55,9 @@ def accumulation_steps(update_tokens: int, max_tokens: int, world_size: int) -> 
 
 
 class TrainData:
-    """What a training run reads: each epoch's split and batches (:meth:`epoch`), the dev batches, and the records a
-    checkpoint keeps of the shards (``shards``: fingerprint and manifest hash; ``tokenizer_sha256``).
-
-    Data order. Each epoch's batches come from :func:`pipeline.shards.token_batches` with ``(train.seed, epoch)``,
-    the same list on every rank; one update takes a group of :attr:`group` of them. With sampled copies of the
-    training split (BPE-dropout, ``tokenizer.sampling_alpha``), epoch ``e`` reads copy ``e mod copies``."""
+    """What a training run reads: each epoch's split and batches (:meth:`epoch`; the data order is the trainer's
+    module docstring's), the dev batches, and the records a checkpoint keeps of the shards (``shards``: fingerprint
+    and manifest hash; ``tokenizer_sha256``). One update takes a group of :attr:`group` batches."""
 
     def __init__(self, cfg: RunConfig, train_ds: ShardDataset, shard_dir: Path, info: DistInfo):
         t = cfg.train

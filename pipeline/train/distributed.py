@@ -26,8 +26,6 @@ class DistInfo:
 
     rank: int
     world_size: int
-    local_rank: int
-    local_world_size: int
     device: torch.device
 
     @property
@@ -42,10 +40,6 @@ class DistInfo:
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
-
-
-def _cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def setup() -> DistInfo:
@@ -66,13 +60,14 @@ def setup() -> DistInfo:
         device = torch.device("cpu")
         keep_freed_memory()  # see pipeline.support.allocator: fewer page faults per step
     threads = os.environ.get("AIAYN_CPU_THREADS")  # an explicit count wins (benchmarks, shared machines)
-    torch.set_num_threads(int(threads) if threads else max(1, _cpu_cores() // local_world))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(int(threads) if threads else max(1, cores // local_world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         # Long timeout: rank 0 may build shards while the others wait at a barrier.
         dist.init_process_group(backend, timeout=timedelta(hours=2),
                                 device_id=device if device.type == "cuda" else None)
-    return DistInfo(rank, world, local_rank, local_world, device)
+    return DistInfo(rank, world, device)
 
 
 def teardown(info: DistInfo) -> None:

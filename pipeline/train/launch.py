@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 import uuid
@@ -22,6 +21,7 @@ from typing import Sequence
 import torch
 
 from pipeline.config import LaunchConfig
+from pipeline.support.proc import free_port
 
 from .rendezvous import BACKEND, LOOPBACK, interface_address
 
@@ -50,9 +50,7 @@ def rendezvous_for(launch: LaunchConfig, attempt: str) -> Rendezvous:
     endpoint = launch.rdzv_endpoint
     if endpoint is None:
         address = interface_address(launch.interface or LOOPBACK)
-        with socket.socket() as s:
-            s.bind((address, 0))
-            endpoint = f"{address}:{s.getsockname()[1]}"
+        endpoint = f"{address}:{free_port(address)}"
     return Rendezvous(endpoint, attempt)
 
 

@@ -90,10 +90,9 @@ def _fmt(key: str, value: float) -> str:
 class ConsoleSink:
     """A tqdm progress bar over the steps when stderr is a terminal, plain log lines otherwise."""
 
-    def __init__(self, total_steps: int, start_step: int = 0, use_bar: bool | None = None):
-        use_bar = sys.stderr.isatty() if use_bar is None else use_bar
+    def __init__(self, total_steps: int, start_step: int = 0):
         self._bar = None
-        if use_bar:
+        if sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
@@ -140,8 +139,7 @@ def matmul_roofline(shapes: Sequence[tuple[int, int, int]], dtype: torch.dtype,
     (``"MxKxN"``): the best of repeated calls after two warm-up calls, repeated for ``seconds_per_shape`` and at
     least ``min_repeats`` times. What a CPU's MFU is measured against where no datasheet applies (its matrix units
     run at very different speeds in fp32 and bf16, and per shape). A single timed call is no peak: the first calls
-    build the kernel (oneDNN's primitive) and a busy moment at start-up slows one call, which once put the logged
-    MFU above 100%."""
+    build the kernel (oneDNN's primitive) and a busy moment at start-up slows one call."""
     out = {}
     for m, k, n in shapes:
         # Constant operands: the speed does not depend on the values, and the RNG streams of training stay untouched.

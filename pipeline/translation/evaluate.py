@@ -20,9 +20,7 @@ from typing import Callable, Sequence
 
 from model import Ensemble, Transformer
 from pipeline.config import DecodeConfig, RunConfig
-from pipeline.evalsets import (SAMPLE_ROWS, Checkpoints, Evaluator, Progress, eval_setup, finished_scores,
-                               samples_markdown, scores_header)
-from pipeline.support.fsutil import write_json, write_text
+from pipeline.evalsets import SAMPLE_ROWS, Checkpoints, EvalSetup, Evaluator, Progress, evaluate_splits, scores_header
 from pipeline.inference import translate, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.translation.bleu import score_translations, tokenized_bleu
@@ -44,32 +42,25 @@ def evaluate_translation(checkpoint: Checkpoints, tokenizer_dir: Path, corpus_di
     ``splits`` defaults to every split but ``train`` (``dev`` and each ``test.<name>``); ``progress`` hears
     (sentences translated, sentences in all those splits) after every batch.
     """
-    header = scores_header(checkpoint, tokenizer_dir, corpus_dir, decode, __name__)
-    if (done := finished_scores(out_dir, header, corpus_dir, splits)) is not None:
-        return done
-    setup = eval_setup(checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress)
-    corpus, model, tokenizer, out_dir = setup.corpus, setup.model, setup.tokenizer, setup.out_dir
-    results = {}
-    for key in setup.keys:
+    def score_split(setup: EvalSetup, key: str) -> dict:
         src, refs = setup.split(corpus_dir, key)
         truncated: list[int] = []
-        hyps = translate(model, tokenizer, src, decode, setup.advance, source=key, truncated=truncated)
+        hyps = translate(setup.model, setup.tokenizer, src, decode, setup.advance, source=key, truncated=truncated)
         if truncated:
-            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), model.config.max_positions))
-        write_text(out_dir / f"{key}.hyp", "".join(h + "\n" for h in hyps))
-        write_text(out_dir / f"{key}.ref", "".join(r + "\n" for r in refs))
+            log.warning("%s: %s", key, truncation_summary(len(truncated), len(src), setup.model.config.max_positions))
+        setup.write_lines(f"{key}.hyp", hyps)
+        setup.write_lines(f"{key}.ref", refs)
         samples = list(zip(src, refs, hyps))[:SAMPLE_ROWS]
-        write_text(out_dir / f"{key}.samples.md", samples_markdown(f"{key}: sample translations",
-                                                                   ("source", "reference", "hypothesis"), samples))
-        write_json(out_dir / f"{key}.samples.json",
-                   [{"source": s, "reference": r, "hypothesis": h} for s, r, h in samples])
-        results[key] = {"name": corpus["splits"][key].get("name", key),
-                        **score_translations(hyps, refs, corpus["tgt_lang"]), "truncated_sources": len(truncated)}
-        log.info("%s: sacreBLEU %.2f, chrF %.2f, %s %.2f", key, results[key]["sacrebleu"]["score"],
-                 results[key]["chrf"]["score"], *_tokenized(results[key]))
-    path = out_dir / "scores.json"
-    write_json(path, {**header, "splits": results})
-    return path
+        setup.write_samples(key, "sample translations", ("source", "reference", "hypothesis"), samples,
+                            [{"source": s, "reference": r, "hypothesis": h} for s, r, h in samples])
+        result = {**score_translations(hyps, refs, setup.corpus["tgt_lang"]), "truncated_sources": len(truncated)}
+        log.info("%s: sacreBLEU %.2f, chrF %.2f, %s %.2f", key, result["sacrebleu"]["score"], result["chrf"]["score"],
+                 *_tokenized(result))
+        return result
+
+    header = scores_header(checkpoint, tokenizer_dir, corpus_dir, decode, __name__)
+    return evaluate_splits(header, checkpoint, tokenizer_dir, corpus_dir, out_dir, splits, device, progress,
+                           score_split)
 
 
 class TranslationEvaluator(Evaluator):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import abc
 import codecs
 import glob
+import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,17 +157,9 @@ class Source(abc.ABC):
 
     def pair_batches(self, rows: int) -> Iterator[Batch]:
         """:meth:`pairs` up to ``rows`` at a time (a reader that can read a batch at once overrides it)."""
-        lines: list[int] = []
-        srcs: list[str] = []
-        tgts: list[str] = []
-        for line, src, tgt in self.pairs():
-            lines.append(line)
-            srcs.append(src)
-            tgts.append(tgt)
-            if len(lines) == rows:
-                yield np.array(lines, dtype=np.int64), pa.array(srcs, pa.string()), pa.array(tgts, pa.string())
-                lines, srcs, tgts = [], [], []
-        if lines:
+        pairs = self.pairs()
+        while batch := list(itertools.islice(pairs, rows)):
+            lines, srcs, tgts = zip(*batch)
             yield np.array(lines, dtype=np.int64), pa.array(srcs, pa.string()), pa.array(tgts, pa.string())
 
     def expected_rows(self) -> int | None:
