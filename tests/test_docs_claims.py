@@ -116,7 +116,7 @@ LAYOUT = [
 BESIDE = [
     ("eval-last*-*/scores.json", "pipeline/evaluate.py", 'f"eval-{paths[0].stem}-{settings}"'),
     ("eval-ensemble*-*-*/scores.json", "pipeline/evaluate.py", 'f"eval-ensemble{len(paths)}-{members}-{settings}"'),
-    ("eval-*/*.hyp", "pipeline/translation/evaluate.py", 'out_dir / f"{key}.hyp"'),
+    ("eval-*/*.hyp", "pipeline/translation/evaluate.py", 'write_lines(f"{key}.hyp"'),
     ("ctranslate2-*-*-*/model.bin", "pipeline/export.py", 'f"ctranslate2-{cfg.export.quantization}-{content}-'),
     ("ctranslate2-*/gate.json", "pipeline/engines.py", 'GATE = "gate.json"'),
     ("ctranslate2-*/export.json", "pipeline/engines.py", 'EXPORT_META = "export.json"'),
