@@ -19,4 +19,4 @@ fi
 # shellcheck source=bench/device_env.sh
 . bench/device_env.sh
 AIAYN_COMMIT=$(cat .carry/commit 2>/dev/null || echo unknown) \
-  exec python3 -m bench.gpu_teacher --data-root .carry/data --out "${OUT:-bench/results/scratch/gpu_teacher}" "$@"
+  exec python3 -m bench.gpu_teacher --device-call --data-root .carry/data --out "${OUT:-bench/results/scratch/gpu_teacher}" "$@"
