@@ -487,24 +487,13 @@ class Stack:
             extra["AIAYN_DATA_ROOT"] = str(data_root.resolve())
         if work_dir is not None:
             extra["AIAYN_WORK_DIR"] = str(work_dir.resolve())
-        pool = ["--type", "process"]
         if worker == "docker":
-            mounts = {data_root.resolve(): "ro", work_dir.resolve(): "rw"}
-            if "PREFECT_LOCAL_STORAGE_PATH" in extra:
-                mounts[Path(extra["PREFECT_LOCAL_STORAGE_PATH"])] = "rw"
-            for folder in mounts:
-                folder.mkdir(parents=True, exist_ok=True)
-            template = self.home / "docker-pool.json"
-            # the image built here is never pulled; the folders a run reads and writes are mounted at their own
-            # paths, so that a path a run records means the same on the host and in every container
-            write_json(template, pools.template("docker", WORK_POOL, {
-                "image": image, "image_pull_policy": "Never",
-                "volumes": [f"{folder}:{folder}:{mode}" for folder, mode in mounts.items()],
-                "env": {"MLFLOW_TRACKING_URI": services["mlflow"].url, **extra}}))
-            pool = ["--type", "docker", "--base-job-template", str(template)]
+            self._docker_pool(image, data_root, work_dir, {"MLFLOW_TRACKING_URI": services["mlflow"].url, **extra},
+                              env)
             # the pull step's {{ $AIAYN_PROJECT_DIR }} stays for each container to fill: the image's project folder
             env.pop("AIAYN_PROJECT_DIR")
-        prefect_cli(["work-pool", "create", WORK_POOL, *pool, "--overwrite"], env)
+        else:
+            prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"], env)
         prefect_cli(["work-pool", "create", GPU_POOL, "--type", "process", "--overwrite"], env)
         prefect_cli(["deploy", "--all"], env)
         create_promotion_locks(env)
@@ -519,6 +508,24 @@ class Stack:
                                                           extra, pool=GPU_POOL)
             self.save(services)
         return services
+
+    @staticmethod
+    def _docker_pool(image: str, data_root: Path, work_dir: Path, run_env: dict[str, str],
+                     env: dict[str, str]) -> None:
+        """The stack's pool as a Docker pool (ops.pools): ``image``, built here and so never pulled; the data root
+        (read-only), the work dir and a result storage folder mounted at their own paths, so that a path a run
+        records means the same on the host and in every container; ``run_env`` for each flow run."""
+        mounts = {data_root.resolve(): "ro", work_dir.resolve(): "rw"}
+        if "PREFECT_LOCAL_STORAGE_PATH" in run_env:
+            mounts[Path(run_env["PREFECT_LOCAL_STORAGE_PATH"])] = "rw"
+        for folder in mounts:
+            folder.mkdir(parents=True, exist_ok=True)
+        try:
+            pools.create(WORK_POOL, "docker", pools.template("docker", WORK_POOL, {
+                "image": image, "image_pull_policy": "Never",
+                "volumes": [f"{folder}:{folder}:{mode}" for folder, mode in mounts.items()], "env": run_env}), env)
+        except pools.PoolError as e:
+            raise StackError(str(e)) from None
 
     def down(self) -> list[str]:
         """Stop exactly the recorded processes that are still ours; forget the record. Returns their names."""

@@ -203,9 +203,7 @@ def _run_nodes(launch: LaunchConfig, rendezvous: Rendezvous, job: dict[str, Any]
                 launch.node_deployment, timeout=0, as_subflow=True, tags=[f"parent-flow-run:{parent}"],
                 flow_run_name=f"{flow_run.get_name()}-node-{rank}-of-{launch.nnodes}",
                 idempotency_key=f"{rendezvous.run_id}-node-{rank}",
-                # the label, e.g. for a Service selecting node 0; then the config's own for this node
-                job_variables={"labels": {"aiayn-node-rank": str(rank)},
-                               **launch.node_job_variables.get(str(rank), {})},
+                job_variables=_node_job_variables(launch, rank),
                 parameters={**job, "launch": launch.model_dump(mode="json"), "node_rank": rank,
                             "rdzv_endpoint": rendezvous.endpoint, "rdzv_id": rendezvous.run_id}))
         failed = _watch(runs, logger, launch)
@@ -218,6 +216,13 @@ def _run_nodes(launch: LaunchConfig, rendezvous: Rendezvous, job: dict[str, Any]
             ended = [(rank, client.read_flow_run(run.id)) for rank, run in enumerate(runs)]
         failures = [(rank, run) for rank, run in ended if run.state.type.value in ("FAILED", "CRASHED")] or [failed]
         raise _nodes_failed(failures, launch.nnodes)
+
+
+def _node_job_variables(launch: LaunchConfig, rank: int) -> dict[str, Any]:
+    """Node ``rank``'s job variables: the config's own for it (launch.node_job_variables), with its rank among its
+    labels (what a Service selecting node 0 matches), whatever other labels they set."""
+    own = launch.node_job_variables.get(str(rank), {})
+    return {**own, "labels": {**own.get("labels", {}), "aiayn-node-rank": str(rank)}}
 
 
 def _nodes_failed(failures: list[tuple[int, FlowRun]], nnodes: int) -> TrainingFailed:

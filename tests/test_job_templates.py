@@ -157,7 +157,12 @@ def test_the_cluster_manifests_agree_with_the_templates_and_prefect_yaml() -> No
     service = docs[("Service", "aiayn-node0")]
     assert service["metadata"]["namespace"] == namespace
     assert service["spec"]["selector"] == {"aiayn-node-rank": "0"}
-    assert '{"aiayn-node-rank": str(rank)}' in (DEPLOY.parent / "tasks" / "training.py").read_text(encoding="utf-8")
+    from pipeline.config import LaunchConfig
+    from tasks.training import _node_job_variables
+
+    labels = {"team": "ml"}
+    launch = LaunchConfig(nnodes=2, node_job_variables={"0": {"labels": labels}})
+    assert _node_job_variables(launch, 0)["labels"] == {**labels, **service["spec"]["selector"]}
     spec = yaml.safe_load((DEPLOY.parent / "prefect.yaml").read_text(encoding="utf-8"))
     (two,) = [d for d in spec["deployments"] if d["name"] == "wmt14-base-2nodes"]
     host, port = two["parameters"]["overrides"]["launch.rdzv_endpoint"].split(":")
