@@ -18,7 +18,8 @@ lineage: file sha256, config, commit), ``teacher.json`` (every teacher's and the
 choice, the chosen teacher's dev and test2016 outputs, the GPU, the timings) and ``gpu_teacher.log``. Weights stay
 on the GPU machine. The student then trains here on the translations (``distill.translations``), e.g.:
 
-    python -m studies.distill students --arms original gpu-distilled --translations <out>/translations
+    python -m pipeline run --config multi30k-student-tiny --set 'distill.teachers=[]' \
+        --set distill.translations=<out>/translations
 
 bench/gpu_teacher.sh prepares and makes the device call, with ``--device-call``: the run then fails when what it
 would bring back exceeds the device tool's limits (a rehearsal on the CPU with a small teacher, ``--set``

@@ -51,17 +51,17 @@ def test_medians_ratios_and_one_record_with_its_provenance(tmp_path):
 
 
 def _modules(folder: str) -> list[str]:
-    return sorted(p.stem for p in (REPO / folder).glob("*.py") if p.stem not in ("__init__", "harness", "common"))
+    return sorted(p.stem for p in (REPO / folder).glob("*.py") if p.stem not in ("__init__", "harness"))
 
 
-def test_the_benchmarks_page_names_every_benchmark_and_study_and_only_those():
-    """Every module of bench/ and studies/ (a benchmark or a study, run as ``python -m``) and every slot script is
+def test_the_benchmarks_page_names_every_benchmark_and_only_those():
+    """Every module of bench/ (a benchmark, run as ``python -m``) and every slot script is
     on docs/how-to/benchmarks.md, and every one the page names exists."""
     text = PAGE.read_text(encoding="utf-8")
-    named = set(re.findall(r"python -m ((?:bench|studies)\.\w+)", text))
-    named |= {f"{d}.{n}" for d, n in re.findall(r"`(bench|studies)/(\w+)\.py", text)}
-    named -= {"bench.harness", "studies.common"}  # what they share, not a benchmark or study
-    modules = {f"bench.{m}" for m in _modules("bench")} | {f"studies.{m}" for m in _modules("studies")}
+    named = set(re.findall(r"python -m (bench\.\w+)", text))
+    named |= {f"bench.{n}" for n in re.findall(r"`bench/(\w+)\.py", text)}
+    named -= {"bench.harness"}  # what they share, not a benchmark
+    modules = {f"bench.{m}" for m in _modules("bench")}
     assert modules - named == set(), "modules the benchmarks page does not name"
     assert named - modules == set(), "names on the benchmarks page with no module"
     scripts = {p.name for p in (REPO / "bench").glob("*.sh")}
@@ -69,11 +69,11 @@ def test_the_benchmarks_page_names_every_benchmark_and_study_and_only_those():
     assert set(re.findall(r"bench/(\w+\.sh)", text)) <= scripts
 
 
-def test_benchmarks_and_studies_import_no_private_name_of_the_project():
-    """A benchmark or study uses what pipeline and model offer publicly: a private name it needed would break
+def test_benchmarks_import_no_private_name_of_the_project():
+    """A benchmark uses what pipeline and model offer publicly: a private name it needed would break
     with any refactoring of the module that owns it."""
     private = []
-    for path in [*(REPO / "bench").glob("*.py"), *(REPO / "studies").glob("*.py")]:
+    for path in (REPO / "bench").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("pipeline", "model"):
                 private += [f"{path.relative_to(REPO)}: {node.module}.{a.name}" for a in node.names

@@ -77,11 +77,18 @@ class Significance(_Strict):
 
 
 class Retirement(_Strict):
-    """Options an entry measured that left the product (the exit rule: docs/explanation/architecture.md); their
-    code is at ``commit``."""
+    """What an entry measured or ran that has left the repository (the exit rule: docs/explanation/architecture.md):
+    product options, or the study and benchmark code that made the measurement; both are at ``commit``."""
 
-    options: list[str]
+    options: list[str] = []
+    code: list[str] = []
     commit: str
+
+    @model_validator(mode="after")
+    def _names_something(self) -> Retirement:
+        if not (self.options or self.code):
+            raise ValueError("a retirement names the options or the code that left")
+        return self
 
 
 class Entry(_Strict):
@@ -100,7 +107,7 @@ class Entry(_Strict):
     significance: list[Significance] = []
     files: list[str] = []
     supersedes: list[str] = []
-    retired: Retirement | None = None  # the options it measured that have since left the product
+    retired: list[Retirement] = []  # what it measured or ran that has since left the repository, by commit
     notes: str | None = None
 
     @field_validator("id")
@@ -318,9 +325,10 @@ def _entry_section(e: Entry, current: list[str], superseded_by: str | None) -> l
         lines.append(f"- config: `{e.config}`")
     if e.supersedes:
         lines.append("- supersedes: " + ", ".join(f"[{s}](#{s.lower()})" for s in e.supersedes))
-    if e.retired:
-        lines.append(f"- retired from the product: {', '.join(f'`{o}`' for o in e.retired.options)}; the code is at "
-                     f"commit `{e.retired.commit}`")
+    for r in e.retired:
+        left = [f"the options {', '.join(f'`{o}`' for o in r.options)}"] if r.options else []
+        left += [f"the code {', '.join(f'`{c}`' for c in r.code)}"] if r.code else []
+        lines.append(f"- retired from the repository: {' and '.join(left)}; at commit `{r.commit}`")
     if e.files:
         lines.append("- files: " + ", ".join(f"`{f}`" for f in e.files))
     lang = "text" if e.commands[0].startswith("not recorded") else "bash"

@@ -166,8 +166,8 @@ def quality_vs_speed(led: Ledger, repo: Path, out: Path) -> Path | None:
 
 
 def distillation(led: Ledger, repo: Path, out: Path) -> Path | None:
-    """Distillation studies (studies/distill.py's entries), one row of panels each: test2016 sacreBLEU of every
-    run per arm and search against the teachers', and, where the entry measured it, quality against decoding speed
+    """Distillation studies, one row of panels each: test2016 sacreBLEU of every run per arm and search against the
+    teachers', and, where the entry measured it, quality against decoding speed
     (2 threads) of the teachers and of seed 1 of each arm, PyTorch fp32 and its int8 CTranslate2 export joined,
     marker area by size on disk. Tables named ``distill_per_seed`` and (optional) ``distill_serving``."""
     found = _tables(led, "distill_per_seed")
@@ -218,7 +218,7 @@ def _serving_panel(b, e: Entry, serving: list[dict]) -> None:
 
 def student_cost(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Each student architecture's decoding speed against the default's int8 export with beam search, 2 threads
-    (bench/bench_students.py: every output forced to one length), the goal's 2x marked; tables named
+    (every output forced to one length), the goal's 2x marked; tables named
     ``student_cost`` (columns: architecture, ``<engine>_<search>_2t`` sentences/s), one panel per entry."""
     found = _tables(led, "student_cost")
     if not found:
