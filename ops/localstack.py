@@ -29,6 +29,7 @@ import argparse
 import base64
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -168,14 +169,28 @@ class PostgreSQL:
     @classmethod
     def parse(cls, url: str) -> PostgreSQL:
         """``postgresql://USER[:PASSWORD]@HOST[:PORT]`` (no database: the stack names its own), or a StackError
-        saying what is wrong with it (never echoing the password)."""
-        parts = urllib.parse.urlsplit(url)
-        given = f"--database-url / AIAYN_DATABASE_URL {cls._redact(parts)}"
-        if parts.scheme not in ("postgresql", "postgres"):
+        saying what is wrong with it, which shows the URL rebuilt without its password.
+
+        The credentials are what lies between ``//`` and the last ``@``. A character there that a URL reads as
+        something else (``/`` a path, ``?`` options, ``#`` a fragment, ``@`` the host, ``:`` the password's start,
+        ``%`` an escape, a space or any character a URL does not hold) is refused, naming it and its
+        percent-encoding: left in, the URL means another server, or another user and password, to each reader."""
+        scheme, sep, rest = url.partition("://")
+        userinfo, at, server = rest.rpartition("@")
+        given = f"--database-url / AIAYN_DATABASE_URL {_shown(scheme, userinfo, at, server) if sep else '***'}"
+        if not sep or scheme not in ("postgresql", "postgres"):
             raise StackError(f"{given}: not a PostgreSQL URL; give postgresql://USER:PASSWORD@HOST:PORT")
+        user, _, password = userinfo.partition(":")
+        for what, text in (("user name", user), ("password", password)):
+            if (bad := _unencoded(text)) is not None:
+                raise StackError(f"{given}: the {what} holds {bad!r}, which a URL does not take as it is; "
+                                 f"percent-encode it ({bad!r} is {urllib.parse.quote(bad, safe='')}; "
+                                 f"python3 -c \"import urllib.parse; print(urllib.parse.quote(input(), safe=''))\" "
+                                 f"encodes a whole {what} typed at its prompt)")
+        parts = urllib.parse.urlsplit(url)
         if not parts.hostname or not parts.username:
             raise StackError(f"{given}: names no user or host; give postgresql://USER:PASSWORD@HOST:PORT")
-        if parts.path.strip("/") or parts.query:
+        if parts.path.strip("/") or parts.query or parts.fragment:
             raise StackError(f"{given}: name the server only, without a database or options: the stack keeps "
                              f"Prefect in {DATABASES['prefect-server']} and MLflow in {DATABASES['mlflow']} on it")
         try:
@@ -184,13 +199,6 @@ class PostgreSQL:
             raise StackError(f"{given}: {e}") from None
         return cls(urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""),
                    parts.hostname, port)
-
-    @staticmethod
-    def _redact(parts: urllib.parse.SplitResult) -> str:
-        netloc = parts.netloc.rsplit("@", 1)
-        if len(netloc) == 2 and ":" in netloc[0]:
-            netloc[0] = netloc[0].split(":", 1)[0] + ":***"
-        return urllib.parse.urlunsplit(parts._replace(netloc="@".join(netloc)))
 
     def url(self, database: str, driver: str = "") -> str:
         """The SQLAlchemy URL of ``database`` (``driver``: e.g. ``asyncpg``, Prefect's)."""
@@ -232,6 +240,38 @@ class PostgreSQL:
                              f"{self.user}) or give the role CREATEDB") from None
 
 
+# What a URL's user name or password may hold as it is (RFC 3986's userinfo, less ':' inside the password):
+# letters, digits, -._~ and !$&'()*+,;=, or a %XX escape.
+_USERINFO = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%[0-9A-Fa-f]{2})*")
+
+
+def _unencoded(text: str) -> str | None:
+    """The first character of a URL's user name or password that must be percent-encoded, or None."""
+    end = _USERINFO.match(text).end()
+    return None if end == len(text) else text[end]
+
+
+def _shown(scheme: str, userinfo: str, at: str, server: str) -> str:
+    """A database URL as errors show it: the user, never the password, and the server without its options
+    (libpq takes a password there too)."""
+    if not at:  # no credentials to set apart: all of it may be one
+        return f"{scheme}://***"
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{re.split(r'[?#]', server, maxsplit=1)[0]}"
+
+
+# Settings that hold a database's URL or password: only the server that keeps its data there gets them, and no
+# worker, flow run or CLI call of the stack inherits them from the shell that ran `up`.
+SERVER_SECRETS = ("AIAYN_DATABASE_URL", "MLFLOW_BACKEND_STORE_URI")
+SERVER_SECRET_PREFIXES = ("PREFECT_SERVER_DATABASE_", "PREFECT_API_DATABASE_")
+
+
+def client_environ() -> dict[str, str]:
+    """This process's environment without the servers' database settings (:data:`SERVER_SECRETS`)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in SERVER_SECRETS and not k.startswith(SERVER_SECRET_PREFIXES)}
+
+
 def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host: str = HOST) -> Service:
     """An MLflow tracking server on ``host``:``port`` (127.0.0.1 by default): runs and registry in SQLite (or in
     ``database``), artifacts in a folder, served through it (proxied: clients need no access to the folder). It
@@ -240,7 +280,7 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
     if port_in_use(port, host):
         raise StackError(f"port {port} on {host} is taken; stop what uses it or pass --mlflow-port")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # unused job runner (STACK-NOTES)
+    env = {**client_environ(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # unused job runner (STACK-NOTES)
     auth = []
     if (credentials := login()) is not None:  # MLflow's basic-auth app: the stack's user is its admin
         config = home / "basic_auth.ini"
@@ -267,8 +307,9 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host
 
 
 def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
-    """Environment for Prefect processes of this stack: its own PREFECT_HOME (database, result storage)."""
-    env = {**os.environ, "PREFECT_HOME": str(home.resolve()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    """Environment for Prefect processes of this stack: its own PREFECT_HOME (database, result storage), and no
+    database settings (the server adds its own)."""
+    env = {**client_environ(), "PREFECT_HOME": str(home.resolve()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "AIAYN_PROJECT_DIR": str(REPO)}  # prefect.yaml's pull step runs flows in this checkout
     if api_url:
         env["PREFECT_API_URL"] = api_url
@@ -285,8 +326,7 @@ def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = No
         raise StackError(f"port {port} on {host} is taken; stop what uses it or pass --prefect-port")
     env = prefect_env(home, None)
     env.pop("PREFECT_API_URL", None)
-    shown = "sqlite"
-    env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)  # the default: SQLite under PREFECT_HOME
+    shown = "sqlite"  # the default: SQLite under PREFECT_HOME
     if database is not None:
         database.ensure(DATABASES["prefect-server"])
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = database.url(DATABASES["prefect-server"], "asyncpg")
@@ -605,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "by itself)")
             # prefect deploy fills {{ $AIAYN_PROJECT_DIR }} of the pull step from its own environment when it is
             # set; left unset, the placeholder stays and each flow run's environment (the image's) fills it
-            env = {k: v for k, v in os.environ.items() if k != "AIAYN_PROJECT_DIR"}
+            env = {k: v for k, v in client_environ().items() if k != "AIAYN_PROJECT_DIR"}
             prefect_cli(["deploy", "--all"], env)
             locks = create_promotion_locks(env)
             print(f"deployed prefect.yaml to {os.environ['PREFECT_API_URL']}; promotion locks: {', '.join(locks)}")
