@@ -21,6 +21,7 @@ import pytest
 from tests.conftest import QUICK, Prefect, short_multi30k
 
 PASSWORD = "A" + string.punctuation + " \u00e9z"
+ENDED = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 FORMS = (PASSWORD, urllib.parse.quote(PASSWORD, safe=""))  # as it is, and as URLs carry it
 
 
@@ -103,7 +104,7 @@ def test_the_database_password_is_nowhere_but_in_the_servers_environment(postgre
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         deadline = time.monotonic() + 900
-        while (state := prefect.flow_run(run_id)["state"])["type"] not in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+        while (state := prefect.flow_run(run_id)["state"])["type"] not in ENDED:
             assert time.monotonic() < deadline, "the flow run did not finish"
             time.sleep(2)
         done.set()
