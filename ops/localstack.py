@@ -434,6 +434,12 @@ def _run_process_alive(run: dict) -> bool:
     return started is None or created <= datetime.fromisoformat(started).timestamp() + 1.0
 
 
+def deployed_pools() -> list[str]:
+    """The work pools prefect.yaml's deployments run on."""
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
+    return sorted({d["work_pool"]["name"] for d in spec["deployments"]})
+
+
 def deployed_models() -> list[str]:
     """The registered model of every deployment's config in prefect.yaml (their promotion locks)."""
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
@@ -479,9 +485,15 @@ class Stack:
         self.state = self.home / "stack.json"
 
     def load(self) -> dict[str, Service]:
+        """The recorded services; a StackError naming the record when it is not one ``up`` wrote."""
         if not self.state.is_file():
             return {}
-        return {k: Service(**v) for k, v in json.loads(self.state.read_text(encoding="utf-8")).items()}
+        try:
+            return {k: Service(**v) for k, v in json.loads(self.state.read_text(encoding="utf-8")).items()}
+        except (ValueError, TypeError, AttributeError) as e:  # not JSON, not UTF-8, or not a map of services
+            raise StackError(f"{self.state}: not a stack record ({str(e).splitlines()[0]}); stop the stack's "
+                             "processes yourself if any still run (their logs are beside it), then delete the "
+                             "file") from None
 
     def save(self, services: dict[str, Service]) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
@@ -579,6 +591,63 @@ class Stack:
         return stopped
 
 
+def _port(text: str) -> int:
+    """A TCP port a server may listen on, or argparse's one-line refusal."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give a number from 1 to 65535")
+    return int(text)
+
+
+def _check_home(home: Path) -> None:
+    """A StackError unless ``home`` is a folder, or can be made one (no file in its place or above it)."""
+    folder = home
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise StackError(f"--home / AIAYN_STACK_HOME {home}: {folder} is a file, not a folder; give the folder "
+                         "where the stack keeps its records (made when missing)")
+
+
+def check_api(url: str) -> None:
+    """A StackError naming ``url`` (PREFECT_API_URL) unless a Prefect server's API answers there and has the work
+    pools prefect.yaml's deployments name."""
+    scheme, sep, rest = url.partition("://")
+    shown = f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url  # no credentials shown
+    given, example = f"PREFECT_API_URL {shown}", "export PREFECT_API_URL=http://HOST:PORT/api"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http:// or https:// address")
+        parts.port  # noqa: B018  (raises ValueError for a port that is not one)
+    except ValueError as e:
+        raise StackError(f"{given}: {e}; {example}") from None
+    auth = os.environ.get("PREFECT_API_AUTH_STRING")
+    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+
+    def get(path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + path, headers=headers),
+                                        timeout=15) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise StackError(f"{given}: no server answers there ({getattr(e, 'reason', e)}); {example}, the "
+                             "address of the team's Prefect server's API") from None
+
+    if get("/health") != (200, b"true"):
+        raise StackError(f"{given}: answers, but not as a Prefect server's API (its /health is not true); the "
+                         f"API's address ends in /api: {example}")
+    for pool in deployed_pools():
+        status, _ = get(f"/work_pools/{pool}")
+        if status == 401:
+            raise StackError(f"{given}: the server asks for a login; export PREFECT_API_AUTH_STRING=USER:PASSWORD")
+        if status != 200:
+            raise StackError(f"{given}: the server has no work pool {pool} (answer {status}), which prefect.yaml's "
+                             "deployments run on; make the pools first: python -m ops.pools apply "
+                             "(docs/how-to/team-servers.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (defaults that come from the environment are resolved in main, so the generated
     reference does not depend on the shell it was made in)."""
@@ -590,8 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", type=Path,
                    help="where the stack keeps its databases, artifacts, logs and PID records (default: env "
                         "AIAYN_STACK_HOME, else runs/stack)")
-    p.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server's port on 127.0.0.1")
-    p.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server's port on 127.0.0.1")
+    p.add_argument("--prefect-port", type=_port, default=4200, help="the Prefect server's port on 127.0.0.1")
+    p.add_argument("--mlflow-port", type=_port, default=5000, help="the MLflow server's port on 127.0.0.1")
     p.add_argument("--data-root", type=Path, help="local corpora for flow runs (sets AIAYN_DATA_ROOT for the worker)")
     p.add_argument("--work-dir", type=Path, help="where flow runs write stage outputs (AIAYN_WORK_DIR)")
     p.add_argument("--database-url",
@@ -618,8 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     args.home = args.home or Path(os.environ.get("AIAYN_STACK_HOME", REPO / "runs" / "stack"))
     args.result_storage = args.result_storage or os.environ.get("AIAYN_RESULT_STORAGE")
     args.database_url = args.database_url or os.environ.get("AIAYN_DATABASE_URL")
-    stack = Stack(args.home)
     try:
+        _check_home(args.home)
+        stack = Stack(args.home)
         if args.action == "up":
             database = PostgreSQL.parse(args.database_url) if args.database_url else None
             services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir,
@@ -643,6 +713,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise StackError("deploy applies prefect.yaml to the server at PREFECT_API_URL, which is not set: "
                                  "export PREFECT_API_URL=http://HOST:PORT/api (the local stack's `up` deploys "
                                  "by itself)")
+            check_api(os.environ["PREFECT_API_URL"])
             # prefect deploy fills {{ $AIAYN_PROJECT_DIR }} of the pull step from its own environment when it is
             # set; left unset, the placeholder stays and each flow run's environment (the image's) fills it
             env = {k: v for k, v in client_environ().items() if k != "AIAYN_PROJECT_DIR"}

@@ -220,6 +220,13 @@ def test_pools_are_applied_to_the_server_at_prefect_api_url(tmp_path: Path) -> N
     server = start_prefect_server(tmp_path / "prefect", free_port())
     try:
         env = {**os.environ, "PREFECT_API_URL": server.url + "/api", "PREFECT_HOME": str(tmp_path / "prefect")}
+        # before the pools: `ops.localstack deploy` names the pool to make first, not Prefect's "does not exist"
+        res = subprocess.run([sys.executable, "-m", "ops.localstack", "deploy"], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 2 and res.stderr == (
+            f"error: PREFECT_API_URL {env['PREFECT_API_URL']}: the server has no work pool aiayn-cpu (answer 404), "
+            "which prefect.yaml's deployments run on; make the pools first: python -m ops.pools apply "
+            "(docs/how-to/team-servers.md)\n"), res.stderr
         cmd = [sys.executable, "-m", "ops.pools", "apply", "--type", "kubernetes", "--image",
                "reg/aiayn-pipeline:t1", "--var", "namespace=ml", "--gpu-var", "gpus=2"]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
