@@ -545,8 +545,8 @@ class Stack:
             # the pull step's {{ $AIAYN_PROJECT_DIR }} stays for each container to fill: the image's project folder
             env.pop("AIAYN_PROJECT_DIR")
         else:
-            prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"], env)
-        prefect_cli(["work-pool", "create", GPU_POOL, "--type", "process", "--overwrite"], env)
+            self._process_pool(WORK_POOL, env)
+        self._process_pool(GPU_POOL, env)
         prefect_cli(["deploy", "--all"], env)
         create_promotion_locks(env)
         if "prefect-worker" not in services:
@@ -560,6 +560,15 @@ class Stack:
                                                           extra, pool=GPU_POOL)
             self.save(services)
         return services
+
+    @staticmethod
+    def _process_pool(pool: str, env: dict[str, str]) -> None:
+        """``pool`` as a process pool (ops.pools, deploy/process/pool.json): its flow runs take the worker's
+        environment and command, which no deployment or flow run may set."""
+        try:
+            pools.create(pool, "process", pools.template("process", pool, {}), env)
+        except pools.PoolError as e:
+            raise StackError(str(e)) from None
 
     @staticmethod
     def _docker_pool(image: str, data_root: Path, work_dir: Path, run_env: dict[str, str],

@@ -35,7 +35,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = {"kubernetes": {"aiayn-cpu": "kubernetes/cpu-pool.json", "aiayn-gpu": "kubernetes/gpu-pool.json"},
-             "docker": {"aiayn-cpu": "docker/cpu-pool.json"}}
+             "docker": {"aiayn-cpu": "docker/cpu-pool.json"},
+             # process workers run flows in their own checkout (the local stack's): no image
+             "process": {"aiayn-cpu": "process/pool.json", "aiayn-gpu": "process/pool.json"}}
 
 
 class PoolError(ValueError):
@@ -67,7 +69,7 @@ def template(kind: str, pool: str, defaults: dict, max_gpus: int | None = None) 
         except ValidationError as e:
             raise PoolError(f"{pool}: {name}={json.dumps(value)} is refused: {e}") from None
         variables[name]["default"] = value
-    if not variables["image"].get("default"):  # the templates name no image: a team's own, as it pushed it
+    if "image" in variables and not variables["image"].get("default"):  # a team's own, as it pushed it
         raise PoolError(f"{pool} needs the project's image (--image REGISTRY/aiayn-pipeline:TAG)")
     pinned = {name: v.get("default", NotSet) for name, v in variables.items() if v.get("readOnly")}
     base["job_configuration"] = _pin(base["job_configuration"], pinned)
@@ -98,9 +100,10 @@ def templates(kind: str, image: str, values: dict, gpu_image: str | None = None,
     out = {}
     for pool in TEMPLATES[kind]:
         gpu = pool == "aiayn-gpu"
-        out[pool] = template(kind, pool, {**values, **((gpu_values or {}) if gpu else {}),
-                                          "image": (gpu_image or image) if gpu else image},
-                             max_gpus if gpu else None)
+        pinned = {**values, **((gpu_values or {}) if gpu else {})}
+        if kind != "process":
+            pinned["image"] = (gpu_image or image) if gpu else image
+        out[pool] = template(kind, pool, pinned, max_gpus if gpu else None)
     return out
 
 
@@ -133,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["apply", "show"], help="apply: create or overwrite the pools on the server "
                                                              "at PREFECT_API_URL; show: print their templates")
     p.add_argument("--type", dest="kind", choices=sorted(TEMPLATES), required=True, help="the workers' type")
-    p.add_argument("--image", required=True, help="the project's image, as the workers pull it")
+    p.add_argument("--image", help="the project's image, as the workers pull it (docker, kubernetes)")
     p.add_argument("--gpu-image", help="the GPU pool's image (deploy/Dockerfile with the CUDA torch; default --image)")
     p.add_argument("--var", dest="values", type=_assignment, action="append", default=[], metavar="VARIABLE=JSON",
                    help="a template variable's default, for every pool (e.g. namespace=ml, "
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         for pool, base in bases.items():
             create(pool, args.kind, base, dict(os.environ))
             image = (args.gpu_image or args.image) if pool == "aiayn-gpu" else args.image
-            print(f"work pool {pool} ({args.kind}): image {image}")
+            print(f"work pool {pool} ({args.kind})" + (f": image {image}" if args.kind != "process" else ""))
     except PoolError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from prefect.utilities.schema_tools.validation import ValidationError, is_valid_
 from prefect.utilities.templating import apply_values, find_placeholders
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
-TEMPLATES = ("kubernetes/cpu-pool.json", "kubernetes/gpu-pool.json", "docker/cpu-pool.json")
+TEMPLATES = ("kubernetes/cpu-pool.json", "kubernetes/gpu-pool.json", "docker/cpu-pool.json", "process/pool.json")
 # what a team's platform team sets when it makes the pools (docs/how-to/team-servers.md)
 TEAM_POOL = {"image": "registry.internal/ml/aiayn-pipeline:5ec8025",
              "env": {"PREFECT_API_URL": "http://prefect.mlops.svc:4200/api",
@@ -45,9 +45,10 @@ def pool(name: str, **defaults) -> dict:
     from ops.pools import TEMPLATES, template
 
     kind = name.split("/")[0]
-    (role,) = [r for r, f in TEMPLATES[kind].items() if f == name]
-    team = {**TEAM_POOL, **(CLUSTER if kind == "kubernetes" else {"volumes": ["/srv/aiayn:/shared"]}), **defaults}
-    return template(kind, role, team)
+    role = [r for r, f in TEMPLATES[kind].items() if f == name][0]
+    team = {"kubernetes": {**TEAM_POOL, **CLUSTER}, "docker": {**TEAM_POOL, "volumes": ["/srv/aiayn:/shared"]},
+            "process": {"env": TEAM_POOL["env"]}}[kind]
+    return template(kind, role, {**team, **defaults})
 
 
 def render(template: dict, values: dict) -> dict:
@@ -96,8 +97,10 @@ def test_a_base_job_template_passes_the_servers_checks_and_renders_whole(name: s
         assert job["job_manifest"]["spec"]["backoffLimit"] == 0  # a failed run is resumed by Prefect, not re-run
         limits = container["resources"]["limits"]
         assert ("nvidia.com/gpu" in limits) == (name == "kubernetes/gpu-pool.json")
-    else:
+    elif name.startswith("docker/"):
         assert job["image"] == TEAM_POOL["image"] and job["volumes"] == ["/srv/aiayn:/shared"]
+    else:
+        assert "working_dir" not in job  # the worker's temporary folder, then prefect.yaml's pull step
 
 
 # What a person who may start a flow run tries (each also as a deployment's job variables: the same check): the
@@ -133,6 +136,10 @@ REFUSED = [
     ("docker/cpu-pool.json", {"container_create_kwargs": {"networking_config": {
         "aiayn-nodes": {"Aliases": ["n0"], "IPAMConfig": {"IPv4Address": "10.0.0.5"}}}}}, "IPAMConfig"),
     ("docker/cpu-pool.json", {"mem_limit": "lots"}, "mem_limit"),
+    # the local stack's process pools: a run's command, environment or folder would be any code, anywhere
+    ("process/pool.json", {"command": "sh -c 'cat ~/.ssh/id_rsa'"}, "command"),
+    ("process/pool.json", {"env": {"AIAYN_WORK_DIR": "/elsewhere"}}, "env"),
+    ("process/pool.json", {"working_dir": "/"}, "working_dir"),
 ]
 
 
