@@ -29,6 +29,7 @@ import argparse
 import base64
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -168,14 +169,28 @@ class PostgreSQL:
     @classmethod
     def parse(cls, url: str) -> PostgreSQL:
         """``postgresql://USER[:PASSWORD]@HOST[:PORT]`` (no database: the stack names its own), or a StackError
-        saying what is wrong with it (never echoing the password)."""
-        parts = urllib.parse.urlsplit(url)
-        given = f"--database-url / AIAYN_DATABASE_URL {cls._redact(parts)}"
-        if parts.scheme not in ("postgresql", "postgres"):
+        saying what is wrong with it, which shows the URL rebuilt without its password.
+
+        The credentials are what lies between ``//`` and the last ``@``. A character there that a URL reads as
+        something else (``/`` a path, ``?`` options, ``#`` a fragment, ``@`` the host, ``:`` the password's start,
+        ``%`` an escape, a space or any character a URL does not hold) is refused, naming it and its
+        percent-encoding: left in, the URL means another server, or another user and password, to each reader."""
+        scheme, sep, rest = url.partition("://")
+        userinfo, at, server = rest.rpartition("@")
+        given = f"--database-url / AIAYN_DATABASE_URL {_shown(scheme, userinfo, at, server) if sep else '***'}"
+        if not sep or scheme not in ("postgresql", "postgres"):
             raise StackError(f"{given}: not a PostgreSQL URL; give postgresql://USER:PASSWORD@HOST:PORT")
+        user, _, password = userinfo.partition(":")
+        for what, text in (("user name", user), ("password", password)):
+            if (bad := _unencoded(text)) is not None:
+                raise StackError(f"{given}: the {what} holds {bad!r}, which a URL does not take as it is; "
+                                 f"percent-encode it ({bad!r} is {urllib.parse.quote(bad, safe='')}; "
+                                 f"python3 -c \"import urllib.parse; print(urllib.parse.quote(input(), safe=''))\" "
+                                 f"encodes a whole {what} typed at its prompt)")
+        parts = urllib.parse.urlsplit(url)
         if not parts.hostname or not parts.username:
             raise StackError(f"{given}: names no user or host; give postgresql://USER:PASSWORD@HOST:PORT")
-        if parts.path.strip("/") or parts.query:
+        if parts.path.strip("/") or parts.query or parts.fragment:
             raise StackError(f"{given}: name the server only, without a database or options: the stack keeps "
                              f"Prefect in {DATABASES['prefect-server']} and MLflow in {DATABASES['mlflow']} on it")
         try:
@@ -184,13 +199,6 @@ class PostgreSQL:
             raise StackError(f"{given}: {e}") from None
         return cls(urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or ""),
                    parts.hostname, port)
-
-    @staticmethod
-    def _redact(parts: urllib.parse.SplitResult) -> str:
-        netloc = parts.netloc.rsplit("@", 1)
-        if len(netloc) == 2 and ":" in netloc[0]:
-            netloc[0] = netloc[0].split(":", 1)[0] + ":***"
-        return urllib.parse.urlunsplit(parts._replace(netloc="@".join(netloc)))
 
     def url(self, database: str, driver: str = "") -> str:
         """The SQLAlchemy URL of ``database`` (``driver``: e.g. ``asyncpg``, Prefect's)."""
@@ -232,6 +240,38 @@ class PostgreSQL:
                              f"{self.user}) or give the role CREATEDB") from None
 
 
+# What a URL's user name or password may hold as it is (RFC 3986's userinfo, less ':' inside the password):
+# letters, digits, -._~ and !$&'()*+,;=, or a %XX escape.
+_USERINFO = re.compile(r"(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%[0-9A-Fa-f]{2})*")
+
+
+def _unencoded(text: str) -> str | None:
+    """The first character of a URL's user name or password that must be percent-encoded, or None."""
+    end = _USERINFO.match(text).end()
+    return None if end == len(text) else text[end]
+
+
+def _shown(scheme: str, userinfo: str, at: str, server: str) -> str:
+    """A database URL as errors show it: the user, never the password, and the server without its options
+    (libpq takes a password there too)."""
+    if not at:  # no credentials to set apart: all of it may be one
+        return f"{scheme}://***"
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{re.split(r'[?#]', server, maxsplit=1)[0]}"
+
+
+# Settings that hold a database's URL or password: only the server that keeps its data there gets them, and no
+# worker, flow run or CLI call of the stack inherits them from the shell that ran `up`.
+SERVER_SECRETS = ("AIAYN_DATABASE_URL", "MLFLOW_BACKEND_STORE_URI")
+SERVER_SECRET_PREFIXES = ("PREFECT_SERVER_DATABASE_", "PREFECT_API_DATABASE_")
+
+
+def client_environ() -> dict[str, str]:
+    """This process's environment without the servers' database settings (:data:`SERVER_SECRETS`)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in SERVER_SECRETS and not k.startswith(SERVER_SECRET_PREFIXES)}
+
+
 def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host: str = HOST) -> Service:
     """An MLflow tracking server on ``host``:``port`` (127.0.0.1 by default): runs and registry in SQLite (or in
     ``database``), artifacts in a folder, served through it (proxied: clients need no access to the folder). It
@@ -240,7 +280,7 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host
     (home / "artifacts").mkdir(parents=True, exist_ok=True)
     if port_in_use(port, host):
         raise StackError(f"port {port} on {host} is taken; stop what uses it or pass --mlflow-port")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # unused job runner (STACK-NOTES)
+    env = {**client_environ(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # unused job runner (STACK-NOTES)
     auth = []
     if (credentials := login()) is not None:  # MLflow's basic-auth app: the stack's user is its admin
         config = home / "basic_auth.ini"
@@ -267,8 +307,9 @@ def start_mlflow(home: Path, port: int, database: PostgreSQL | None = None, host
 
 
 def prefect_env(home: Path, api_url: str | None) -> dict[str, str]:
-    """Environment for Prefect processes of this stack: its own PREFECT_HOME (database, result storage)."""
-    env = {**os.environ, "PREFECT_HOME": str(home.resolve()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    """Environment for Prefect processes of this stack: its own PREFECT_HOME (database, result storage), and no
+    database settings (the server adds its own)."""
+    env = {**client_environ(), "PREFECT_HOME": str(home.resolve()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "AIAYN_PROJECT_DIR": str(REPO)}  # prefect.yaml's pull step runs flows in this checkout
     if api_url:
         env["PREFECT_API_URL"] = api_url
@@ -285,8 +326,7 @@ def start_prefect_server(home: Path, port: int, database: PostgreSQL | None = No
         raise StackError(f"port {port} on {host} is taken; stop what uses it or pass --prefect-port")
     env = prefect_env(home, None)
     env.pop("PREFECT_API_URL", None)
-    shown = "sqlite"
-    env.pop("PREFECT_API_DATABASE_CONNECTION_URL", None)  # the default: SQLite under PREFECT_HOME
+    shown = "sqlite"  # the default: SQLite under PREFECT_HOME
     if database is not None:
         database.ensure(DATABASES["prefect-server"])
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = database.url(DATABASES["prefect-server"], "asyncpg")
@@ -394,6 +434,12 @@ def _run_process_alive(run: dict) -> bool:
     return started is None or created <= datetime.fromisoformat(started).timestamp() + 1.0
 
 
+def deployed_pools() -> list[str]:
+    """The work pools prefect.yaml's deployments run on."""
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
+    return sorted({d["work_pool"]["name"] for d in spec["deployments"]})
+
+
 def deployed_models() -> list[str]:
     """The registered model of every deployment's config in prefect.yaml (their promotion locks)."""
     spec = yaml.safe_load((REPO / "prefect.yaml").read_text(encoding="utf-8"))
@@ -439,9 +485,15 @@ class Stack:
         self.state = self.home / "stack.json"
 
     def load(self) -> dict[str, Service]:
+        """The recorded services; a StackError naming the record when it is not one ``up`` wrote."""
         if not self.state.is_file():
             return {}
-        return {k: Service(**v) for k, v in json.loads(self.state.read_text(encoding="utf-8")).items()}
+        try:
+            return {k: Service(**v) for k, v in json.loads(self.state.read_text(encoding="utf-8")).items()}
+        except (ValueError, TypeError, AttributeError) as e:  # not JSON, not UTF-8, or not a map of services
+            raise StackError(f"{self.state}: not a stack record ({str(e).splitlines()[0]}); stop the stack's "
+                             "processes yourself if any still run (their logs are beside it), then delete the "
+                             "file") from None
 
     def save(self, services: dict[str, Service]) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
@@ -493,8 +545,8 @@ class Stack:
             # the pull step's {{ $AIAYN_PROJECT_DIR }} stays for each container to fill: the image's project folder
             env.pop("AIAYN_PROJECT_DIR")
         else:
-            prefect_cli(["work-pool", "create", WORK_POOL, "--type", "process", "--overwrite"], env)
-        prefect_cli(["work-pool", "create", GPU_POOL, "--type", "process", "--overwrite"], env)
+            self._process_pool(WORK_POOL, env)
+        self._process_pool(GPU_POOL, env)
         prefect_cli(["deploy", "--all"], env)
         create_promotion_locks(env)
         if "prefect-worker" not in services:
@@ -508,6 +560,15 @@ class Stack:
                                                           extra, pool=GPU_POOL)
             self.save(services)
         return services
+
+    @staticmethod
+    def _process_pool(pool: str, env: dict[str, str]) -> None:
+        """``pool`` as a process pool (ops.pools, deploy/process/pool.json): its flow runs take the worker's
+        environment and command, which no deployment or flow run may set."""
+        try:
+            pools.create(pool, "process", pools.template("process", pool, {}), env)
+        except pools.PoolError as e:
+            raise StackError(str(e)) from None
 
     @staticmethod
     def _docker_pool(image: str, data_root: Path, work_dir: Path, run_env: dict[str, str],
@@ -539,6 +600,63 @@ class Stack:
         return stopped
 
 
+def _port(text: str) -> int:
+    """A TCP port a server may listen on, or argparse's one-line refusal."""
+    if not text.isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give a number from 1 to 65535")
+    return int(text)
+
+
+def _check_home(home: Path) -> None:
+    """A StackError unless ``home`` is a folder, or can be made one (no file in its place or above it)."""
+    folder = home
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise StackError(f"--home / AIAYN_STACK_HOME {home}: {folder} is a file, not a folder; give the folder "
+                         "where the stack keeps its records (made when missing)")
+
+
+def check_api(url: str) -> None:
+    """A StackError naming ``url`` (PREFECT_API_URL) unless a Prefect server's API answers there and has the work
+    pools prefect.yaml's deployments name."""
+    scheme, sep, rest = url.partition("://")
+    shown = f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url  # no credentials shown
+    given, example = f"PREFECT_API_URL {shown}", "export PREFECT_API_URL=http://HOST:PORT/api"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http:// or https:// address")
+        parts.port  # noqa: B018  (raises ValueError for a port that is not one)
+    except ValueError as e:
+        raise StackError(f"{given}: {e}; {example}") from None
+    auth = os.environ.get("PREFECT_API_AUTH_STRING")
+    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+
+    def get(path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + path, headers=headers),
+                                        timeout=15) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, b""
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise StackError(f"{given}: no server answers there ({getattr(e, 'reason', e)}); {example}, the "
+                             "address of the team's Prefect server's API") from None
+
+    if get("/health") != (200, b"true"):
+        raise StackError(f"{given}: answers, but not as a Prefect server's API (its /health is not true); the "
+                         f"API's address ends in /api: {example}")
+    for pool in deployed_pools():
+        status, _ = get(f"/work_pools/{pool}")
+        if status == 401:
+            raise StackError(f"{given}: the server asks for a login; export PREFECT_API_AUTH_STRING=USER:PASSWORD")
+        if status != 200:
+            raise StackError(f"{given}: the server has no work pool {pool} (answer {status}), which prefect.yaml's "
+                             "deployments run on; make the pools first: python -m ops.pools apply "
+                             "(docs/how-to/team-servers.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (defaults that come from the environment are resolved in main, so the generated
     reference does not depend on the shell it was made in)."""
@@ -550,8 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", type=Path,
                    help="where the stack keeps its databases, artifacts, logs and PID records (default: env "
                         "AIAYN_STACK_HOME, else runs/stack)")
-    p.add_argument("--prefect-port", type=int, default=4200, help="the Prefect server's port on 127.0.0.1")
-    p.add_argument("--mlflow-port", type=int, default=5000, help="the MLflow server's port on 127.0.0.1")
+    p.add_argument("--prefect-port", type=_port, default=4200, help="the Prefect server's port on 127.0.0.1")
+    p.add_argument("--mlflow-port", type=_port, default=5000, help="the MLflow server's port on 127.0.0.1")
     p.add_argument("--data-root", type=Path, help="local corpora for flow runs (sets AIAYN_DATA_ROOT for the worker)")
     p.add_argument("--work-dir", type=Path, help="where flow runs write stage outputs (AIAYN_WORK_DIR)")
     p.add_argument("--database-url",
@@ -578,8 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     args.home = args.home or Path(os.environ.get("AIAYN_STACK_HOME", REPO / "runs" / "stack"))
     args.result_storage = args.result_storage or os.environ.get("AIAYN_RESULT_STORAGE")
     args.database_url = args.database_url or os.environ.get("AIAYN_DATABASE_URL")
-    stack = Stack(args.home)
     try:
+        _check_home(args.home)
+        stack = Stack(args.home)
         if args.action == "up":
             database = PostgreSQL.parse(args.database_url) if args.database_url else None
             services = stack.up(args.prefect_port, args.mlflow_port, args.data_root, args.work_dir,
@@ -603,9 +722,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise StackError("deploy applies prefect.yaml to the server at PREFECT_API_URL, which is not set: "
                                  "export PREFECT_API_URL=http://HOST:PORT/api (the local stack's `up` deploys "
                                  "by itself)")
+            check_api(os.environ["PREFECT_API_URL"])
             # prefect deploy fills {{ $AIAYN_PROJECT_DIR }} of the pull step from its own environment when it is
             # set; left unset, the placeholder stays and each flow run's environment (the image's) fills it
-            env = {k: v for k, v in os.environ.items() if k != "AIAYN_PROJECT_DIR"}
+            env = {k: v for k, v in client_environ().items() if k != "AIAYN_PROJECT_DIR"}
             prefect_cli(["deploy", "--all"], env)
             locks = create_promotion_locks(env)
             print(f"deployed prefect.yaml to {os.environ['PREFECT_API_URL']}; promotion locks: {', '.join(locks)}")

@@ -5,8 +5,10 @@ PostgreSQL server (the ``postgres`` fixture: Debian's package, a throwaway clust
 from __future__ import annotations
 
 import os
+import string
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,12 @@ from tests.conftest import QUICK, Prefect, short_multi30k
 
 
 @pytest.mark.parametrize(("url", "why"), [
-    ("mysql://u:p@db:3306", "not a PostgreSQL URL"),
+    ("mysql://u:secret@db:3306", "not a PostgreSQL URL"),
+    ("u:secret@db:5432", "not a PostgreSQL URL"),
     ("postgresql://db:5432", "names no user or host"),
+    ("postgresql://u:secret", "names no user or host"),
     ("postgresql://u:secret@db:5432/prefect", "name the server only"),
+    ("postgresql://u@db:5432/?password=secret", "name the server only"),
     ("postgresql://u:secret@db:99999", "Port out of range"),
 ])
 def test_a_bad_database_url_is_refused_without_showing_its_password(url: str, why: str) -> None:
@@ -27,8 +32,33 @@ def test_a_bad_database_url_is_refused_without_showing_its_password(url: str, wh
     assert "secret" not in str(e.value)
 
 
+SPECIAL = string.punctuation + " \t\u00e9"  # every ASCII punctuation character, blanks, a letter beyond ASCII
+AS_IS = "!$&'()*+,;=-._~"  # what a URL's password holds unencoded (RFC 3986's userinfo, less ':')
+
+
+@pytest.mark.parametrize("char", SPECIAL)
+def test_a_password_with_any_character_is_taken_percent_encoded_and_refused_ambiguous(char: str) -> None:
+    """Percent-encoded, every character is the password's; unencoded, one a URL reads as something else is refused
+    naming it and its encoding, the URL shown rebuilt without the password."""
+    password = f"Se{char}cr{char}et9"
+    db = PostgreSQL.parse(f"postgresql://aiayn:{urllib.parse.quote(password, safe='')}@db.internal:5432")
+    assert (db.user, db.password, db.host, db.port) == ("aiayn", password, "db.internal", 5432)
+    assert password not in db.shown("aiayn_mlflow")
+    assert urllib.parse.unquote(urllib.parse.urlsplit(db.url("aiayn_mlflow")).password) == password
+    raw = f"postgresql://aiayn:{password}@db.internal:5432"
+    if char in AS_IS:
+        assert PostgreSQL.parse(raw).password == password
+        return
+    with pytest.raises(StackError) as e:
+        PostgreSQL.parse(raw)
+    message = str(e.value)
+    assert "postgresql://aiayn:***@db.internal:5432: the password holds " + repr(char) in message
+    assert f"is {urllib.parse.quote(char, safe='')};" in message
+    assert not any(piece in message for piece in ("Se" + char, char + "cr", "et9")), message
+
+
 def test_database_urls_quote_the_credentials_and_show_no_password() -> None:
-    db = PostgreSQL.parse("postgresql://team%40ml:p%40ss%2Fw:rd@db.internal:6543/")
+    db = PostgreSQL.parse("postgresql://team%40ml:p%40ss%2Fw%3Ard@db.internal:6543/")
     assert (db.user, db.password, db.host, db.port) == ("team@ml", "p@ss/w:rd", "db.internal", 6543)
     assert db.url("aiayn_prefect", "asyncpg") == "postgresql+asyncpg://team%40ml:p%40ss%2Fw%3Ard@db.internal:6543/aiayn_prefect"
     assert db.shown("aiayn_mlflow") == "postgresql://team@ml@db.internal:6543/aiayn_mlflow"
@@ -139,3 +169,18 @@ def test_up_names_a_database_it_cannot_create(postgres: str, tmp_path: Path) -> 
     assert res.returncode == 2, res.stdout + res.stderr
     assert "CREATE DATABASE aiayn_mlflow OWNER reader" in res.stderr and "r3ader-pw" not in res.stderr
     assert not (tmp_path / "stack" / "stack.json").exists()
+
+
+def test_no_worker_cli_call_or_other_server_inherits_a_database_setting(monkeypatch, tmp_path: Path) -> None:
+    """The database settings of the shell that runs ``up`` reach no worker or CLI call of the stack (the
+    environment their flow runs inherit); each server gets its own database's URL only, which ``up`` sets."""
+    from ops.localstack import client_environ, prefect_env
+
+    secret = {"AIAYN_DATABASE_URL": "postgresql://u:pw1@db", "MLFLOW_BACKEND_STORE_URI": "postgresql://u:pw2@db/m",
+              "PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://u:pw3@db/p",
+              "PREFECT_SERVER_DATABASE_PASSWORD": "pw4"}
+    for name, value in secret.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AIAYN_CPU_THREADS", "3")
+    for env in (prefect_env(tmp_path, "http://127.0.0.1:4200/api"), client_environ()):
+        assert not set(secret) & set(env) and env["AIAYN_CPU_THREADS"] == "3"
