@@ -5,7 +5,6 @@ interface each reader implements."""
 from __future__ import annotations
 
 import abc
-import codecs
 import glob
 import itertools
 import re
@@ -106,12 +105,6 @@ def sum_known(counts: Iterator[int | None]) -> int | None:
             return None
         total += n
     return total
-
-
-def has_bom(path: Path) -> bool:
-    """Whether ``path`` opens with a UTF-8 byte order mark."""
-    with open(path, "rb") as f:
-        return f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
 
 
 # ----------------------------------------------------------------------------------------------- readers
