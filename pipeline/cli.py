@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.average import average_run, averaged_path
-from pipeline.checkpoint import check_pair, check_tokenizer, load_checkpoint
+from pipeline.checkpoint import check_pair, check_tokenizer
 from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir, resolve_config, write_resolved
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.data.clean import Normalizer
@@ -25,7 +25,7 @@ from pipeline.support.errors import UserError
 from pipeline.evalsets import Checkpoints, checkpoint_list
 from pipeline.evaluate import EVALUATORS, eval_dir, evaluate_checkpoint
 from pipeline.export import GATE, export_model
-from pipeline.inference import models_from_states, truncation_summary
+from pipeline.inference import ensemble_states, models_from_states, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
 from pipeline.workdir import Inputs, build_corpus, build_inputs, run_dir
@@ -240,7 +240,7 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
     # decoded before the model loads: bad input fails in a moment, not after loading a large checkpoint
     lines = [normalize(line) for line in read_input(args.input)]
     checkpoints = [Path(c) for c in args.checkpoint]
-    states = [load_checkpoint(c) for c in checkpoints]  # a bad checkpoint first, then a bad tokenizer, a mismatch
+    states = ensemble_states(checkpoints)  # a bad checkpoint first, then a bad tokenizer, a mismatch
     tokenizer = Tokenizer(Path(args.tokenizer))
     for checkpoint, state in zip(checkpoints, states):
         check_pair(state, checkpoint, (cfg.data.src_lang, cfg.data.tgt_lang), f"config {cfg.name}")
