@@ -55,7 +55,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_config(cfg: RunConfig, args: argparse.Namespace) -> None:
     """Print the resolved config, or write it to ``--out`` (what ``python -m pipeline.train --config`` reads)."""
     if args.out:
-        print(f"{write_resolved(cfg, Path(args.out))} (config hash {cfg.section_hash()})")
+        out = Path(args.out)
+        if out.is_dir():
+            raise ConfigError(f"--out {out}: a folder; give a file path (e.g. {out / 'resolved.yaml'})")
+        fix = "give --out a file path in a writable folder"
+        ensure_work_dir(out.parent, f"--out {out}: the folder", fix)  # names a file in the way
+        try:
+            write_resolved(cfg, out)
+        except OSError as e:  # a folder that refuses new files all the same (sysfs, a full disk)
+            raise ConfigError(f"--out {out}: cannot write it: {e.strerror}; {fix}") from None
+        print(f"{out} (config hash {cfg.section_hash()})")
         return
     print(f"# config hash: {cfg.section_hash()}")
     print(dump_config(cfg), end="")

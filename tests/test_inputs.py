@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -129,3 +131,49 @@ def test_input_files_that_cannot_be_read_are_one_line(capsys, tmp_path: Path) ->
         f"error: --input {tmp_path}: cannot read it: Is a directory; give a text file, one sentence per line\n")
     (tmp_path / "empty.txt").write_bytes(b"")
     assert translate(capsys, tmp_path, "--input", str(tmp_path / "empty.txt")) == (0, "", "")  # no lines, none out
+
+
+@pytest.mark.parametrize("manifest, why", [
+    (b"", "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"),
+    (b'{"format": "caf\xe9"}', "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9 in position 15: invalid "
+                               "continuation byte"),
+])
+def test_a_tokenizer_folder_with_a_damaged_manifest_is_one_line(manifest: bytes, why: str, capsys,
+                                                               tmp_path: Path) -> None:
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(OLD / "tokenizer", tokenizer)
+    (tokenizer / "manifest.json").write_bytes(manifest)
+    (tmp_path / "in.txt").write_text("A dog runs.\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["translate", "--work-dir", str(tmp_path / "work"), "--checkpoint", MODEL[1], "--tokenizer",
+                 str(tokenizer), "--input", str(tmp_path / "in.txt")]) == 2
+    assert capsys.readouterr().err == (f"error: {tokenizer / 'manifest.json'}: not a tokenizer manifest ({why}); "
+                                       "re-run train_tokenizer\n")
+    (tokenizer / "manifest.json").write_text(json.dumps(["a list"]), encoding="utf-8")
+    assert main(["translate", "--work-dir", str(tmp_path / "work"), "--checkpoint", MODEL[1], "--tokenizer",
+                 str(tokenizer), "--input", str(tmp_path / "in.txt")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tokenizer / 'manifest.json'}: format None, expected ")
+
+
+def test_config_out_that_cannot_be_written_is_one_line(capsys, tmp_path: Path) -> None:
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("kept", encoding="utf-8")
+    for out, err in [
+        (tmp_path / "folder", f"--out {tmp_path / 'folder'}: a folder; give a file path (e.g. "
+                              f"{tmp_path / 'folder' / 'resolved.yaml'})"),
+        (tmp_path / "file" / "x.yaml", f"--out {tmp_path / 'file' / 'x.yaml'}: the folder {tmp_path / 'file'} cannot "
+                                       f"be used: {tmp_path / 'file'} is a file; give --out a file path in a writable "
+                                       "folder"),
+    ]:
+        assert main(["config", "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"error: {err}\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["file", "folder"]  # nothing written, nothing left
+    assert (tmp_path / "file").read_text(encoding="utf-8") == "kept"
+
+
+def test_a_data_file_that_is_a_folder_is_named_so(root: Path, tmp_path: Path) -> None:
+    (root / "train.en").unlink()
+    (root / "train.en").mkdir()
+    with pytest.raises(DataError, match=rf"^data.train\[0\]: {root / 'train.en'} is a folder, not a file; name the "
+                                        "file itself$"):
+        prepare_corpus(data_cfg(root, TEXT), tmp_path / "work")

@@ -90,6 +90,8 @@ def pattern_field(pattern: str) -> str:
 
 def existing_file(path: Path, where: str) -> Path:
     """``path``, checked to be a non-empty file; a :class:`DataError` naming ``where`` otherwise."""
+    if path.is_dir():
+        raise DataError(f"{where}: {path} is a folder, not a file; name the file itself")
     if not path.is_file():
         raise DataError(f"{where}: file not found: {path}")
     if path.stat().st_size == 0:
