@@ -25,7 +25,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -246,6 +246,21 @@ def load_checkpoint(path: Path, fix: str = _FIX) -> dict:
     if problem:
         raise CheckpointError(f"{path}: {problem}; {fix}")
     return state
+
+
+def distinct_models(checkpoints: Sequence[Path]) -> list[str]:
+    """The sha256 of each checkpoint file of an ensemble, in order; a :class:`CheckpointError` where two are one
+    model, named twice or copied byte for byte to a second path: the ensemble's mean would weigh it twice. Every
+    ensemble is checked here: ``translate`` and ``evaluate`` (:func:`pipeline.inference.load_models`) and
+    distillation's teachers."""
+    seen: dict[str, Path] = {}
+    for path in map(Path, checkpoints):
+        sha = sha256_file(path)
+        if sha in seen:
+            raise CheckpointError(f"ensemble members {seen[sha]} and {path} are one model (sha256 {sha[:16]}...: the "
+                                  "same file, or a copy of it): an ensemble member counts once; name each model once")
+        seen[sha] = path
+    return list(seen)
 
 
 def _config_diff(saved: dict, current: dict) -> dict:

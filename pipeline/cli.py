@@ -16,15 +16,16 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.average import average_run, averaged_path
-from pipeline.checkpoint import check_pair, check_tokenizer, load_checkpoint
+from pipeline.checkpoint import check_pair, check_tokenizer
 from pipeline.config import ConfigError, RunConfig, dump_config, ensure_work_dir, resolve_config, write_resolved
 from pipeline.data import DataError, prepare_corpus, read_manifest
 from pipeline.data.clean import Normalizer
+from pipeline.data.sources.lines import Lines
 from pipeline.support.errors import UserError
 from pipeline.evalsets import Checkpoints, checkpoint_list
 from pipeline.evaluate import EVALUATORS, eval_dir, evaluate_checkpoint
 from pipeline.export import GATE, export_model
-from pipeline.inference import models_from_states, truncation_summary
+from pipeline.inference import ensemble_states, models_from_states, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
 from pipeline.workdir import Inputs, build_corpus, build_inputs, run_dir
@@ -54,7 +55,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def cmd_config(cfg: RunConfig, args: argparse.Namespace) -> None:
     """Print the resolved config, or write it to ``--out`` (what ``python -m pipeline.train --config`` reads)."""
     if args.out:
-        print(f"{write_resolved(cfg, Path(args.out))} (config hash {cfg.section_hash()})")
+        out = Path(args.out)
+        if out.is_dir():
+            raise ConfigError(f"--out {out}: a folder; give a file path (e.g. {out / 'resolved.yaml'})")
+        fix = "give --out a file path in a writable folder"
+        ensure_work_dir(out.parent, f"--out {out}: the folder", fix)  # names a file in the way
+        try:
+            write_resolved(cfg, out)
+        except OSError as e:  # a folder that refuses new files all the same (sysfs, a full disk)
+            raise ConfigError(f"--out {out}: cannot write it: {e.strerror}; {fix}") from None
+        print(f"{out} (config hash {cfg.section_hash()})")
         return
     print(f"# config hash: {cfg.section_hash()}")
     print(dump_config(cfg), end="")
@@ -213,25 +223,17 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> None:
     _export(cfg, inputs, checkpoint)
 
 
-def read_lines(data: bytes, name: str) -> list[str]:
-    """``data`` (a file's or stdin's bytes) as text lines without their ends; a :class:`DataError` naming ``name``,
-    the line and the byte offset for a line that is not UTF-8 text or holds a NUL byte (binary or compressed input)."""
-    hint = " (it looks gzip-compressed: gunzip it first)" if data[:2] == b"\x1f\x8b" else ""
-    lines, offset = [], 0
-    for number, raw in enumerate(data.splitlines(keepends=True), start=1):
-        text = raw.rstrip(b"\r\n")
-        try:
-            line = text.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{name}: line {number} (byte offset {offset + e.start}) is not UTF-8 text: {e.reason} "
-                            f"{text[e.start:e.start + 1]!r}{hint}; give one UTF-8 sentence per line (convert other "
-                            "encodings with iconv -f <encoding> -t UTF-8)") from None
-        if "\0" in line:
-            raise DataError(f"{name}: line {number} (byte offset {offset + text.index(0)}) holds a NUL byte: binary "
-                            f"data, not text{hint}; give one UTF-8 sentence per line")
-        lines.append(line)
-        offset += len(raw)
-    return lines
+def read_input(path: str | None) -> list[str]:
+    """The lines of ``path`` (``--input``), else of stdin, read by the data stage's reader of text files
+    (:class:`~pipeline.data.sources.lines.Lines`): a byte order mark opening them dropped, a ``.gz`` file
+    decompressed, and a line that is not UTF-8 text or holds a NUL byte a :class:`DataError` naming the input, the
+    line and the byte offset."""
+    try:
+        with Lines(Path(path)) if path else Lines(Path("stdin"), stream=sys.stdin.buffer) as lines:
+            return [text for _, text in lines]
+    except OSError as e:
+        raise DataError(f"--input {path}: cannot read it: {e.strerror}; give a text file, one sentence per line") \
+            from None
 
 
 def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
@@ -244,17 +246,10 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
         raise ConfigError("translate needs --checkpoint (a .pt file) and --tokenizer (a tokenizer folder)")
     normalize = Normalizer(cfg.data.cleaning, Counter())
     name = args.input or "stdin"
-    if args.input:
-        try:
-            data = Path(args.input).read_bytes()
-        except OSError as e:
-            raise DataError(f"--input {args.input}: cannot read it: {e.strerror}") from None
-    else:
-        data = sys.stdin.buffer.read()
     # decoded before the model loads: bad input fails in a moment, not after loading a large checkpoint
-    lines = [normalize(line) for line in read_lines(data, name)]
+    lines = [normalize(line) for line in read_input(args.input)]
     checkpoints = [Path(c) for c in args.checkpoint]
-    states = [load_checkpoint(c) for c in checkpoints]  # a bad checkpoint first, then a bad tokenizer, a mismatch
+    states = ensemble_states(checkpoints)  # a bad checkpoint first, then a bad tokenizer, a mismatch
     tokenizer = Tokenizer(Path(args.tokenizer))
     for checkpoint, state in zip(checkpoints, states):
         check_pair(state, checkpoint, (cfg.data.src_lang, cfg.data.tgt_lang), f"config {cfg.name}")
@@ -333,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "their ensemble (the mean of their log-probabilities at each step)"))
         if name == "translate":
             p.add_argument("--tokenizer", help="the tokenizer folder the checkpoint was trained with")
-            p.add_argument("--input", help="a text file, one sentence per line (default: stdin)")
+            p.add_argument("--input", help=(
+                "a text file (a .gz one decompressed), one UTF-8 sentence per line, read as the data stage reads its "
+                "text files (default: stdin)"))
     return parser
 
 

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from sacrebleu.metrics import CHRF
 
 from model import Ensemble, Transformer
-from pipeline.checkpoint import load_checkpoint
+from pipeline.checkpoint import distinct_models, load_checkpoint
 from pipeline.support.codegraph import stage_code_hash
 from pipeline.config import CleaningConfig, DistillConfig
 from pipeline.data import DataError, read_manifest
@@ -104,7 +104,7 @@ def select_hypothesis(hypotheses: Sequence[str], reference: str, select: str) ->
 
 def _teacher_files(teachers: Sequence[Path | str]) -> tuple[list[Path], list[str]]:
     """The teachers as checkpoint files and their sha256, each checked to exist and to be another model than the
-    others (a copy of a file at a second path would weigh one model twice in the ensemble)."""
+    others (:func:`~pipeline.checkpoint.distinct_models`, as every ensemble is)."""
     if not teachers:
         raise DistillError("no teachers to distill from: set distill.teachers (or pass --teacher) to checkpoint "
                            "files (.pt)")
@@ -115,14 +115,7 @@ def _teacher_files(teachers: Sequence[Path | str]) -> tuple[list[Path], list[str
             raise DistillError(f"teacher {given}: {what}; distill.teachers (or --teacher) must name checkpoint files "
                                "(.pt) written by training or averaging (a registered models:/ version is resolved "
                                "to its checkpoint by the distill-translation flow)")
-    seen: dict[str, Path] = {}
-    for path in files:
-        sha = sha256_file(path)
-        if sha in seen:
-            raise DistillError(f"teachers {seen[sha]} and {path} are the same file (sha256 {sha[:16]}...): an "
-                               "ensemble member counts once; name each model once")
-        seen[sha] = path
-    return files, list(seen)
+    return files, distinct_models(files)
 
 
 def _train_corpus(corpus_dir: Path) -> dict:

@@ -16,7 +16,7 @@ from model import Ensemble, Transformer, TransformerConfig
 from model.decoding import beam_search
 from model.static_decoding import static_beam_search
 from pipeline.support.allocator import keep_freed_memory
-from pipeline.checkpoint import check_pair, check_tokenizer, load_checkpoint
+from pipeline.checkpoint import check_pair, check_tokenizer, distinct_models, load_checkpoint
 from pipeline.config import DecodeConfig
 from pipeline.encoding import encode_sources, to_decode
 from pipeline.tokenize import Tokenizer
@@ -37,23 +37,29 @@ def load_model(checkpoint: Path, device: torch.device | str = "cpu", tokenizer: 
     will decode with, one the checkpoint was not trained with is refused first (a ``CheckpointError`` naming both),
     and given ``pair`` ((source, target), what has it: a corpus, a config), one trained for another language pair
     (:func:`~pipeline.checkpoint.check_pair`)."""
-    return model_from_state(_checked_state(Path(checkpoint), tokenizer, pair), device)
+    return load_models([checkpoint], device, tokenizer, pair)  # one checkpoint: its Transformer
 
 
 def load_models(checkpoints: Sequence[Path], device: torch.device | str = "cpu", tokenizer: Tokenizer | None = None,
                 pair: tuple[Pair, str] | None = None) -> Transformer | Ensemble:
-    """One checkpoint's model, or the :class:`model.Ensemble` of several, each loaded (and checked against
-    ``tokenizer`` and ``pair``) as :func:`load_model` loads one."""
-    return models_from_states([_checked_state(Path(c), tokenizer, pair) for c in checkpoints], device)
+    """One checkpoint's model, or the :class:`model.Ensemble` of several (:func:`ensemble_states`), each checked
+    against ``tokenizer`` and ``pair`` as :func:`load_model` checks one."""
+    states = ensemble_states(checkpoints)
+    for checkpoint, state in zip(map(Path, checkpoints), states):
+        if pair is not None:
+            check_pair(state, checkpoint, *pair)
+        if tokenizer is not None:
+            check_tokenizer(state, checkpoint, tokenizer.sha256, tokenizer.dir)
+    return models_from_states(states, device)
 
 
-def _checked_state(checkpoint: Path, tokenizer: Tokenizer | None, pair: tuple[Pair, str] | None = None) -> dict:
-    state = load_checkpoint(checkpoint)
-    if pair is not None:
-        check_pair(state, checkpoint, *pair)
-    if tokenizer is not None:
-        check_tokenizer(state, checkpoint, tokenizer.sha256, tokenizer.dir)
-    return state
+def ensemble_states(checkpoints: Sequence[Path]) -> list[dict]:
+    """Each checkpoint loaded (:func:`~pipeline.checkpoint.load_checkpoint`); several must be distinct models
+    (:func:`~pipeline.checkpoint.distinct_models`)."""
+    states = [load_checkpoint(Path(c)) for c in checkpoints]
+    if len(states) > 1:
+        distinct_models(checkpoints)
+    return states
 
 
 def models_from_states(states: Sequence[dict], device: torch.device | str = "cpu") -> Transformer | Ensemble:

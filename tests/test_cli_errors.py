@@ -80,11 +80,11 @@ def test_an_unwritable_work_dir_names_the_reason() -> None:
 
 
 @pytest.mark.parametrize("data, where", [
-    (b"A man rides a bike.\ncaf\xe9 au lait\n", "line 2 (byte offset 23) is not UTF-8 text: invalid continuation "
-                                                "byte b'\\xe9'; give one UTF-8 sentence per line"),
-    (b"ok\nab\x00c\n", "line 2 (byte offset 5) holds a NUL byte: binary data, not text"),
-    (gzip.compress(b"A man rides a bike.\n", mtime=0), "line 1 (byte offset 1) is not UTF-8 text: invalid start "
-                                                      "byte b'\\x8b' (it looks gzip-compressed: gunzip it first)"),
+    (b"A man rides a bike.\ncaf\xe9 au lait\n", "line 2: invalid UTF-8 at byte offset 23 (byte 0xe9); re-encode the "
+                                                "text as UTF-8 (e.g. iconv -f latin1 -t utf-8)"),
+    (b"ok\nab\x00c\n", "line 2: a NUL byte at byte offset 5: binary data, not text; give UTF-8 text"),
+    (gzip.compress(b"A man rides a bike.\n", mtime=0), "line 1: invalid UTF-8 at byte offset 1 (byte 0x8b); it looks "
+                                                      "gzip-compressed: gunzip it first"),
 ])
 def test_binary_input_is_refused_with_its_line_and_offset_before_the_model_loads(data, where, tmp_path) -> None:
     # no checkpoint exists: the input is decoded first, so its error is the one reported
@@ -99,7 +99,7 @@ def test_random_bytes_on_stdin_are_refused(tmp_path) -> None:
     noise = random.Random(0).randbytes(4096)  # what `head -c 4096 /dev/urandom` gives, reproducibly
     msg = only_error(cli("translate", "--checkpoint", str(tmp_path / "none.pt"), "--tokenizer", str(tmp_path),
                          stdin=noise))
-    assert re.fullmatch(r"error: stdin: line \d+ \(byte offset \d+\) (is not UTF-8 text|holds a NUL byte).*", msg), msg
+    assert re.fullmatch(r"error: stdin: line \d+: (invalid UTF-8|a NUL byte) at byte offset \d+.*", msg), msg
 
 
 # ------------------------------------------------------------------------------ lines beyond max_positions

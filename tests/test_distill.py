@@ -365,13 +365,39 @@ def test_a_teacher_of_another_language_pair_or_named_twice_is_refused_before_dec
         load_models([french], "cpu", toy.tokenizer, pair=(("en", "de"), "config x"))
     copy = tmp_path / "copy.pt"
     copy.write_bytes(toy.teachers[0].read_bytes())
-    with pytest.raises(DistillError, match=f"^teachers {toy.teachers[0]} and {copy} are the same file"):
+    with pytest.raises(CheckpointError, match=f"^ensemble members {toy.teachers[0]} and {copy} are one model"):
         distill_corpus(toy.corpus, [toy.teachers[0], copy], toy.tokenizer_dir, toy.distill, tmp_path)
     assert not (tmp_path / "distilled").exists()
     # settings that cannot work are refused with the config, before anything runs
     for bad in ("distill.max_ratio=0.5", "distill.decode.beam_size=1000"):
         with pytest.raises(ConfigError, match=bad.split("=")[0].replace(".", r"\.")):
             toy_config(toy.root, tmp_path, bad)
+
+
+def test_one_model_twice_is_refused_by_translate_and_evaluate_as_distill_refuses_it(toy: Toy, tmp_path: Path,
+                                                                                      capsys) -> None:
+    """An ensemble of one model twice, by path or by a byte-identical copy, would weigh it twice: every command that
+    decodes an ensemble refuses it with distillation's one line, before decoding (no output at all)."""
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes(toy.teachers[0].read_bytes())
+    (tmp_path / "in.txt").write_text("a man runs\n", encoding="utf-8")
+    first = toy.teachers[0]
+    args = ["translate", "--data-root", str(toy.root), "--work-dir", str(tmp_path / "work"),
+            *(f"--set={s}" for s in TOY), "--tokenizer", str(toy.tokenizer_dir), "--input", str(tmp_path / "in.txt"),
+            "--checkpoint", str(first)]
+    for second in (first, copy):
+        with pytest.raises(CheckpointError) as refused:
+            distill_corpus(toy.corpus, [first, second], toy.tokenizer_dir, toy.distill, tmp_path / "work")
+        line = str(refused.value)
+        assert line == (f"ensemble members {first} and {second} are one model (sha256 {sha256_file(first)[:16]}...: "
+                        "the same file, or a copy of it): an ensemble member counts once; name each model once")
+        assert main([*args, "--checkpoint", str(second)]) == 2
+        assert capsys.readouterr() == ("", f"error: {line}\n")
+        with pytest.raises(CheckpointError) as evaluated:  # what evaluate and averaging's choice on dev load with
+            load_models([first, second], "cpu", toy.tokenizer)
+        assert str(evaluated.value) == line
+    assert main([*args, "--checkpoint", str(toy.teachers[1])]) == 0  # two models: an ensemble
+    assert len(capsys.readouterr().out.splitlines()) == 1
 
 
 def test_one_teacher_decodes_through_its_ctranslate2_export(toy: Toy, distilled: Path, tmp_path: Path,

@@ -148,11 +148,15 @@ def test_several_checkpoints_evaluate_and_translate_as_their_ensemble(averaged, 
     cmd = [sys.executable, "-m", "pipeline", "translate", "--tokenizer", str(tiny_stack.tokenizer),
            "--set", "decode.beam_size=2", "--set", "decode.max_len_a=0.5", "--set", "decode.max_len_b=4"]
     env = {**os.environ, "AIAYN_DATA_ROOT": str(shared_data)}
-    for members, expected in (([averaged, first], hyps[:5]),  # an ensemble of two identical models is the model
-                              ([averaged, averaged], translate(load_model(averaged), tokenizer, src[:5], cfg.decode))):
-        res = subprocess.run(cmd + [a for m in members for a in ("--checkpoint", str(m))], input="\n".join(src[:5]),
-                             capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
-        assert res.returncode == 0 and res.stdout.splitlines() == expected, res.stderr
+    def cli_translate(*members: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd + [a for m in members for a in ("--checkpoint", str(m))], input="\n".join(src[:5]),
+                              capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+
+    res = cli_translate(averaged, first)
+    assert res.returncode == 0 and res.stdout.splitlines() == hyps[:5], res.stderr
+    res = cli_translate(averaged, averaged)  # one model twice would weigh it twice: refused, as distill refuses it
+    assert res.returncode == 2 and not res.stdout and res.stderr.startswith(
+        f"error: ensemble members {averaged} and {averaged} are one model"), res.stderr
 
 
 @pytest.mark.integration

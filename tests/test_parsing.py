@@ -24,8 +24,9 @@ from pipeline.evaluate import evaluate_checkpoint
 from pipeline.parsing.constraint import CLOSE, LEAF, OPEN, TreeConstraint
 from pipeline.parsing.evalb import (COLLINS, UNLABELED, PrmError, brackets, read_prm, score_corpus, score_files,
                                     score_sentence)
+from pipeline.parsing.treebank import read_tree_file
 from pipeline.parsing.trees import (PLACEHOLDER, Tree, TreeError, clean, is_well_formed, linearize, parse_tree,
-                                    read_trees, repair, right_branching, strip_root, target_symbols)
+                                    repair, right_branching, strip_root, target_symbols)
 from pipeline.shards import build_shards
 from pipeline.tokenize import Tokenizer, train_tokenizer
 from pipeline.train import train
@@ -47,9 +48,9 @@ def t(text: str) -> Tree:
 @pytest.mark.integration
 def test_mrg_files_and_one_tree_per_line_read_the_same(shared_data) -> None:
     ptb = shared_data / "ptb-sample"
-    mrg = list(read_trees(ptb / "combined" / "wsj_0001.mrg"))
+    mrg = list(read_tree_file(ptb / "combined" / "wsj_0001.mrg"))
     assert [line for line, _ in mrg] == [2, 17]  # the line each multi-line tree starts on (line 1 is blank)
-    oneline = [tree for _, tree in zip(range(2), read_trees(ptb / "wsj_sample.oneline.mrg"))]
+    oneline = [tree for _, tree in zip(range(2), read_tree_file(ptb / "wsj_sample.oneline.mrg"))]
     assert [str(tree) for _, tree in mrg] == [str(tree[1]) for tree in oneline]
     first = mrg[0][1]
     assert first.label == "" and first.words()[:4] == ["Pierre", "Vinken", ",", "61"]
@@ -67,7 +68,7 @@ def test_bad_treebank_files_name_file_and_line(tmp_path, text, where) -> None:
     path = tmp_path / "bad.mrg"
     path.write_text(text)
     with pytest.raises(TreeError) as e:
-        list(read_trees(path))
+        list(read_tree_file(path))
     msg = str(e.value).replace("the tree starting on line 2 is not closed", "line 2 is not closed")
     assert str(path) in msg and where in msg
 
@@ -91,7 +92,7 @@ def test_traces_function_tags_and_root_wrapper_are_removed() -> None:
 @pytest.mark.integration
 def test_linearisation_round_trips_on_every_sample_tree(shared_data, leaves) -> None:
     n = 0
-    for _, raw in read_trees(shared_data / "ptb-sample" / "wsj_sample.oneline.mrg"):
+    for _, raw in read_tree_file(shared_data / "ptb-sample" / "wsj_sample.oneline.mrg"):
         gold = clean(raw)
         lin = linearize(gold, leaves)
         tagged = gold.tagged_words()

@@ -6,12 +6,22 @@ trees with; the data stage finds it through ``pipeline.data.sources.TASK_READERS
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
-from pipeline.data.sources import DataError, Pair, Source, existing_file, has_bom
-from pipeline.parsing.trees import TreeError, clean, linearize, parse_tree, read_trees, target_symbols
+from pipeline.data.sources import DataError, Pair, Source, existing_file
+from pipeline.data.sources.lines import Lines
+from pipeline.parsing.trees import Tree, TreeError, clean, linearize, parse_tree, read_trees, target_symbols
+
+
+def read_tree_file(path: Path, on_bom: Callable[[Path], None] | None = None) -> Iterator[tuple[int, Tree]]:
+    """The trees of a treebank file (:func:`~pipeline.parsing.trees.read_trees`), its lines read as every text
+    input is (:class:`~pipeline.data.sources.lines.Lines`: a byte order mark dropped and told to ``on_bom``, bad
+    UTF-8 or a NUL byte a :class:`DataError` naming the line)."""
+    with Lines(path, on_bom) as lines:
+        yield from read_trees((text for _, text in lines), str(path))
 
 
 class PtbSource(Source):
@@ -50,10 +60,8 @@ class PtbSource(Source):
     def pairs(self) -> Iterator[Pair]:
         n = 0
         for path in self.paths:
-            if has_bom(path):  # read_trees drops it; the data report counts it as the other readers do
-                self._bom(path)
             try:
-                for line, tree in read_trees(path):
+                for line, tree in read_tree_file(path, self._bom):
                     cleaned = clean(tree)
                     if cleaned is None:
                         raise DataError(f"{path}: line {line}: the tree has no word besides -NONE- elements; "

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Iterator, Union
 
 PLACEHOLDER = "XX"  # every POS tag in a linearised tree
@@ -134,17 +133,14 @@ def _read(tokens: Iterator[tuple[str, int]], where: str) -> Iterator[tuple[int, 
                         f"({len(stack)} bracket(s) open); the file is truncated or damaged")
 
 
-def read_trees(path: Path) -> Iterator[tuple[int, Tree]]:
-    """Stream the trees of a ``.mrg`` file (trees over several lines) or a one-tree-per-line file.
+def read_trees(lines: Iterable[str], where: str) -> Iterator[tuple[int, Tree]]:
+    """Stream the trees of a ``.mrg`` file's lines (trees over several lines) or of a one-tree-per-line file
+    (:func:`pipeline.parsing.treebank.read_tree_file` reads a file's lines as every text input is read).
 
-    Yields ``(line, tree)`` with the 1-based line each tree starts on. Raises :class:`TreeError` naming the file
-    and line of any unbalanced bracket, stray text or empty bracket.
+    Yields ``(line, tree)`` with the 1-based line each tree starts on. Raises :class:`TreeError` naming ``where``
+    and the line of any unbalanced bracket, stray text or empty bracket.
     """
-    with open(path, encoding="utf-8-sig") as f:  # -sig: a byte order mark opening the file is no text
-        try:
-            yield from _read(_tokens_with_lines(f), str(path))
-        except UnicodeDecodeError as e:
-            raise TreeError(f"{path}: not UTF-8 ({e}); treebank files are ASCII, re-encode the file") from None
+    yield from _read(_tokens_with_lines(lines), where)
 
 
 def parse_tree(text: str) -> Tree:

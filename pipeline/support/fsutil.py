@@ -195,7 +195,11 @@ def read_stage_manifest(folder: Path, expected_format: str, what: str, fix: str,
     path = Path(folder) / MANIFEST
     if not path.is_file():
         raise error(f"{folder}: no {MANIFEST}; not a finished {what} folder ({fix})")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format") != expected_format:
-        raise error(f"{path}: format {manifest.get('format')!r}, expected {expected_format!r}; {fix}")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # not UTF-8 (UnicodeDecodeError), or not JSON: a damaged or foreign file
+        raise error(f"{path}: not a {what} manifest ({type(e).__name__}: {e}); {fix}") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != expected_format:
+        raise error(f"{path}: format {found!r}, expected {expected_format!r}; {fix}")
     return manifest

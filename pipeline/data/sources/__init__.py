@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline.config import SourceSpec
 from pipeline.data.sources.base import (
-    Batch, DataError, Pair, Source, SourceInfo, existing_file, has_bom, is_glob, resolve_inside, resolve_root,
+    Batch, DataError, Pair, Source, SourceInfo, existing_file, is_glob, resolve_inside, resolve_root,
 )
 from pipeline.data.sources.columnar import ArrowSource, DatasetSource, ParquetSource
 from pipeline.data.sources.hub import LOCAL_ALTERNATIVE, HubSource, HubUnavailable
@@ -27,7 +27,7 @@ from pipeline.data.sources.text import SgmSource, TextSource, TsvSource
 __all__ = [
     "LOCAL_ALTERNATIVE", "TASK_READERS", "ArrowSource", "Batch", "DataError", "DatasetSource", "HubSource",
     "HubUnavailable", "Pair", "ParquetSource", "SgmSource", "Source", "SourceInfo", "TextSource", "TsvSource",
-    "existing_file", "has_bom", "is_glob", "open_source", "reader", "resolve_inside", "resolve_root",
+    "existing_file", "is_glob", "open_source", "reader", "resolve_inside", "resolve_root",
 ]
 
 _READERS: dict[str, type[Source]] = {

@@ -5,7 +5,6 @@ interface each reader implements."""
 from __future__ import annotations
 
 import abc
-import codecs
 import glob
 import itertools
 import re
@@ -91,6 +90,8 @@ def pattern_field(pattern: str) -> str:
 
 def existing_file(path: Path, where: str) -> Path:
     """``path``, checked to be a non-empty file; a :class:`DataError` naming ``where`` otherwise."""
+    if path.is_dir():
+        raise DataError(f"{where}: {path} is a folder, not a file; name the file itself")
     if not path.is_file():
         raise DataError(f"{where}: file not found: {path}")
     if path.stat().st_size == 0:
@@ -106,12 +107,6 @@ def sum_known(counts: Iterator[int | None]) -> int | None:
             return None
         total += n
     return total
-
-
-def has_bom(path: Path) -> bool:
-    """Whether ``path`` opens with a UTF-8 byte order mark."""
-    with open(path, "rb") as f:
-        return f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
 
 
 # ----------------------------------------------------------------------------------------------- readers

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import SourceSpec
@@ -34,6 +35,17 @@ def _column_names(schema_names: list[str], spec: SourceSpec, src_lang: str, tgt_
     )
 
 
+def _refuse_nul(texts: pa.Array, first_row: int, what: str, column: str) -> None:
+    """A :class:`DataError` naming the first of ``texts`` (rows from ``first_row`` on) that holds a NUL byte: binary
+    data, not text, refused as the text readers refuse it (:class:`~pipeline.data.sources.lines.Lines`)."""
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+        return
+    hits = pc.match_substring(texts, "\x00")
+    if pc.any(hits).as_py():
+        raise DataError(f"{what}: row {first_row + pc.index(hits, True).as_py()}: column {column!r} holds a NUL byte: "
+                        "binary data, not text; remove it from the data, or map the text columns (fields)")
+
+
 def _pairs_from_batches(batches: Iterator[pa.RecordBatch], cols: tuple[str, str], nested: bool, langs, what: str):
     line = 0
     for batch in batches:
@@ -43,8 +55,12 @@ def _pairs_from_batches(batches: Iterator[pa.RecordBatch], cols: tuple[str, str]
                 s_arr, t_arr = (struct.field(lang) for lang in langs)
             except KeyError:
                 raise DataError(f"{what}: the 'translation' struct has no field {list(langs)}") from None
+            names = [f"translation.{lang}" for lang in langs]
         else:
             s_arr, t_arr = (batch.column(batch.schema.get_field_index(c)) for c in cols)
+            names = list(cols)
+        for texts, name in zip((s_arr, t_arr), names):
+            _refuse_nul(texts, line + 1, what, name)
         for s, t in zip(s_arr.to_pylist(), t_arr.to_pylist()):
             line += 1
             yield line, s or "", t or ""
