@@ -24,7 +24,8 @@ def _train(name: str, config: str, data_root: str | None, overrides: FlowOverrid
            max_minutes: float | None, precision: Precision | None, tracking_uri: str | None,
            register_model: bool) -> dict:
     """The body of every translation flow: the pipeline on ``config``, which must be what flow ``name`` expects."""
-    cfg = pipeline_config(name, EXPECT[name], config, data_root, overrides, max_steps, max_minutes, precision)
+    cfg = pipeline_config(name, EXPECT[name], config, data_root, overrides, max_steps, max_minutes, precision,
+                          tracking_uri)
     return run_pipeline(name, cfg, tracking_uri, register_model)
 
 
