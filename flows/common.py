@@ -41,7 +41,8 @@ def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, f
     """The run's config, resolved once under the trust model's rules (:meth:`pipeline.config.FlowRunTrust.resolve`:
     configs from the allowed folders only, the worker's environment, then the run's parameters, of which those
     the environment decides are refused, ``tracking_uri`` included); refuses one this flow is not for (``expect``:
-    field -> value, e.g. the language pair, or ``task: parsing``)."""
+    field -> value, e.g. the language pair, or ``task: parsing``) and one that cannot leave the checkpoints
+    its averaging needs (:meth:`pipeline.config.RunConfig.averaging_shortfall`)."""
     trust = FlowRunTrust.from_environ()
     with warnings.catch_warnings(record=True) as caught:  # into the flow run's logs, where users look
         warnings.simplefilter("always", DevDomainWarning)
@@ -49,6 +50,8 @@ def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, f
     trust.tracking_uri(tracking_uri, Path(cfg.work_dir).expanduser().resolve())  # refused before anything starts
     for w in caught:
         get_run_logger().warning(str(w.message))
+    if (short := cfg.averaging_shortfall()) is not None:  # refused now, not once training has ended
+        raise ConfigError(f"config {config!r}: {short}")
     got = {"src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang, "task": cfg.task}
     wrong = {k: got[k] for k, v in expect.items() if got[k] != v}
     if wrong:
