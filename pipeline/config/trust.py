@@ -128,6 +128,7 @@ class FlowRunTrust:
         ``parameters``; written by the stage just after it creates the run, read once by the node
         (:meth:`claim_node_run`)."""
         path = self.node_records / f"{flow_run_id}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {"parent_flow_run": parent, "parameters": dict(parameters)})
         return path
 
