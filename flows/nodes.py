@@ -23,7 +23,7 @@ from tasks.training import train_on_node
 def train_node(config_file: str, shards: str, out: str, launch: dict[str, Any], node_rank: int, rdzv_endpoint: str,
                rdzv_id: str, extra: list[str], init_checkpoint: str | None = None) -> None:
     """Run node ``node_rank``'s torchrun agent until the job ends, if this flow run is a node its training stage
-    recorded with these parameters (:meth:`pipeline.config.FlowRunTrust.claim_node_run`); refused otherwise.
+    recorded with these parameters (``pipeline.config.FlowRunTrust.claim_node_run``); refused otherwise.
 
     Args:
         config_file: the resolved config (the run folder's ``config.yaml``), read by every rank as it is.

@@ -30,7 +30,8 @@ class RunConfig(Strict):
         "translation: sentence pairs, scored by BLEU; parsing (paper section 6.3): words to a linearised tree, "
         "scored by EVALB F1."))
     preset: DisplayName = Field(default="base", description=(
-        "The paper row (or CPU size) this run is built on, e.g. base, big, tiny; a tag, not a switch."))
+        "The paper row (or CPU size) this run is built on, e.g. base, big, tiny; a tag, not a switch. Printable "
+        "characters only."))
     work_dir: str = Field(default="runs", description=(
         "Folder for stage outputs, in sub-folders named by content hashes (overridden by --work-dir or "
         "AIAYN_WORK_DIR)."))
