@@ -101,6 +101,12 @@ def test_the_flows_and_the_sweep_refuse_a_config_or_sweep_file_from_elsewhere(tm
     pool_env.setattr(sweep_flow, "get_run_logger", lambda: None)
     with pytest.raises(ConfigError, match="is not a file under"):
         sweep_flow._run_sweep(str(path), None, None, None, None, True)
+    # a sweep inside the allowed folders whose base config is not
+    sweep = _config(tmp_path / "sweeps", "s.yaml", (CONFIG_DIR / "sweeps" / "multi30k-cpu.yaml").read_text(
+        encoding="utf-8").replace("base: multi30k-cpu-hub", f"base: {path}"))
+    pool_env.setenv("AIAYN_CONFIG_DIRS", str(tmp_path / "sweeps"))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(sweep))}: base .* is not a file under"):
+        sweep_flow._run_sweep(str(sweep), None, None, None, None, True)
 
 
 # ------------------------------------------------------------------------------ errors that show no values
@@ -222,6 +228,21 @@ def test_the_pipeline_flows_resolve_their_parameters_under_the_rules(tmp_path: P
     assert flow_config("multi30k-cpu", {}, None, "train-en-de", {}, "http://mlflow:5000").work_dir == \
         str(tmp_path / "work")
     assert not (tmp_path / "work").exists()  # refused or resolved: nothing written yet
+
+
+def test_a_runs_teacher_files_lie_in_its_work_dir_or_data_root(tmp_path: Path) -> None:
+    """distill.teachers checkpoint files and distill.translations a flow run names (the distill flow's teachers
+    join them) must lie under the run's work dir or data root; registered versions are names, not files."""
+    work, data = tmp_path / "work", tmp_path / "data"
+    trust = FlowRunTrust.from_environ({"AIAYN_WORK_DIR": str(work), "AIAYN_DATA_ROOT": str(data)})
+    ok = [str(work / "runs" / "x" / "averaged" / "last3.pt"), "models:/transformer-en-de@champion"]
+    assert trust.resolve("multi30k-student-tiny", {"distill.teachers": ok}).distill.teachers == ok
+    assert trust.resolve("multi30k-cpu", {"distill.translations": str(data / "t")}).distill.translations
+    for field, value, name in (("distill.teachers", [ok[1], "/srv/other-team/model.pt"], "/srv/other-team/model.pt"),
+                               ("distill.translations", "../../elsewhere", "../../elsewhere")):
+        with pytest.raises(ConfigError, match=rf"^override {re.escape(field)}: {re.escape(repr(name))} lies outside "
+                                              rf"the run's work dir \({re.escape(str(work))}\) and data root"):
+            trust.resolve("multi30k-cpu", {field: value})
 
 
 # ------------------------------------------------------------------------------------------- node runs

@@ -11,6 +11,8 @@ the job template's ``env``, the deployment's job variables) is the deployment's,
   (``MLFLOW_TRACKING_URI``): a run's ``data_root``, ``data.root``, ``work_dir`` or ``tracking_uri`` that names
   another is refused, unless ``AIAYN_RUNS_MAY_SET`` names it (``data_root``, ``work_dir``, ``tracking_uri``,
   separated by commas): the deployment's one opt-in;
+- which files a run's teachers come from: a checkpoint or translations folder a run names (``distill.teachers``,
+  ``distill.translations``) lies under its work dir or data root, else it names a registered version;
 - which ``train-node`` runs exist: one runs only as a node its training stage recorded (:meth:`record_node_run`),
   with the parameters recorded for it, once.
 
@@ -95,15 +97,25 @@ class FlowRunTrust:
                 data_root: str | None = None) -> RunConfig:
         """A flow run's config from its parameters: :func:`pipeline.config.resolve_config` with the config and the
         files it extends taken from :attr:`config_dirs` only, after refusing a ``data_root``, ``data.root`` or
-        ``work_dir`` that the environment decides (:meth:`check`)."""
+        ``work_dir`` that the environment decides (:meth:`check`); then a teacher checkpoint or translations folder
+        the run names (``distill.teachers``, ``distill.translations``) outside the run's work dir and data root."""
         self.check("data_root", data_root, f"parameter data_root={data_root!r}")
-        for key, value in (overrides or {}).items():
-            leaves = tree_leaves(value, f"{key}.") if isinstance(value, Mapping) else [(key, value)]
-            for field, leaf in leaves:
-                if field in _FIELDS:
-                    self.check(_FIELDS[field], leaf, f"override {field}={leaf!r}")
-        return resolve_config(config, overrides, data_root=data_root, environ=self.environ,
-                              allowed=self.config_dirs)
+        leaves = [leaf for key, value in (overrides or {}).items()
+                  for leaf in (tree_leaves(value, f"{key}.") if isinstance(value, Mapping) else [(key, value)])]
+        for field, value in leaves:
+            if field in _FIELDS:
+                self.check(_FIELDS[field], value, f"override {field}={value!r}")
+        cfg = resolve_config(config, overrides, data_root=data_root, environ=self.environ, allowed=self.config_dirs)
+        places = [Path(cfg.work_dir).expanduser().resolve(), Path(cfg.data.root).expanduser().resolve()]
+        for field, value in leaves:
+            files = [t for t in value if not t.startswith("models:/")] if field == "distill.teachers" else \
+                [value] if field == "distill.translations" and value is not None else []
+            for name in files:
+                if not any(Path(name).expanduser().resolve().is_relative_to(place) for place in places):
+                    raise ConfigError(f"override {field}: {name!r} lies outside the run's work dir ({places[0]}) "
+                                      f"and data root ({places[1]}): a flow run reads checkpoints and translations "
+                                      "there only, or names a registered version (models:/<name>/<version>)")
+        return cfg
 
     def tracking_uri(self, given: str | None, work_dir: Path) -> str:
         """A flow run's tracking server: the environment's ``MLFLOW_TRACKING_URI``, else SQLite in ``work_dir``;
