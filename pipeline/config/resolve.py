@@ -27,10 +27,6 @@ ENV_CONFIG_DIRS = "AIAYN_CONFIG_DIRS"  # further folders a flow run may name con
 ConfigDirs = Sequence[Path] | None  # the folders configs may come from; None: any file (the CLI's owner)
 
 
-def _known_configs() -> list[str]:
-    return sorted(str(q.relative_to(CONFIG_DIR).with_suffix("")) for q in CONFIG_DIR.rglob("*.yaml"))
-
-
 def find_file(candidates: Sequence[Path], allowed: ConfigDirs = None) -> tuple[Path | None, bool]:
     """The first of ``candidates`` that is a file, resolved (None: none is), and whether one was passed over for
     leading outside ``allowed`` (symbolic links followed). Whether a file lies outside is never looked at, so that
