@@ -24,7 +24,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from pipeline import tracking
-from pipeline.config import DevDomainWarning, RunConfig, ensure_work_dir, flow_overrides, resolve_config
+from pipeline.config import ConfigError, DevDomainWarning, FlowRunTrust, RunConfig, ensure_work_dir, flow_overrides
 from tasks.caching import run_cached
 from tasks.report import publish_report
 from tasks.stages import (average_stage, data_stage, distill_stage, evaluate_stage, export_stage, shards_stage,
@@ -37,15 +37,21 @@ Precision = Literal["auto", "fp32", "bf16"]  # a flow's ``precision`` parameter:
 
 
 def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, flow_name: str,
-                expect: dict[str, str]) -> RunConfig:
-    """The run's config, resolved once (:func:`pipeline.config.resolve_config`: the worker's environment, then
-    the run's parameters); refuses one this flow is not for (``expect``: field -> value, e.g. the language pair,
-    or ``task: parsing``)."""
+                expect: dict[str, str], tracking_uri: str | None = None) -> RunConfig:
+    """The run's config, resolved once under the trust model's rules (:meth:`pipeline.config.FlowRunTrust.resolve`:
+    configs from the allowed folders only, the worker's environment, then the run's parameters, of which those
+    the environment decides are refused, ``tracking_uri`` included); refuses one this flow is not for (``expect``:
+    field -> value, e.g. the language pair, or ``task: parsing``) and one that cannot leave the checkpoints
+    its averaging needs (:meth:`pipeline.config.RunConfig.averaging_shortfall`)."""
+    trust = FlowRunTrust.from_environ()
     with warnings.catch_warnings(record=True) as caught:  # into the flow run's logs, where users look
         warnings.simplefilter("always", DevDomainWarning)
-        cfg = resolve_config(config, overrides, data_root=data_root)
+        cfg = trust.resolve(config, overrides, data_root)
+    trust.tracking_uri(tracking_uri, Path(cfg.work_dir).expanduser().resolve())  # refused before anything starts
     for w in caught:
         get_run_logger().warning(str(w.message))
+    if (short := cfg.averaging_shortfall()) is not None:  # refused now, not once training has ended
+        raise ConfigError(f"config {config!r}: {short}")
     got = {"src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang, "task": cfg.task}
     wrong = {k: got[k] for k, v in expect.items() if got[k] != v}
     if wrong:
@@ -57,19 +63,20 @@ def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, f
 
 def pipeline_config(flow_name: str, expect: dict[str, str], config: str, data_root: str | None,
                     overrides: BaseModel | dict[str, Any] | None, max_steps: int | None, max_minutes: float | None,
-                    precision: str | None) -> RunConfig:
+                    precision: str | None, tracking_uri: str | None = None) -> RunConfig:
     """A pipeline flow's config from its parameters: ``overrides`` with the shortcuts (``max_steps``,
     ``max_minutes``, ``precision``) merged in, resolved by :func:`flow_config`."""
     shortcuts = {k: v for k, v in (("train.max_steps", max_steps), ("train.max_minutes", max_minutes),
                                    ("train.precision", precision)) if v is not None}
-    return flow_config(config, {**flow_overrides(overrides), **shortcuts}, data_root, flow_name, expect)
+    return flow_config(config, {**flow_overrides(overrides), **shortcuts}, data_root, flow_name, expect,
+                       tracking_uri)
 
 
 def run_pipeline(flow_name: str, cfg: RunConfig, tracking_uri: str | None, register_model: bool) -> dict:
     """The stages in order on the resolved ``cfg`` (:func:`pipeline_config`); returns the stage outputs, the scores
     file, the registered model's name and the promotion decision."""
     work = ensure_work_dir(cfg.work_dir)  # a clear error before tracking and the stages start
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
+    uri = FlowRunTrust.from_environ().tracking_uri(tracking_uri, work)
     parent = start_tracking(cfg, uri, run_name=flow_run.get_name() or cfg.name,
                             tags={"prefect.flow": flow_name, "prefect.flow_run_id": str(flow_run.get_id() or ""),
                                   "prefect.flow_run_url": str(flow_run.get_flow_run_ui_url() or "")})
@@ -142,7 +149,12 @@ def close_tracking_runs(flow: Any, flow_run: Any, state: Any) -> None:
     environment. A hook must never raise (Prefect would only log it): failures are logged here instead.
     """
     logger = flow_run_logger(flow_run, flow)
-    uri = (flow_run.parameters or {}).get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    given = (flow_run.parameters or {}).get("tracking_uri")
+    try:  # the run's own tracking_uri only where the trust model let the run use it
+        trusted = bool(given) and FlowRunTrust.from_environ().allows("tracking_uri", given)
+    except ConfigError:
+        trusted = False
+    uri = given if trusted else os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
         logger.warning("no tracking URI (parameter tracking_uri, env MLFLOW_TRACKING_URI): MLflow runs of flow run "
                        "%s left as they are", flow_run.id)

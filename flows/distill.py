@@ -24,13 +24,13 @@ EXPECT = {"task": "translation"}  # any language pair; the teachers must transla
 
 def student_config(config: str, data_root: str | None, overrides: FlowOverrides | dict | None,
                    teachers: list[str] | None, trained: list[str], max_steps: int | None, max_minutes: float | None,
-                   precision: Precision | None) -> RunConfig:
+                   precision: Precision | None, tracking_uri: str | None = None) -> RunConfig:
     """The student's config: ``teachers`` (when given) replaces ``distill.teachers``, and the versions teacher runs
     registered (``trained``) join them, as the one override ``distill.teachers``."""
     student = flow_overrides(overrides)
     if teachers is not None or trained:
         student["distill.teachers"] = [*(teachers or []), *trained]
-    return pipeline_config(NAME, EXPECT, config, data_root, student, max_steps, max_minutes, precision)
+    return pipeline_config(NAME, EXPECT, config, data_root, student, max_steps, max_minutes, precision, tracking_uri)
 
 
 @pipeline_flow(NAME)
@@ -57,7 +57,7 @@ def distill_translation(config: ConfigName | str = "multi30k-student-tiny", teac
             decide on its champion alias.
     """
     # The student's config first: a wrong one is refused before any teacher trains.
-    cfg = student_config(config, data_root, overrides, teachers, [], max_steps, max_minutes, precision)
+    cfg = student_config(config, data_root, overrides, teachers, [], max_steps, max_minutes, precision, tracking_uri)
     if not cfg.distill.teachers and not teacher_configs:
         raise ConfigError(f"config {config!r} has no teachers (distill.teachers is empty) and none were given: pass "
                           "-p teachers='[\"models:/<name>@champion\"]', or -p teacher_configs='[\"<config>\"]' to "
@@ -65,12 +65,13 @@ def distill_translation(config: ConfigName | str = "multi30k-student-tiny", teac
     if teacher_configs:
         pair = {"task": "translation", "src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang}
         for teacher in teacher_configs:  # a teacher of another language pair is refused before any of them trains
-            flow_config(teacher, {}, data_root, f"{NAME} (teacher_configs)", pair)
+            flow_config(teacher, {}, data_root, f"{NAME} (teacher_configs)", pair, tracking_uri)
         trained = []
         for i, teacher in enumerate(teacher_configs, 1):
             run = train_translation.with_options(flow_run_name=f"{flow_run.get_name()}-teacher-{i}")(
                 config=teacher, data_root=data_root, max_steps=max_steps, max_minutes=max_minutes,
                 precision=precision, tracking_uri=tracking_uri, register_model=True)
             trained.append(f"models:/{run['registered_model']}/{run['decision']['version']}")
-        cfg = student_config(config, data_root, overrides, teachers, trained, max_steps, max_minutes, precision)
+        cfg = student_config(config, data_root, overrides, teachers, trained, max_steps, max_minutes, precision,
+                             tracking_uri)
     return run_pipeline(NAME, cfg, tracking_uri, register_model)

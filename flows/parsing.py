@@ -20,5 +20,5 @@ def parse_wsj(config: ConfigName | str = "ptb-sample-cpu", data_root: str | None
         overrides, max_steps, max_minutes, precision, tracking_uri, register_model: as for ``train-en-de``.
     """
     cfg = pipeline_config("parse-wsj", {"task": "parsing"}, config, data_root, overrides, max_steps, max_minutes,
-                          precision)
+                          precision, tracking_uri)
     return run_pipeline("parse-wsj", cfg, tracking_uri, register_model)

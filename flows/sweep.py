@@ -10,7 +10,6 @@ over trial runs of the pipeline's own deployment. ``sweep-en-de`` is its former 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +19,7 @@ from pydantic import Field
 
 from flows.common import close_tracking_runs
 from pipeline import tracking
-from pipeline.config import ensure_work_dir
+from pipeline.config import FlowRunTrust, ensure_work_dir
 from pipeline.support.fsutil import exclusive, write_text
 from pipeline.sweep.config import base_point, check_space, expand, load_sweep, resolve_base, variations
 from pipeline.sweep.search import arms, finished, open_study, search
@@ -81,13 +80,16 @@ def _run_sweep(sweep: str, data_root: str | None, trials: int | None, max_in_fli
     Everything the sweep file, the flow run's parameters and the deployment can get wrong is refused before the
     study, the sweep's MLflow run or any trial run exists."""
     logger = get_run_logger()
-    cfg = load_sweep(sweep, {k: v for k, v in (("trials", trials), ("max_in_flight", max_in_flight)) if v is not None})
+    trust = FlowRunTrust.from_environ()  # the sweep file and its base from the allowed folders; data_root checked
+    trust.check("data_root", data_root, f"parameter data_root={data_root!r}")
+    cfg = load_sweep(sweep, {k: v for k, v in (("trials", trials), ("max_in_flight", max_in_flight)) if v is not None},
+                     allowed=trust.config_dirs)
     base = resolve_base(cfg, data_root)  # what every trial starts from
     point = base_point(cfg, base)
     check_space(cfg, point, data_root)
     work = ensure_work_dir(base.work_dir)
     folder = work / "sweeps" / cfg.name
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{work / 'mlflow.db'}"
+    uri = trust.tracking_uri(tracking_uri, work)  # what every trial gets: the environment's unless allowed
     runner = DeploymentRunner(cfg.deployment, {"config": cfg.base, "data_root": data_root, "tracking_uri": uri,
                                                "register_model": False}, folder, [f"sweep:{cfg.name}"], cfg.source)
     # every field and kind of value a trial or a confirmation run sends, against the deployment, before anything

@@ -24,7 +24,8 @@ def _train(name: str, config: str, data_root: str | None, overrides: FlowOverrid
            max_minutes: float | None, precision: Precision | None, tracking_uri: str | None,
            register_model: bool) -> dict:
     """The body of every translation flow: the pipeline on ``config``, which must be what flow ``name`` expects."""
-    cfg = pipeline_config(name, EXPECT[name], config, data_root, overrides, max_steps, max_minutes, precision)
+    cfg = pipeline_config(name, EXPECT[name], config, data_root, overrides, max_steps, max_minutes, precision,
+                          tracking_uri)
     return run_pipeline(name, cfg, tracking_uri, register_model)
 
 
@@ -36,13 +37,16 @@ def train_en_de(config: ConfigName | str = "multi30k-cpu-hub", data_root: str | 
     """Train, evaluate and register an English->German Transformer; a config for another pair is refused.
 
     Args:
-        config: a config under configs/ (``multi30k-cpu-hub``, ``wmt14-en-de-base``, ``wmt14-en-de-big``) or a path.
-        data_root: a folder of local corpora (e.g. ../shared/data) instead of the hub; env AIAYN_DATA_ROOT.
+        config: a config under configs/ (``multi30k-cpu-hub``, ``wmt14-en-de-base``, ``wmt14-en-de-big``) or a path
+            there or under a folder of the worker's AIAYN_CONFIG_DIRS.
+        data_root: a folder of local corpora (e.g. ../shared/data) instead of the hub; env AIAYN_DATA_ROOT, which
+            it may differ from only where AIAYN_RUNS_MAY_SET allows data_root.
         overrides: config fields by their dotted names, typed and checked against the config schema when the run
             is created, e.g. {"train.warmup_steps": 8000, "launch.nproc_per_node": 8}.
         max_steps, max_minutes: training budget shortcuts (train.max_steps, train.max_minutes).
         precision: train.precision (auto: bf16 where the hardware computes it natively; fp32: the paper's).
-        tracking_uri: the MLflow server; default env MLFLOW_TRACKING_URI, else SQLite in the work dir.
+        tracking_uri: the MLflow server; default env MLFLOW_TRACKING_URI, else SQLite in the work dir; another only
+            where AIAYN_RUNS_MAY_SET allows tracking_uri.
         register_model: register the averaged model and decide on the champion alias.
     """
     return _train("train-en-de", config, data_root, overrides, max_steps, max_minutes, precision, tracking_uri,
@@ -76,7 +80,8 @@ def train_translation(config: ConfigName | str, data_root: str | None = None,
 
     Args:
         config: required: a translation config under configs/ (e.g. ``multi30k-en-fr-cpu``) or the path of one
-            (absolute, or relative to the project folder), e.g. a config written for a new language pair.
+            there or under a folder of the worker's AIAYN_CONFIG_DIRS (absolute, or relative to the project folder),
+            e.g. a config written for a new language pair.
         data_root, overrides, max_steps, max_minutes, precision, tracking_uri, register_model: as for
             ``train-en-de``.
 

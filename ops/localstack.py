@@ -48,7 +48,7 @@ import psutil
 import yaml
 
 from ops import pools
-from pipeline.config import load_config
+from pipeline.config import ENV_RUNS_MAY_SET, load_config
 from pipeline.support.fsutil import write_json
 from pipeline.support.proc import free_port  # noqa: F401  (the tests and ops.localstack callers name it here too)
 from pipeline.promotion import lock_name
@@ -535,6 +535,9 @@ class Stack:
             work_dir = work_dir or self.home / "work"
             result_storage = result_storage or str(self.home / "prefect" / "storage")
         extra = result_storage_env(result_storage)
+        # One person's stack: its runs may name their own data root (-p data_root=...); what else they may set is the
+        # environment's to say (the trust model, pipeline.config.trust)
+        extra[ENV_RUNS_MAY_SET] = os.environ.get(ENV_RUNS_MAY_SET, "data_root")
         if data_root is not None:
             extra["AIAYN_DATA_ROOT"] = str(data_root.resolve())
         if work_dir is not None:

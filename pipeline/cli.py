@@ -28,6 +28,7 @@ from pipeline.export import GATE, export_model
 from pipeline.inference import ensemble_states, models_from_states, truncation_summary
 from pipeline.tokenize import Tokenizer
 from pipeline.train import train
+from pipeline.train.launch import processes_per_node
 from pipeline.workdir import Inputs, build_corpus, build_inputs, run_dir
 
 log = logging.getLogger("aiayn")
@@ -116,8 +117,24 @@ def _train(cfg: RunConfig, shards: Path) -> Path:
     return out
 
 
+def _one_process(cfg: RunConfig, command: str) -> None:
+    """Refuse a launch section that asks for more than this one process: the command would train in one without a
+    word. ``auto`` (one process per visible GPU) is the default, so on several GPUs it is said, not refused."""
+    launch, processes = cfg.launch, processes_per_node(cfg.launch)
+    if launch.nnodes > 1 or (processes > 1 and launch.nproc_per_node != "auto"):
+        asked = f"launch.nnodes={launch.nnodes}" if launch.nnodes > 1 else f"launch.nproc_per_node={processes}"
+        raise ConfigError(f"{asked}: the {command} command trains in this one process; for several, run the "
+                          "pipeline's flow, or torchrun by hand (docs/tutorials/multi-node.md#torchrun-by-hand), or "
+                          "set launch.nproc_per_node=1 and launch.nnodes=1")
+    if processes > 1:
+        log.warning("launch.nproc_per_node auto is %d processes on this machine's GPUs, but the %s command trains "
+                    "in this one process, on one GPU; for all of them: torchrun ... -m pipeline.train", processes,
+                    command)
+
+
 def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> None:
     """One process, in this one (for several: torchrun ... -m pipeline.train)."""
+    _one_process(cfg, "train")
     _train(cfg, build_inputs(cfg, _Progress).shards)
 
 
@@ -274,7 +291,11 @@ def cmd_run(cfg: RunConfig, args: argparse.Namespace) -> None:
     ``distill.teachers`` checkpoint files: the student trains on the teachers' translations), tokenizer and shards
     (resolved once: each check hashes every input file), training (one process), averaging of the last
     ``average.last_n`` checkpoints (or the best on dev of ``average.choose_from``), evaluation, and for translation
-    the CTranslate2 export with its gate (unless ``export.engine: none``)."""
+    the CTranslate2 export with its gate (unless ``export.engine: none``). A config that asks for more than this
+    one process, or cannot leave the checkpoints its averaging needs, is refused before any stage."""
+    _one_process(cfg, "run")
+    if (short := cfg.averaging_shortfall()) is not None:
+        raise ConfigError(f"config {cfg.name!r}: {short}")
     inputs = build_inputs(cfg, _Progress)
     _print_corpus(inputs.corpus)
     averaged = _average(cfg, _train(cfg, inputs.shards), inputs)

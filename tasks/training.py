@@ -34,7 +34,7 @@ from prefect.deployments import run_deployment
 from prefect.runtime import flow_run, task_run
 from prefect.states import Cancelled, Cancelling
 
-from pipeline.config import LaunchConfig, RunConfig, write_resolved
+from pipeline.config import FlowRunTrust, LaunchConfig, RunConfig, write_resolved
 from pipeline.support.errors import UserError
 from pipeline.support.fsutil import exclusive
 from pipeline.support.proc import preexec_exit_with_parent
@@ -189,28 +189,33 @@ def train_stage(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run
 
 def _run_nodes(launch: LaunchConfig, rendezvous: Rendezvous, job: dict[str, Any],
                logger: logging.Logger | logging.LoggerAdapter) -> None:
-    """One flow run of ``launch.node_deployment`` per node (subflows of this run, tagged with it), watched until
-    all complete; when one fails, the others are cancelled and :class:`TrainingFailed` names every node that
-    failed by itself, with its message."""
+    """One flow run of ``launch.node_deployment`` per node (subflows of this run, tagged with it), each recorded
+    with its parameters under the pool's work dir (:meth:`pipeline.config.FlowRunTrust.record_node_run`: a node
+    runs only as a run recorded there), watched until all complete; when one fails, the others are cancelled and
+    :class:`TrainingFailed` names every node that failed by itself, with its message."""
     parent = str(flow_run.get_id())
+    trust = FlowRunTrust.from_environ()
     logger.info("starting %d node runs of %s; rendezvous %s, id %s", launch.nnodes, launch.node_deployment,
                 rendezvous.endpoint, rendezvous.run_id)
     runs: list[FlowRun] = []
     why = "the training stage stopped"
     try:
         for rank in range(launch.nnodes):
+            parameters = {**job, "launch": launch.model_dump(mode="json"), "node_rank": rank,
+                          "rdzv_endpoint": rendezvous.endpoint, "rdzv_id": rendezvous.run_id}
             runs.append(run_deployment(
                 launch.node_deployment, timeout=0, as_subflow=True, tags=[f"parent-flow-run:{parent}"],
                 flow_run_name=f"{flow_run.get_name()}-node-{rank}-of-{launch.nnodes}",
                 idempotency_key=f"{rendezvous.run_id}-node-{rank}",
-                job_variables=_node_job_variables(launch, rank),
-                parameters={**job, "launch": launch.model_dump(mode="json"), "node_rank": rank,
-                            "rdzv_endpoint": rendezvous.endpoint, "rdzv_id": rendezvous.run_id}))
+                job_variables=_node_job_variables(launch, rank), parameters=parameters))
+            trust.record_node_run(str(runs[-1].id), parent, parameters)  # the node waits for it as it starts
         failed = _watch(runs, logger, launch)
         if failed is not None:
             why = f"node {failed[0]} ended {failed[1].state.type.value}"
     finally:
         _cancel_unfinished(runs, why)  # a no-op when every node finished
+        for run in runs:  # a node that never started leaves its record: no later run may take it
+            trust.forget_node_run(str(run.id))
     if failed is not None:
         with get_client(sync_client=True) as client:  # every node that failed by itself, not those cancelled
             ended = [(rank, client.read_flow_run(run.id)) for rank, run in enumerate(runs)]

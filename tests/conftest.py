@@ -297,7 +297,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, shared_data: Path):
     from ops.localstack import Stack, free_port
 
     home = tmp_path_factory.mktemp("stack")
-    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
+    # the tests' own configs and sweep files lie in their temporary folders: the stack's pool allows them
+    env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+           "AIAYN_CONFIG_DIRS": str(tmp_path_factory.getbasetemp().resolve())}
     env.pop("PREFECT_API_URL", None)
     ports = [str(free_port()), str(free_port())]
     cmd = [sys.executable, "-m", "ops.localstack", "--home", str(home), "--prefect-port", ports[0],

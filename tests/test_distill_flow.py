@@ -132,7 +132,7 @@ def test_teachers_reach_the_run_as_the_one_override(no_env) -> None:
     assert teachers(None) == ["models:/transformer-en-de@champion"]  # the config's
     assert teachers(["models:/transformer-en-de/3"]) == ["models:/transformer-en-de/3"]
     assert teachers(None, ["models:/t/1"]) == ["models:/t/1"]
-    assert teachers(["a.pt"], ["models:/t/1"]) == ["a.pt", "models:/t/1"]
+    assert teachers(["runs/a.pt"], ["models:/t/1"]) == ["runs/a.pt", "models:/t/1"]  # a file: in the work dir
     with pytest.raises(ConfigError, match="distill.teachers"):
         teachers(["models:/transformer-en-de"])
     cfg = student_config("multi30k-student-tiny", None, {"train.seed": 3}, None, [], 5, None, None)

@@ -132,6 +132,7 @@ def test_a_sweep_file_is_refused_whole_before_anything_starts_naming_the_file_an
                                         "data.cleaning.max_words": {"type": "categorical", "choices": [250, 40]}},
                        enqueue=[{"data.cleaning.min_words": 50, "data.cleaning.max_words": 40}])
     started = []
+    monkeypatch.setenv("AIAYN_CONFIG_DIRS", str(tmp_path))  # the flow takes sweep files from the allowed folders only
     monkeypatch.setattr(module, "get_run_logger", lambda: None)
     monkeypatch.setattr(module, "DeploymentRunner", lambda *a: started.append(a))
     monkeypatch.setattr(module, "open_study", lambda *a: started.append(a))
@@ -815,6 +816,9 @@ def test_a_sweep_that_crashes_or_fails_cancels_the_trials_it_started_and_ends_it
     monkeypatch.setattr(DeploymentRunner, "curve", look_fails)
     monkeypatch.setenv("AIAYN_WORK_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", stack["mlflow"])  # the flow exports it: restored after the test
+    # this process stands for the pool's: its sweep file, data root and tracking server (trust model)
+    monkeypatch.setenv("AIAYN_CONFIG_DIRS", str(tmp_path))
+    monkeypatch.setenv("AIAYN_DATA_ROOT", str(shared_data))
     with temporary_settings({PREFECT_API_URL: prefect.api}), \
             pytest.raises(RuntimeError, match="the controller fails after its trials started"):
         module.sweep_translation(str(_two_trials(tmp_path, failed, idle)), str(shared_data),

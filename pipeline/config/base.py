@@ -4,9 +4,10 @@ of every section, the mark of a field outside the run's identity, and the dotted
 from __future__ import annotations
 
 import json
+import unicodedata
 from typing import Annotated, Any, Mapping
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 
 from pipeline.support import REPO_ROOT
@@ -30,6 +31,24 @@ class Strict(BaseModel):
     weight of inf trains NaN weights without a word)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+# Unicode categories of characters that are not shown as themselves: controls (a newline, an escape), formatting
+# characters (a right-to-left override, a zero-width space), surrogates, line and paragraph separators.
+_UNSHOWN = ("Cc", "Cf", "Cs", "Zl", "Zp")
+
+
+def _shown_as_written(value: str) -> str:
+    for i, ch in enumerate(value, 1):
+        if unicodedata.category(ch) in _UNSHOWN:
+            raise ValueError(f"character {i} is U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')}), "
+                             "which is not shown as itself (a right-to-left override shows a name reversed in MLflow "
+                             "and Prefect); write the name in printable characters")
+    return value
+
+
+# A name that MLflow and Prefect show (a run name, a tag, an experiment, a registered model): printable characters.
+DisplayName = Annotated[str, AfterValidator(_shown_as_written)]
 
 
 def canonical_json(obj: Any) -> str:

@@ -3,9 +3,10 @@ export (``export``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipeline.config.base import Strict
 
@@ -66,6 +67,20 @@ class DecodeConfig(Strict):
     tree_max_unary_chain: int | None = Field(default=None, ge=1, description=(
         "Parsing only, with tree_constraint: at most this many brackets over the same words (1 = no unary "
         "chains). None = no limit. Not in the paper."))
+
+    def shortest_limit(self) -> int:
+        """The length limit of the shortest source (its eos alone): ``max_len_a * 1 + max_len_b``, rounded down, at
+        least 1 (the rule of ``pipeline.engines.max_output_length``); a longer source's is no shorter."""
+        return max(1, math.floor(self.max_len_a + self.max_len_b))
+
+    @model_validator(mode="after")
+    def _min_len_reachable(self) -> "DecodeConfig":
+        # a sentence whose length limit comes before min_len would end with no hypothesis at all
+        if self.min_len > self.shortest_limit():
+            raise ValueError(f"min_len ({self.min_len}) exceeds the length limit of the shortest source, "
+                             f"max_len_a * 1 + max_len_b = {self.shortest_limit()}: such a sentence would end with no "
+                             "output; lower min_len, or raise max_len_b")
+        return self
 
 
 class ExportConfig(Strict):

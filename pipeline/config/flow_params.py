@@ -11,7 +11,7 @@ from pipeline.config.base import constrained_type, schema_leaves
 from pipeline.config.run import RunConfig
 
 # The run configs under configs/ a flow run can name (tests/test_config.py keeps this equal to the files); a flow
-# also takes a path to any other config file.
+# also takes the path of a config file there or in a folder of AIAYN_CONFIG_DIRS (pipeline.config.trust).
 ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", "multi30k-en-fr-cpu",
                      "multi30k-en-fr-student-tiny", "multi30k-student-deep-shallow", "multi30k-student-tiny",
                      "multi30k-teacher-gpu", "ptb-sample-cpu", "wmt14-en-de-base", "wmt14-en-de-big",

@@ -20,17 +20,50 @@ from pipeline.config.yaml_loader import DuplicateKey, parse_value, read_yaml_fil
 from pipeline.support.fsutil import write_text
 from pipeline.support.retired import RetiredOptionError, drop_retired
 
+ENV_DATA_ROOT = "AIAYN_DATA_ROOT"  # where local corpora live (a deployment's worker points it at them)
+ENV_WORK_DIR = "AIAYN_WORK_DIR"  # where stage outputs go
+ENV_CONFIG_DIRS = "AIAYN_CONFIG_DIRS"  # further folders a flow run may name configs from (pipeline.config.trust)
 
-def resolve_config_path(name_or_path: str | Path, relative_to: Path = CONFIG_DIR) -> Path:
-    """``multi30k-cpu`` -> ``configs/multi30k-cpu.yaml``; an existing path is taken as it is."""
+ConfigDirs = Sequence[Path] | None  # the folders configs may come from; None: any file (the CLI's owner)
+
+
+def find_file(candidates: Sequence[Path], allowed: ConfigDirs = None) -> tuple[Path | None, bool]:
+    """The first of ``candidates`` that is a file, resolved (None: none is), and whether one was passed over for
+    leading outside ``allowed`` (symbolic links followed). Whether a file lies outside is never looked at, so that
+    a refusal tells nothing about the files there."""
+    outside = False
+    for c in candidates:
+        try:
+            c = c.resolve()
+        except (OSError, ValueError):  # a NUL byte, a loop of links: no file of this name
+            continue
+        if allowed is not None and not any(c.is_relative_to(Path(d).resolve()) for d in allowed):
+            outside = True
+        elif c.is_file():
+            return c, outside
+    return None, outside
+
+
+def outside_refusal(what: str, name_or_path: str | Path, allowed: Sequence[Path], known: list[str]) -> ConfigError:
+    """The one-line refusal of a ``what`` (config, sweep) that a flow run names outside ``allowed``."""
+    return ConfigError(f"{what} {str(name_or_path)!r} is not a file under {', '.join(str(d) for d in allowed)}: a flow "
+                       f"run names a {what} by name ({', '.join(known)}) or by a path inside those folders; a "
+                       f"deployment allows further folders with {ENV_CONFIG_DIRS}")
+
+
+def resolve_config_path(name_or_path: str | Path, relative_to: Path = CONFIG_DIR, allowed: ConfigDirs = None) -> Path:
+    """``multi30k-cpu`` -> ``configs/multi30k-cpu.yaml``; an existing path is taken as it is. With ``allowed`` (a
+    flow run's config folders, :mod:`pipeline.config.trust`), only a file inside them (:func:`find_file`)."""
     p = Path(name_or_path)
     candidates = [p] if p.suffix in (".yaml", ".yml") else []
     candidates += [relative_to / f"{name_or_path}.yaml", relative_to / str(name_or_path),
                    CONFIG_DIR / f"{name_or_path}.yaml"]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
+    found, outside = find_file(candidates, allowed)
     known = sorted(str(q.relative_to(CONFIG_DIR).with_suffix("")) for q in CONFIG_DIR.rglob("*.yaml"))
+    if found is not None:
+        return found
+    if outside:
+        raise outside_refusal("config", name_or_path, allowed, known)
     raise ConfigError(f"config {str(name_or_path)!r} not found (looked in {relative_to}); known configs: {known}")
 
 
@@ -44,16 +77,49 @@ def deep_merge(base: dict, over: Mapping) -> dict:
     return out
 
 
-def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+_FILE_KEYS = ("extends", "local_data")  # what a config file may hold beside the schema's sections
+
+
+def _read_config_file(path: Path) -> dict:
+    """A run config file's mapping (:func:`read_yaml_file`), refused as a whole when its top level holds a key that
+    no config has: a file that is not a config (a kubeconfig, a compose file) is named with its keys, never its
+    values."""
+    raw = read_yaml_file(path)
+    unknown = [str(k) for k in raw if k not in RunConfig.model_fields and k not in _FILE_KEYS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], [*RunConfig.model_fields, *_FILE_KEYS], n=1)
+        hint = f" (did you mean {close[0]!r} for {unknown[0]!r}?)" if close else ""
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ConfigError(f"{path}: not a run config: its top level has {', '.join(map(repr, unknown[:5]))}{more}, "
+                          f"which no config has{hint}; a config holds {', '.join(RunConfig.model_fields)} (and "
+                          f"{' or '.join(_FILE_KEYS)})")
+    return raw
+
+
+def _parent_path(path: Path, key: str, parent: Any, allowed: ConfigDirs) -> Path:
+    """The file ``path``'s ``extends`` or ``local_data`` entry ``parent`` names, under the same rule as the run's
+    own config (``allowed``); an error names ``path`` and the key."""
+    if not isinstance(parent, str | Path):
+        raise ConfigError(f"{path}: {key}: must be a config name or path (a string), not {type(parent).__name__}")
+    try:
+        return resolve_config_path(parent, path.parent, allowed)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {key}: {e}") from None
+
+
+def _load_yaml_tree(path: Path, seen: tuple[Path, ...] = (), allowed: ConfigDirs = None) -> dict:
     if path in seen:
         chain = " -> ".join(str(p) for p in (*seen, path))
         raise ConfigError(f"{path}: 'extends' cycle: {chain}")
-    raw = read_yaml_file(path)
+    raw = _read_config_file(path)
     parents = raw.pop("extends", [])
     parents = [parents] if isinstance(parents, str) else parents
+    if not isinstance(parents, list):
+        raise ConfigError(f"{path}: extends: must be a config name or a list of them, not {type(parents).__name__}")
     merged: dict = {}
     for parent in parents:
-        merged = deep_merge(merged, _load_yaml_tree(resolve_config_path(parent, path.parent), (*seen, path)))
+        merged = deep_merge(merged, _load_yaml_tree(_parent_path(path, "extends", parent, allowed), (*seen, path),
+                                                    allowed))
     return deep_merge(merged, raw)
 
 
@@ -159,13 +225,22 @@ def _did_you_mean(loc: tuple) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+_OVERRIDE_LABELS = ("--set ", "override ")  # how _override_items labels a value the caller gave
+
+
+def _error_line(err: dict, items: list[tuple[str, Any, str]], path: Path) -> str:
+    """One bad field: where its value came from, its dotted path and what is wrong. The value is shown only when an
+    override gave it (the caller's own input): a value read from a file never is, since the file may not be a
+    config at all (and a whole-config rule names its fields in its message)."""
+    source = _error_source(err["loc"], items, path)
+    shown = f" (got {err.get('input')!r})" if err["loc"] and source.startswith(_OVERRIDE_LABELS) else ""
+    hint = _did_you_mean(err["loc"]) if err["type"] == "extra_forbidden" else ""
+    return f"{source}: {_field_path(err['loc'])}: {err['msg']}{shown}{hint}"
+
+
 def _config_error(errors: list, items: list[tuple[str, Any, str]], path: Path) -> ConfigError:
     """One :class:`ConfigError` for pydantic's ``errors``, naming per bad field where its value came from."""
-    # a whole-config rule names its fields in its message; echoing the whole config would bury it
-    lines = [f"{_error_source(err['loc'], items, path)}: {_field_path(err['loc'])}: {err['msg']}"
-             + (f" (got {err.get('input')!r})" if err["loc"] else "")
-             + (_did_you_mean(err["loc"]) if err["type"] == "extra_forbidden" else "")
-             for err in errors]
+    lines = [_error_line(err, items, path) for err in errors]
     return ConfigError(lines[0] if len(lines) == 1 else "invalid config:\n" + "\n".join(f"  {line}" for line in lines))
 
 
@@ -236,19 +311,20 @@ def _check_recipe(tree: dict, recipe_items: list, items: list, path: Path) -> No
 
 
 def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
-                data_root: str | Path | None = None) -> RunConfig:
+                data_root: str | Path | None = None, allowed: ConfigDirs = None) -> RunConfig:
     """Load, merge presets, apply overrides and validate; the environment is not read (see :func:`resolve_config`).
     Raises :class:`ConfigError` naming each bad field.
 
     ``data_root`` points the run at local corpora: it sets ``data.root`` and, when the config names a
     ``local_data`` preset (a hub config's local twin, e.g. ``data/multi30k``), takes the data section from it.
+    ``allowed``: the folders the config and every file it ``extends`` must lie in (:func:`resolve_config_path`).
     """
-    path = resolve_config_path(name_or_path)
-    tree = _load_yaml_tree(path)
+    path = resolve_config_path(name_or_path, allowed=allowed)
+    tree = _load_yaml_tree(path, allowed=allowed)
     local = tree.pop("local_data", None)
     if data_root is not None:
         if local:
-            tree["data"] = _load_yaml_tree(resolve_config_path(local, path.parent))["data"]
+            tree["data"] = _load_yaml_tree(_parent_path(path, "local_data", local, allowed), allowed=allowed)["data"]
         tree = apply_overrides(tree, [("data.root", str(data_root))])
     items = _override_items(overrides)
     chosen, recipes = _recipes(tree, items, path)
@@ -263,24 +339,21 @@ def load_config(name_or_path: str | Path, overrides: Overrides | None = None,
     return cfg
 
 
-ENV_DATA_ROOT = "AIAYN_DATA_ROOT"  # where local corpora live (a deployment's worker points it at them)
-ENV_WORK_DIR = "AIAYN_WORK_DIR"  # where stage outputs go
-
-
 def resolve_config(name_or_path: str | Path, overrides: Overrides | None = None, data_root: str | Path | None = None,
-                   environ: Mapping[str, str] | None = None) -> RunConfig:
+                   environ: Mapping[str, str] | None = None, allowed: ConfigDirs = None) -> RunConfig:
     """The run's config, resolved once: the one function that owns precedence, used by the CLI and the flows.
 
     Later wins: the schema's defaults < the YAML file (and the presets it ``extends``) < its compute recipe
     (``recipe``, ``recipes``; training settings only, :data:`RECIPE_SECTIONS`) < the environment
     (``AIAYN_DATA_ROOT``, ``AIAYN_WORK_DIR``; ``environ``, default ``os.environ``) < ``data_root`` < ``overrides``
     (dotted keys, in order). What runs below (the torchrun entry point included) receives the result, written by
-    :func:`write_resolved`, and reads no environment of its own.
+    :func:`write_resolved`, and reads no environment of its own. ``allowed``: as for :func:`load_config` (a flow
+    run's, :mod:`pipeline.config.trust`, which also decides which of these a flow run may set).
     """
     env = os.environ if environ is None else environ
     items: list = [("work_dir", env[ENV_WORK_DIR])] if env.get(ENV_WORK_DIR) else []
     items += list(overrides.items() if isinstance(overrides, Mapping) else overrides or [])
-    return load_config(name_or_path, items, data_root=data_root or env.get(ENV_DATA_ROOT) or None)
+    return load_config(name_or_path, items, data_root=data_root or env.get(ENV_DATA_ROOT) or None, allowed=allowed)
 
 
 def write_resolved(cfg: RunConfig, path: Path) -> Path:
@@ -297,11 +370,10 @@ def load_resolved(path: str | Path) -> RunConfig:
     is: validated, with no presets, environment or overrides applied. A preset (it ``extends`` others or names
     ``local_data``) is refused, saying how to resolve it."""
     path = Path(path)
-    try:
-        tree = read_yaml_file(path)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the resolved config: {e.strerror or e}; write one with python -m "
-                          "pipeline config --config NAME [--set ...] --out FILE") from None
+    if not path.is_file():
+        raise ConfigError(f"{path}: cannot read the resolved config: no such file; write one with python -m "
+                          "pipeline config --config NAME [--set ...] --out FILE")
+    tree = _read_config_file(path)
     preset = sorted(k for k in ("extends", "local_data") if k in tree)
     if preset:
         raise ConfigError(f"{path}: has {preset}: a preset, not a resolved config; resolve it first: python -m "

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any, Literal, Mapping
 
 from pydantic import Field, model_validator
 
-from pipeline.config.base import Strict, canonical_json
+from pipeline.config.base import DisplayName, Strict, canonical_json
 from pipeline.config.data import DataConfig
 from pipeline.config.distill import DistillConfig
 from pipeline.config.evaluation import AverageConfig, DecodeConfig, ExportConfig
@@ -23,12 +24,14 @@ Task = Literal["translation", "parsing"]
 class RunConfig(Strict):
     """Everything one pipeline run needs; resolved once and passed down."""
 
-    name: str = Field(min_length=1, description="The run config's name; tracking logs it as the config_name tag.")
+    name: DisplayName = Field(min_length=1, description=(
+        "The run config's name; tracking logs it as the config_name tag. Printable characters only."))
     task: Task = Field(default="translation", description=(
         "translation: sentence pairs, scored by BLEU; parsing (paper section 6.3): words to a linearised tree, "
         "scored by EVALB F1."))
-    preset: str = Field(default="base", description=(
-        "The paper row (or CPU size) this run is built on, e.g. base, big, tiny; a tag, not a switch."))
+    preset: DisplayName = Field(default="base", description=(
+        "The paper row (or CPU size) this run is built on, e.g. base, big, tiny; a tag, not a switch. Printable "
+        "characters only."))
     work_dir: str = Field(default="runs", description=(
         "Folder for stage outputs, in sub-folders named by content hashes (overridden by --work-dir or "
         "AIAYN_WORK_DIR)."))
@@ -88,6 +91,24 @@ class RunConfig(Strict):
         """The MLflow registered model: ``tracking.registered_model``, or ``transformer-<src>-<tgt>``."""
         return self.tracking.registered_model or f"transformer-{self.data.src_lang}-{self.data.tgt_lang}"
 
+    def averaging_shortfall(self) -> str | None:
+        """Why this run cannot be sure to end with the checkpoints its averaging needs (``average.last_n``, or the
+        smallest of ``average.choose_from``), or None. Training writes one every ``train.checkpoint_every_steps``
+        and one at the end, and keeps ``train.keep_last_checkpoints``; a ``train.checkpoint_every_minutes`` one may
+        come in between, but nothing promises it. For the runs that average (the pipeline flows, ``run``)."""
+        t, a = self.train, self.average
+        field, need = ("average.choose_from", min(a.choose_from)) if a.choose_from else ("average.last_n", a.last_n)
+        if t.keep_last_checkpoints < need:
+            return (f"{field} needs {need} checkpoints, but train.keep_last_checkpoints keeps "
+                    f"{t.keep_last_checkpoints}: raise it to {need} or more, or lower {field}")
+        written = math.ceil(t.max_steps / t.checkpoint_every_steps)
+        if written < need:
+            return (f"{field} needs {need} checkpoints, but train.max_steps={t.max_steps} writes {written} (one "
+                    f"every train.checkpoint_every_steps={t.checkpoint_every_steps} and one at the end): set "
+                    f"train.checkpoint_every_steps to {max(t.max_steps // need, 1)} or less, raise train.max_steps "
+                    f"or lower {field}")
+        return None
+
     @model_validator(mode="after")
     def _task_fits(self) -> "RunConfig":
         sources = [("data.dev", self.data.dev)] + [(f"data.train[{i}]", s) for i, s in enumerate(self.data.train)] + [
@@ -113,6 +134,10 @@ class RunConfig(Strict):
         if self.tracking.promote_on not in sets:
             raise ValueError(f"tracking.promote_on {self.tracking.promote_on!r} is not a set of this config; "
                              f"use one of {sets}")
+        room = self.model.max_positions - 1  # bos takes position 0
+        if self.decode.min_len > room:
+            raise ValueError(f"decode.min_len ({self.decode.min_len}) exceeds the longest output the model has "
+                             f"positions for, model.max_positions - 1 = {room}: lower decode.min_len")
         fits = ("f1",) if self.task == "parsing" else ("sacrebleu", "chrf")
         if self.tracking.promote_metric not in ("auto", *fits):
             raise ValueError(f"tracking.promote_metric {self.tracking.promote_metric!r} is not a {self.task} "

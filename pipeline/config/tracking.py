@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.config.base import Strict
+from pipeline.config.base import DisplayName, Strict
 
 
 class TrackingConfig(Strict):
@@ -20,9 +20,11 @@ class TrackingConfig(Strict):
     than ``guard_margin`` (chrF for translation, EVALB F1 for parsing). Not in the paper; a registry rule.
     """
 
-    experiment: str = Field(default="aiayn", min_length=1, description="The MLflow experiment runs are logged to.")
-    registered_model: str = Field(default="", description=(
-        "The MLflow registered model new versions go to; empty = transformer-<src_lang>-<tgt_lang>."))
+    experiment: DisplayName = Field(default="aiayn", min_length=1, description=(
+        "The MLflow experiment runs are logged to. Printable characters only."))
+    registered_model: DisplayName = Field(default="", description=(
+        "The MLflow registered model new versions go to; empty = transformer-<src_lang>-<tgt_lang>. Printable "
+        "characters only."))
     promote_on: str = Field(default="dev", min_length=1, description=(
         "The set promotion compares on: dev (the in-domain dev set, data.dev) or the name of a test set (allowed; "
         "the decision then says it selected on a test set, whose reported score is no longer unbiased)."))

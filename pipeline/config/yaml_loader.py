@@ -117,16 +117,43 @@ def parse_value(text: str) -> Any:
     return load_yaml(text)
 
 
+def _yaml_problem(e: yaml.YAMLError, data: bytes) -> str:
+    """What is wrong with a document, and where, in words of the parser's own: never the line's text (PyYAML's
+    message quotes it, and a file that is not a config may hold secrets)."""
+    if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow (NUL, most control characters)
+        line = data.decode("utf-8", "replace")[: e.position].count("\n") + 1
+        return f"line {line}: character #x{e.character:04x} is not allowed in YAML ({e.reason})"
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        mark = e.problem_mark
+        context = f" ({e.context})" if e.context else ""
+        return f"line {mark.line + 1}, column {mark.column + 1}: {e.problem}{context}"
+    return str(e).splitlines()[0]  # our own TooLarge: no text of the file
+
+
 def read_yaml_file(path: Path) -> dict:
-    """The mapping a config file holds (a run config or a sweep: one reader, one message style), read with
-    :class:`YamlLoader`; a :class:`ConfigError` naming the file (and the lines of a repeated key)."""
+    """The mapping a config file holds (a run config or a sweep: the one reader of config files, one error form),
+    read with :class:`YamlLoader`. Every failure is a :class:`ConfigError` of one line naming the file and where
+    in it (line, byte offset, key path), never a value read from it: a file that cannot be read, bytes that are
+    not UTF-8, YAML that does not parse, a repeated key, a top level that is not a mapping."""
     try:
-        raw = load_yaml(path.read_text(encoding="utf-8")) or {}
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {(e.strerror or str(e)).lower()}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}: line {line} (byte offset {e.start}) is not UTF-8 text ({e.reason}); save the "
+                          "file as UTF-8 (iconv -f <encoding> -t UTF-8)") from None
+    try:
+        raw = load_yaml(text)
     except DuplicateKey as e:
         raise ConfigError(f"{path}: duplicate key {e.key!r} on line {e.first.line + 1} and line {e.second.line + 1}; "
                           "keep one of them (YAML would silently use the last)") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(e, data)}") from None
+    if raw is None:
+        return {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     return raw

@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from pipeline.config import (CONFIG_DIR, ConfigError, RunConfig, Strict, constrained_type, load_config,
                              read_yaml_file, resolve_config, schema_leaves)
+from pipeline.config.resolve import ConfigDirs, find_file, outside_refusal
 
 SWEEP_DIR = CONFIG_DIR / "sweeps"
 _FIELDS = {key: constrained_type(field) for key, field in schema_leaves(RunConfig)}
@@ -190,6 +191,7 @@ class SweepConfig(Strict):
         "(sqlite:///..., postgresql://...) or journal:<file> (Optuna's journal file, for shared file systems)."))
     poll_s: float = Field(default=10.0, gt=0, description="How often, in seconds, running trials are looked at.")
     _source: Path | None = PrivateAttr(default=None)  # the file it was loaded from (load_sweep), for messages
+    _allowed: tuple[Path, ...] | None = PrivateAttr(default=None)  # where its base may come from (load_sweep)
 
     @property
     def source(self) -> str:
@@ -244,20 +246,27 @@ class SweepConfig(Strict):
         return self
 
 
-def resolve_sweep_path(name_or_path: str | Path) -> Path:
-    """A sweep under configs/sweeps/ by name, or a path to one."""
-    for candidate in (Path(name_or_path), SWEEP_DIR / f"{name_or_path}.yaml"):
-        if candidate.is_file():
-            return candidate.resolve()
+def resolve_sweep_path(name_or_path: str | Path, allowed: ConfigDirs = None) -> Path:
+    """A sweep under configs/sweeps/ by name, or a path to one; with ``allowed`` (a flow run's config folders), only
+    one inside them (:func:`pipeline.config.resolve.find_file`)."""
+    path = Path(name_or_path)
+    found, outside = find_file([*([path] if path.suffix in (".yaml", ".yml") else []), SWEEP_DIR / f"{path}.yaml"],
+                               allowed)
     known = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
+    if found is not None:
+        return found
+    if outside:
+        raise outside_refusal("sweep", name_or_path, allowed, known)
     raise ConfigError(f"sweep {str(name_or_path)!r} not found (looked in {SWEEP_DIR}); known sweeps: {known}")
 
 
-def load_sweep(name_or_path: str | Path, overrides: dict[str, Any] | None = None) -> SweepConfig:
+def load_sweep(name_or_path: str | Path, overrides: dict[str, Any] | None = None,
+               allowed: ConfigDirs = None) -> SweepConfig:
     """Load and validate a sweep, read as run configs are (:func:`pipeline.config.read_yaml_file`: a repeated key
-    is refused); ``overrides`` set top-level fields (``trials``, ``max_in_flight``). A :class:`ConfigError` names
-    the file and the field, or the flow parameter that set it."""
-    path = resolve_sweep_path(name_or_path)
+    is refused); ``overrides`` set top-level fields (``trials``, ``max_in_flight``); ``allowed``: the folders the
+    sweep and its base config must lie in (a flow run's). A :class:`ConfigError` names the file and the field, or
+    the flow parameter that set it, never a value read from the file."""
+    path = resolve_sweep_path(name_or_path, allowed)
     tree = {**read_yaml_file(path), **(overrides or {})}
     try:
         sweep = SweepConfig.model_validate(tree)
@@ -266,17 +275,18 @@ def load_sweep(name_or_path: str | Path, overrides: dict[str, Any] | None = None
         raise ConfigError(lines[0] if len(lines) == 1
                           else "invalid sweep:\n" + "\n".join(f"  {line}" for line in lines)) from None
     sweep._source = path
+    sweep._allowed = None if allowed is None else tuple(allowed)
     return sweep
 
 
 def _error_line(err: dict, path: Path, overrides: dict[str, Any]) -> str:
-    """One validation error as a run config's are, ``<file>: <field>: <what> (got <value>)``, or ``parameter
-    <name>=<value>: <what>`` for a value the flow run's parameters set. A rule of this module's says what it got
-    itself, and a rule over several fields names them."""
+    """One validation error as a run config's are, ``<file>: <field>: <what>``, or ``parameter <name>=<value>:
+    <what>`` for a value the flow run's parameters set. A value read from the file is not shown (the file may not
+    be a sweep at all); a rule of this module's says what it got itself, and a rule over several fields names them."""
     loc = ".".join(str(p) for p in err["loc"])
     if err["loc"] and err["loc"][0] in overrides:
         return f"parameter {loc}={overrides[err['loc'][0]]!r}: {err['msg']}"
-    what = str(err["ctx"]["error"]) if err["type"] == "value_error" else f"{err['msg']} (got {err['input']!r})"
+    what = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
     return f"{path}: {loc}: {what}" if loc else f"{path}: {what}"
 
 
@@ -297,7 +307,7 @@ def resolve_base(sweep: SweepConfig, data_root: str | None = None) -> RunConfig:
     controller's environment resolves it (:func:`pipeline.config.resolve_config`); a :class:`ConfigError` names
     the sweep file."""
     try:
-        return resolve_config(sweep.base, sweep.trial_overrides, data_root=data_root)
+        return resolve_config(sweep.base, sweep.trial_overrides, data_root=data_root, allowed=sweep._allowed)
     except ConfigError as e:
         raise ConfigError(f"{sweep.source}: base {sweep.base!r} with its trial_overrides: {e}") from None
 
@@ -347,11 +357,11 @@ def check_space(sweep: SweepConfig, point: dict[str, Any], data_root: str | None
     first trial, naming the dimension or the hunch, instead of failing trials one by one hours later."""
     for key, value, overrides in variations(sweep, point):
         try:
-            load_config(sweep.base, overrides, data_root=data_root)
+            load_config(sweep.base, overrides, data_root=data_root, allowed=sweep._allowed)
         except ConfigError as e:
             raise ConfigError(f"{sweep.source}: space.{key} = {value!r} makes an invalid config: {e}") from None
     for i, hunch in enumerate(sweep.enqueue):
         try:
-            load_config(sweep.base, expand(sweep, {**point, **hunch}), data_root=data_root)
+            load_config(sweep.base, expand(sweep, {**point, **hunch}), data_root=data_root, allowed=sweep._allowed)
         except ConfigError as e:
             raise ConfigError(f"{sweep.source}: enqueue[{i}] {hunch} makes an invalid config: {e}") from None
