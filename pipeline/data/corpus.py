@@ -25,8 +25,8 @@ from pipeline.support.codegraph import code_closure
 from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
 from pipeline.data.sources import TASK_READERS, Batch, DataError, Source, open_source, resolve_root
-from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, read_stage_manifest,
-                                     sha256_file, stage_folder, write_json)
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, names_full_disk,
+                                     read_stage_manifest, sha256_file, stage_folder, write_json)
 
 log = logging.getLogger("aiayn.data")
 
@@ -190,6 +190,7 @@ def corpus_fingerprint(data: DataConfig) -> str:
     return identity_fingerprint(_open_sources(data)[3])
 
 
+@names_full_disk
 def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, int], None] | None = None) -> Path:
     """Build (or reuse) the cleaned corpus for ``data`` under ``work_dir/corpus/`` and return its folder.
 
