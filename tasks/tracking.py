@@ -69,7 +69,9 @@ def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, P
               attention_sentences: int = 3, teachers: Sequence[str] = ()) -> str:
     """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given), and its headline
     figures on the parent run too (:data:`pipeline.tracking.runs.HEADLINE`); ``teachers`` names the distill stage's
-    teachers (registered versions)."""
+    teachers (registered versions). A tracking server that does not answer is waited for, saying so
+    (:func:`pipeline.tracking.wait_until_reachable`)."""
+    tracking.wait_until_reachable(get_run_logger().warning)
     run_id = run_id or tracking.start_stage_run(parent_run_id, stage)
     tracking.set_tags(run_id, {"cached": str(cached).lower()})
     if stage == "data":
@@ -179,6 +181,7 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
     nothing is decided; one registered by a run that stopped before its decision (killed, crashed) is decided now.
     """
     logger = get_run_logger()
+    tracking.wait_until_reachable(logger.warning)
     name = cfg.registered_model_name
     scores_data = json.loads(scores.read_text(encoding="utf-8"))
     sha256 = scores_data["checkpoint"]["sha256"]
