@@ -181,7 +181,7 @@ from pipeline.config import load_resolved
 config, ckpt, tok, scores, corpus, barrier, stuck = sys.argv[1:8]
 cfg = load_resolved(config)
 if stuck:
-    t.LOCK_LEASE_S = 10  # the killed holder's lease: what the next run waits for
+    t.LOCK_LEASE_S = 60  # the shortest lease Prefect grants: what the next run waits for after the kill
     def promote(*args, **kwargs):
         pathlib.Path(stuck).touch()
         time.sleep(600)
