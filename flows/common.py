@@ -126,7 +126,11 @@ def run_pipeline(flow_name: str, cfg: RunConfig, tracking_uri: str | None, regis
     except BaseException as e:
         # Interrupted (cancelled: SIGTERM, Ctrl-C) is not failed: MLflow's KILLED says so.
         interrupted = not isinstance(e, Exception) or isinstance(e, CancelledRun)
-        tracking.finish_run(parent, "KILLED" if interrupted else "FAILED")
+        try:  # the stage runs too: a failed training leaves its train run RUNNING
+            tracking.end_pipeline_run(parent, "KILLED" if interrupted else "FAILED")
+        except Exception as closing:  # never hide why the run stopped behind why its runs could not be ended
+            get_run_logger().warning("could not end this run's MLflow runs (%s); the next run of %s ends them",
+                                     closing, cfg.name)
         raise
     tracking.finish_run(parent)
     return {"stages": {k: str(v[0]) for k, v in stages.items()}, "scores": str(scores),

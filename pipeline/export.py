@@ -30,10 +30,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -45,7 +47,7 @@ from pipeline.data import read_manifest
 from pipeline.engines import EXPORT_META, GATE, VMAP_FILE, CTranslate2Engine, translate_options, vocabulary_pieces
 from pipeline.support.errors import UserError
 from pipeline.evalsets import read_split
-from pipeline.support.fsutil import atomic_dir, sha256_file, write_json
+from pipeline.support.fsutil import atomic_dir, remove_stale_temps, sha256_file, write_json
 from pipeline.promotion import paired_bootstrap
 from pipeline.shortlist import write_vocabulary_map
 from pipeline.tokenize import Tokenizer
@@ -53,6 +55,7 @@ from pipeline.tokenize import Tokenizer
 log = logging.getLogger("aiayn.export")
 
 LAYER_NORM_EPSILON = 1e-5  # torch.nn.LayerNorm's default, which model/ uses
+MODEL_FILE = "model.bin"  # CTranslate2's weights file in a model folder
 SENTENCEPIECE_FILE = "spm.model"  # the tokenizer's model, shipped in the export folder for any client
 # Part of the export folder's name: bumped when the same inputs export differently, so that a re-run does not reuse
 # an older folder.
@@ -153,13 +156,15 @@ def vocabulary(tokenizer: Tokenizer) -> tuple[list[str], dict[str, str]]:
 
 def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, out_dir: Path,
                       batch_sentences: int = ExportConfig().batch_sentences,
-                      decode: DecodeConfig = DecodeConfig(), shortlist: dict | None = None) -> Path:
+                      decode: DecodeConfig = DecodeConfig(), shortlist: dict | None = None,
+                      finish: Callable[[Path], None] | None = None) -> Path:
     """Write ``checkpoint`` as a CTranslate2 model folder ``out_dir`` (``model.bin``, ``config.json``, the
-    vocabulary, the tokenizer's ``spm.model`` and ``export.json``: quantization, the checkpoint's and tokenizer's
-    sha256, the model's positions, the serving batch size, the ``translate_batch`` options of ``decode``),
-    atomically: a reader sees the whole folder or none. ``shortlist`` (``{"file": <a vocabulary map>, ...}``,
-    :mod:`pipeline.shortlist`): the map ships as ``vmap.txt`` and the options decode with it; the rest of the
-    dict is recorded in ``export.json``."""
+    vocabulary, the tokenizer's ``spm.model`` and ``export.json``: quantization, the checkpoint's, tokenizer's and
+    ``model.bin``'s sha256, the model's positions, the serving batch size, the ``translate_batch`` options of
+    ``decode``), atomically: a reader sees the whole folder or none. ``shortlist`` (``{"file": <a vocabulary map>,
+    ...}``, :mod:`pipeline.shortlist`): the map ships as ``vmap.txt`` and the options decode with it; the rest of
+    the dict is recorded in ``export.json``. ``finish`` runs on the written folder before it takes its name (the
+    export stage's gate adds ``gate.json`` there)."""
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     state = load_checkpoint(checkpoint)
     tokenizer = Tokenizer(tokenizer_dir)
@@ -179,12 +184,16 @@ def export_checkpoint(checkpoint: Path, tokenizer_dir: Path, quantization: str, 
         write_json(tmp / EXPORT_META, {
             "engine": "ctranslate2", "ctranslate2_version": version("ctranslate2"), "quantization": quantization,
             "checkpoint_sha256": sha256_file(checkpoint), "tokenizer_sha256": tokenizer.sha256,
+            # what a reuse checks the weights against (pipeline.support.fsutil.altered_files)
+            "model": {"file": MODEL_FILE, "sha256": sha256_file(tmp / MODEL_FILE)},
             "max_positions": state["model_config"]["max_positions"], "special": special,
             "batch_sentences": batch_sentences, "sentencepiece": SENTENCEPIECE_FILE,
             "shortlist": shortlist and {k: v for k, v in shortlist.items() if k != "file"} | {
                 "vocabulary_map": VMAP_FILE, "sha256": sha256_file(Path(shortlist["file"]))},
             "translate_batch": translate_options(decode, state["model_config"]["max_positions"], special,
                                                  shortlist is not None)})
+        if finish is not None:
+            finish(tmp)
     return out_dir
 
 
@@ -232,25 +241,32 @@ def servable(export: Path) -> tuple[Path | None, dict]:
 
 def export_model(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path, scores_json: Path) -> Path:
     """The export stage: ``checkpoint`` as a CTranslate2 model (``cfg.export.quantization``) with its gate result
-    in ``gate.json``; returns the export folder. Re-running with the same inputs reuses a finished export."""
+    in ``gate.json``, written before the folder takes its name: an export folder without ``gate.json`` is not
+    a finished one (left by an older version) and is written again. Re-running with the same inputs reuses a
+    finished export."""
     out = export_dir(cfg, checkpoint)
-    if not (out / EXPORT_META).is_file():
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=".shortlist-") as tmp:
-            shortlist = None
-            if cfg.export.shortlist:
-                shortlist = {"top_k": cfg.export.shortlist, "frequent": cfg.export.shortlist_frequent,
-                             "estimated_on": "train"}
-                corpus_manifest = read_manifest(corpus)
-                shortlist["file"] = write_vocabulary_map(
-                    corpus, corpus_manifest["splits"]["train"]["file"], Tokenizer(tokenizer_dir), cfg.export.shortlist,
-                    cfg.export.shortlist_frequent, Path(tmp) / VMAP_FILE)
-            export_checkpoint(checkpoint, tokenizer_dir, cfg.export.quantization, out, cfg.export.batch_sentences,
-                              cfg.decode, shortlist)
-    if not (out / GATE).is_file():
-        engine = CTranslate2Engine(out, Tokenizer(tokenizer_dir))
-        result = gate(cfg.export, engine, cfg, corpus, scores_json)
-        write_json(out / GATE, result)
+    remove_stale_temps(out.parent)  # a killed export's (gated or not) temporary folder
+    if (out / GATE).is_file():
+        return out
+    if out.exists():
+        log.warning("%s has no %s: not a finished export; writing it again", out, GATE)
+        shutil.rmtree(out)
+
+    def gate_into(folder: Path) -> None:
+        result = gate(cfg.export, CTranslate2Engine(folder, Tokenizer(tokenizer_dir)), cfg, corpus, scores_json)
+        write_json(folder / GATE, result)
         log.info("export gate (%s, dev): PyTorch %.2f, CTranslate2 %.2f BLEU, drop %.2f (max %.2f): %s",
                  cfg.export.quantization, result["torch_bleu"], result["export_bleu"], result["drop"],
                  cfg.export.max_bleu_drop, "passed" if result["passed"] else "refused")
-    return out
+
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".shortlist-") as tmp:
+        shortlist = None
+        if cfg.export.shortlist:
+            shortlist = {"top_k": cfg.export.shortlist, "frequent": cfg.export.shortlist_frequent,
+                         "estimated_on": "train"}
+            corpus_manifest = read_manifest(corpus)
+            shortlist["file"] = write_vocabulary_map(
+                corpus, corpus_manifest["splits"]["train"]["file"], Tokenizer(tokenizer_dir), cfg.export.shortlist,
+                cfg.export.shortlist_frequent, Path(tmp) / VMAP_FILE)
+        return export_checkpoint(checkpoint, tokenizer_dir, cfg.export.quantization, out, cfg.export.batch_sentences,
+                                 cfg.decode, shortlist, finish=gate_into)

@@ -33,8 +33,8 @@ import sentencepiece as spm
 from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
 from pipeline.support.errors import UserError
-from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, read_stage_manifest, sha256_file, stage_folder,
-                                     write_json)
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, names_full_disk, read_stage_manifest, sha256_file,
+                                     stage_folder, write_json)
 
 log = logging.getLogger("aiayn.tokenize")
 
@@ -99,6 +99,7 @@ def model_settings(cfg: TokenizerConfig) -> dict:
     return cfg.model_dump(mode="json", exclude=set(ENCODE_ONLY_FIELDS))
 
 
+@names_full_disk
 def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> Path:
     """Train (or reuse) the shared sentencepiece model on the corpus's training split; return its folder.
 

@@ -6,12 +6,18 @@ its inputs, where a config is its canonical JSON and a stage folder is the hash 
 the content hashes of every file in it). So a changed training config re-runs training and what follows,
 while data and tokenization keep their keys. The task name is in the key because two tasks with equal inputs
 must not share an entry (Prefect's INPUTS policy alone is not task-specific).
+
+A cached result is trusted only if its output still is what the stage wrote: each stage task's result records its
+output's digest (:func:`recorded`), and :func:`run_cached` compares it, and the files the output's index lists,
+with what is on disk before handing the output on; a mismatch runs the stage again, saying so.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -20,13 +26,15 @@ from pydantic import BaseModel
 
 from pipeline.support.codegraph import REPO, code_closure
 from pipeline.config import canonical_json
-from pipeline.support.fsutil import MANIFEST, sha256_file
+from pipeline.engines import EXPORT_META
+from pipeline.support.fsutil import MANIFEST, altered_files, sha256_file
 
 # The config schema reaches a stage only through the config's values, which the key holds by content: leaving
 # its code out keeps a new field in one section from invalidating every stage.
 _NOT_CODE = ("pipeline.config",)
-# Folders that are not stage folders but have an index with content hashes (checkpoints/index.json).
-_INDEX_FILES = (MANIFEST, "index.json")
+# Folders that are not stage folders but have an index with content hashes: a checkpoints folder, a training run
+# (its checkpoints), an export (export.json).
+_INDEX_FILES = (MANIFEST, "index.json", "checkpoints/index.json", EXPORT_META)
 
 
 def digest(value: Any) -> str:
@@ -82,16 +90,53 @@ def stage_cache_key(stage: Callable, ignore: Iterable[str] = (),
     return key
 
 
-def run_cached(stage, **params: Any) -> tuple[Any, bool]:
-    """Call a cached stage task; returns ``(result, came_from_cache)``.
+@dataclass(frozen=True)
+class Recorded:
+    """A stage task's result as the cache keeps it: the output and its :func:`digest` when the stage wrote it."""
 
-    If a cached result names a folder or file that no longer exists (someone cleaned the work dir), the stage
-    runs again with its cache refreshed instead of handing a dead path downstream.
+    path: Path
+    digest: str
+
+
+def recorded(fn: Callable[..., Path]) -> Callable[..., Recorded]:
+    """Decorate a stage task's function (under ``@task``): its result records its output's digest, which
+    :func:`run_cached` checks before trusting a cached result. Name, signature and source (so the cache key)
+    stay the function's own."""
+
+    @functools.wraps(fn)
+    def stage(*args: Any, **kwargs: Any) -> Recorded:
+        out = fn(*args, **kwargs)
+        return Recorded(out, digest(out))
+
+    return stage
+
+
+def _untrusted(result: Any) -> str | None:
+    """Why a cached stage result cannot be handed on as it is, or None: its output is what the stage recorded."""
+    if not isinstance(result, Recorded):
+        return "records no digest of its output (it was cached by an older version)"
+    out = result.path
+    if not out.exists():
+        return f"is gone ({out})"
+    if (now := digest(out)) != result.digest:
+        return f"was altered since the stage wrote it ({out}: digest {now[:16]}..., recorded {result.digest[:16]}...)"
+    index = next((out / name for name in _INDEX_FILES if (out / name).is_file()), None) if out.is_dir() else None
+    altered = altered_files(index) if index is not None else []
+    return f"was altered since the stage wrote it ({'; '.join(altered)})" if altered else None
+
+
+def run_cached(stage, **params: Any) -> tuple[Path, bool]:
+    """Call a cached stage task (its function :func:`recorded`); returns ``(output, came_from_cache)``.
+
+    A cached result is checked before it is trusted: if its output is gone (someone cleaned the work dir), or is
+    not what the stage recorded (a file or a listed file corrupted, truncated or replaced since), or the entry
+    records no digest, the stage runs again with its cache refreshed instead of handing a dead or altered output
+    downstream, and the log says why in one line.
     """
     state = stage(**params, return_state=True)
-    out = state.result()
-    if isinstance(out, Path) and not out.exists():
-        get_run_logger().warning("cached result of %s is gone (%s); running it again", stage.name, out)
+    result = state.result()
+    if state.is_completed() and state.name == "Cached" and (why := _untrusted(result)):
+        get_run_logger().warning("the cached result of %s %s; running it again", stage.name, why)
         state = stage.with_options(refresh_cache=True)(**params, return_state=True)
-        out = state.result()
-    return out, state.is_completed() and state.name == "Cached"
+        result = state.result()
+    return result.path, state.is_completed() and state.name == "Cached"

@@ -20,7 +20,7 @@ from pipeline.support.fsutil import sha256_file
 from pipeline.inference import decode_device
 from pipeline.shards import build_shards
 from pipeline.tokenize import train_tokenizer
-from tasks.caching import stage_cache_key
+from tasks.caching import recorded, stage_cache_key
 from tasks.progress import ProgressArtifact
 
 
@@ -47,6 +47,7 @@ def _corpus_content(data: DataConfig) -> str:
 @task(name="prepare-data", persist_result=True, retries=3, retry_delay_seconds=exponential_backoff(10),
       retry_condition_fn=_hub_unavailable,
       cache_key_fn=stage_cache_key(prepare_corpus, content={"data": _corpus_content}))
+@recorded
 def data_stage(data: DataConfig, work_dir: Path) -> Path:
     """Read, clean and version the corpus, with a ``data-progress`` artifact (training pairs read); the cache key
     covers every input file's content hash."""
@@ -61,6 +62,7 @@ def _teachers_content(teachers: list[Path]) -> str:
 
 @task(name="distill-corpus", persist_result=True,
       cache_key_fn=stage_cache_key(distill_corpus, content={"teachers": _teachers_content}))
+@recorded
 def distill_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, distill: DistillConfig,
                   work_dir: Path, export: Path | None = None) -> Path:
     """The corpus with its training targets replaced by what the teachers (checkpoints sharing ``tokenizer_dir``,
@@ -78,12 +80,14 @@ def distill_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, disti
 
 
 @task(name="train-tokenizer", persist_result=True, cache_key_fn=stage_cache_key(train_tokenizer))
+@recorded
 def tokenizer_stage(corpus: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
     """The sentencepiece model shared by source and target, trained on the corpus's training split."""
     return train_tokenizer(corpus, tokenizer, work_dir)
 
 
 @task(name="write-shards", persist_result=True, cache_key_fn=stage_cache_key(build_shards))
+@recorded
 def shards_stage(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, work_dir: Path) -> Path:
     """Every split encoded into memory-mappable token shards, with a ``tokenize-progress`` artifact (pairs
     encoded)."""
@@ -93,6 +97,7 @@ def shards_stage(corpus: Path, tokenizer_dir: Path, tokenizer: TokenizerConfig, 
 
 @task(name="average-checkpoints", persist_result=True,
       cache_key_fn=stage_cache_key(average_run, content={"cfg": lambda c: c.section_hash("average", "task", "decode")}))
+@recorded
 def average_stage(cfg: RunConfig, checkpoints: Path, tokenizer_dir: Path, corpus: Path) -> Path:
     """The element-wise mean of the last ``average.last_n`` checkpoints (float64 accumulation), or, with
     ``average.choose_from``, the best such mean on the dev split (the corpus and tokenizer decode it, with an
@@ -105,6 +110,7 @@ def average_stage(cfg: RunConfig, checkpoints: Path, tokenizer_dir: Path, corpus
 
 @task(name="evaluate", persist_result=True,
       cache_key_fn=stage_cache_key(evaluate_checkpoint, content={"cfg": lambda c: c.section_hash("task", "decode")}))
+@recorded
 def evaluate_stage(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path) -> Path:
     """Decode dev and every test split and score them as the task demands (translation: every BLEU variant
     and chrF; parsing: EVALB F1), with an ``evaluation-progress`` artifact; returns ``scores.json``."""
@@ -114,6 +120,7 @@ def evaluate_stage(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus
 
 @task(name="export-ctranslate2", persist_result=True,
       cache_key_fn=stage_cache_key(export_model, content={"cfg": lambda c: c.section_hash("export", "decode")}))
+@recorded
 def export_stage(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path, scores: Path) -> Path:
     """The averaged model as a CTranslate2 model (``export.quantization``) and its quality gate on dev against
     the PyTorch model's translations (``gate.json``: passed when it loses at most ``export.max_bleu_drop``)."""

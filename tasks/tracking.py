@@ -9,9 +9,10 @@ state."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 from uuid import UUID
 
 from prefect import get_run_logger, task
@@ -25,6 +26,10 @@ from pipeline.config import RunConfig
 from pipeline.export import servable
 from pipeline.promotion import Decision, Policy, lock_name, read_promotion_set
 from pipeline.speed import Served, student_speeds
+
+# The promotion lock's lease: its holder renews it while it runs; one killed without releasing it holds it
+# until the lease runs out (Prefect's default; a shorter lease would cut a live holder off in a Prefect outage).
+LOCK_LEASE_S = 300
 
 
 def start_tracking(cfg: RunConfig, uri: str, run_name: str, tags: dict[str, str]) -> str:
@@ -64,7 +69,9 @@ def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, P
               attention_sentences: int = 3, teachers: Sequence[str] = ()) -> str:
     """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given), and its headline
     figures on the parent run too (:data:`pipeline.tracking.runs.HEADLINE`); ``teachers`` names the distill stage's
-    teachers (registered versions)."""
+    teachers (registered versions). A tracking server that does not answer is waited for, saying so
+    (:func:`pipeline.tracking.wait_until_reachable`)."""
+    tracking.wait_until_reachable(get_run_logger().warning)
     run_id = run_id or tracking.start_stage_run(parent_run_id, stage)
     tracking.set_tags(run_id, {"cached": str(cached).lower()})
     if stage == "data":
@@ -112,25 +119,49 @@ def resolve_teachers(cfg: RunConfig, work_dir: Path) -> list[tracking.Teacher]:
 
 def ensure_promotion_lock(model: str) -> str:
     """Create the model's promotion limit (one slot) if it does not exist yet; returns its name. The local
-    stack creates the limits of every deployed config; this covers models named only in overrides."""
+    stack creates the limits of every deployed config; this covers models named only in overrides. Says so when
+    another run holds it (the wait that follows is that run's registration and decision)."""
     name = lock_name(model)
     with get_client(sync_client=True) as c:
         try:
-            c.read_global_concurrency_limit_by_name(name)
+            held = c.read_global_concurrency_limit_by_name(name).active_slots
         except ObjectNotFound:
+            held = 0
             try:
                 c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
             except ObjectAlreadyExists:  # created meanwhile by a concurrent run
                 pass
+    if held:
+        get_run_logger().info("promotion lock %s is held by another run: waiting for it (a holder killed without "
+                              "releasing it holds it until its lease of %d s runs out)", name, LOCK_LEASE_S)
     return name
+
+
+@contextlib.contextmanager
+def promotion_lock(name: str) -> Iterator[None]:
+    """Hold the promotion lock of registered model ``name`` for the block: one run at a time reads the registry,
+    registers and moves the champion alias. Without it, two flows finishing together both compare against the same
+    old champion and both move the alias (the last to move wins whatever it scored), or both find the checkpoint
+    unregistered and register it twice."""
+    with concurrency(ensure_promotion_lock(name), occupy=1, strict=True, lease_duration=LOCK_LEASE_S):
+        yield
 
 
 def promote_locked(name: str, version: str, policy: Policy, run_id: str | None = None) -> Decision:
     """:func:`pipeline.tracking.promote` holding the model's promotion lock: reading the champion, comparing
-    and moving the alias are one step. Without it, two flows finishing together both compare against the same
-    old champion and both move the alias, and the last to move wins whatever it scored."""
-    with concurrency(ensure_promotion_lock(name), occupy=1, strict=True):
+    and moving the alias are one step."""
+    with promotion_lock(name):
         return tracking.promote(name, version, policy, run_id=run_id)
+
+
+def _no_new_data(name: str, sha256: str, version: str, parent_run_id: str) -> dict:
+    """The decision of a run whose checkpoint is a decided version already: none."""
+    decision = Decision("no decision", version, f"no new data: this run's model (checkpoint sha256 {sha256[:12]}) is "
+                        f"version {version} of {name} already; nothing registered, nothing to decide",
+                        tracking.champion(name))
+    tracking.set_tags(parent_run_id, decision.tags())
+    get_run_logger().info(decision.reason)
+    return decision.as_dict()
 
 
 @task(name="register-model")
@@ -139,22 +170,24 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
     """Register the averaged model (in a ``register`` child run) with its scores (also as model metrics on the
     ``corpus`` splits they were measured on), checkpoint sha256, corpus fingerprint, size and promotion set, and its
     CTranslate2 ``export`` when that passed its quality gate (a refused export is left out: the version serves with
-    PyTorch, and says why in its tags), then decide on the champion alias under the model's lock; returns the
-    decision with its evidence. A student (``teachers``: it was trained on their distilled ``corpus``) also gets its
-    lineage as tags and, as its description, a table of its teachers and itself side by side, with their speeds
-    measured side by side now (``distill.speed_sentences``). A model already registered (same checkpoint: no new
-    data, no changed setting) is not registered again and nothing is decided."""
+    PyTorch, and says why in its tags), then decide on the champion alias; returns the decision with its evidence. A
+    student (``teachers``: it was trained on their distilled ``corpus``) also gets its lineage as tags and, as its
+    description, a table of its teachers and itself side by side, with their speeds measured side by side now
+    (``distill.speed_sentences``).
+
+    One version per checkpoint, each decided once: looking the checkpoint up, registering it and deciding happen
+    under the model's promotion lock, so two runs of the same model finishing together register it once. A model
+    already registered and decided (same checkpoint: no new data, no changed setting) is not registered again and
+    nothing is decided; one registered by a run that stopped before its decision (killed, crashed) is decided now.
+    """
     logger = get_run_logger()
+    tracking.wait_until_reachable(logger.warning)
     name = cfg.registered_model_name
     scores_data = json.loads(scores.read_text(encoding="utf-8"))
-    existing = tracking.version_with_checkpoint(name, scores_data["checkpoint"]["sha256"])
-    if existing is not None:
-        decision = Decision("no decision", existing, f"no new data: this run's model (checkpoint sha256 "
-                            f"{scores_data['checkpoint']['sha256'][:12]}) is version {existing} of {name} already; "
-                            "nothing registered, nothing to decide", tracking.champion(name))
-        tracking.set_tags(parent_run_id, decision.tags())
-        logger.info(decision.reason)
-        return decision.as_dict()
+    sha256 = scores_data["checkpoint"]["sha256"]
+    # A decided version stays decided: no lock needed to see that there is nothing to do.
+    if (known := tracking.version_with_checkpoint(name, sha256)) is not None and known.decided:
+        return _no_new_data(name, sha256, known.version, parent_run_id)
     policy = Policy.of(cfg)
     tags = {"corpus_fingerprint": scores_data["corpus_fingerprint"]}
     if export is not None:
@@ -174,14 +207,23 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
                                     cfg.distill.speed_sentences, cfg.decode)
             tags |= tracking.speedup_tag(teachers, speeds)
             logger.info("sentences/s: %s (%s)", speeds.per_s, speeds.describe())
-    run_id = tracking.start_stage_run(parent_run_id, "register")
-    version = tracking.register_model(run_id, checkpoint, tokenizer_dir, cfg.decode, name,
-                                      tracking.flat_scores(scores_data), read_promotion_set(policy, scores.parent),
-                                      tags=tags, export=export,
-                                      evaluated=tracking.model_scores(scores_data, corpus))
-    if teachers:
-        tracking.describe_student(name, version, teachers, speeds)
-    decision = promote_locked(name, version, policy, parent_run_id)
+    with promotion_lock(name):
+        found = tracking.version_with_checkpoint(name, sha256)  # again: another run may have registered it meanwhile
+        if found is not None and found.decided:
+            return _no_new_data(name, sha256, found.version, parent_run_id)
+        run_id = tracking.start_stage_run(parent_run_id, "register")
+        if found is None:
+            version = tracking.register_model(run_id, checkpoint, tokenizer_dir, cfg.decode, name,
+                                              tracking.flat_scores(scores_data),
+                                              read_promotion_set(policy, scores.parent), tags=tags, export=export,
+                                              evaluated=tracking.model_scores(scores_data, corpus))
+            if teachers:
+                tracking.describe_student(name, version, teachers, speeds)
+        else:
+            version = found.version
+            logger.warning("version %s of %s (this run's checkpoint) was registered by a run that stopped before "
+                           "deciding on it: deciding now", version, name)
+        decision = tracking.promote(name, version, policy, run_id=parent_run_id)
     tracking.finish_run(run_id)
     logger.info("version %s of %s: %s. %s", version, name, decision.decision, decision.reason)
     return decision.as_dict()

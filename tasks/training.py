@@ -41,7 +41,7 @@ from pipeline.support.proc import preexec_exit_with_parent
 from pipeline.train import trainer
 from pipeline.train.launch import Rendezvous, ranks_refusals, rendezvous_for, torchrun_command
 from pipeline.workdir import run_dir
-from tasks.caching import stage_cache_key
+from tasks.caching import recorded, stage_cache_key
 from tasks.progress import ProgressArtifact
 
 _PROGRESS_POLL_S = 5.0  # how often metrics.jsonl is read; updates are throttled by ProgressArtifact
@@ -159,6 +159,7 @@ def run_torchrun(cmd: list[str], logger: logging.Logger | logging.LoggerAdapter)
 @task(name="train", persist_result=True, retry_condition_fn=_retry_unless_refused,
       cache_key_fn=stage_cache_key(trainer.train, ignore=("launch", "tracking_run_id"),
                                    content={"cfg": lambda c: c.section_hash("data", "tokenizer", "model", "train")}))
+@recorded
 def train_stage(cfg: RunConfig, shards: Path, launch: LaunchConfig, tracking_run_id: str | None = None,
                 init_checkpoint: Path | None = None) -> Path:
     """Train under torchrun until ``max_steps``/``max_minutes`` on ``launch.nnodes`` nodes; returns the run folder

@@ -239,7 +239,7 @@ def test_registered_version_carries_scores_and_first_becomes_champion(tracked, t
     assert mv.tags["promotion.decision"] == "promoted" and "first model" in mv.tags["promotion.reason"]
     assert c.get_run(tracked["parent"]).data.tags["promotion.decision"] == "promoted"
     assert mv.tags["checkpoint_sha256"] == sha256_file(tracked["ckpt"])
-    assert tracking.version_with_checkpoint(tracked["name"], sha256_file(tracked["ckpt"])) == tracked["version"]
+    assert tracking.version_with_checkpoint(tracked["name"], sha256_file(tracked["ckpt"])) == (tracked["version"], True)
     # The version stores its hypotheses on the promotion set (dev): a later challenger is tested against them.
     stored = tracking.promotion_set(tracked["name"], tracked["version"])
     eval_dir = tracked["ckpt"].parent / "eval"

@@ -8,6 +8,7 @@ change anywhere gives a new folder instead of overwriting one that other runs ma
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import time
@@ -25,8 +26,8 @@ from pipeline.support.codegraph import code_closure
 from pipeline.config import DataConfig
 from pipeline.data.clean import Normalizer, TrainFilter
 from pipeline.data.sources import TASK_READERS, Batch, DataError, Source, open_source, resolve_root
-from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, read_stage_manifest,
-                                     sha256_file, stage_folder, write_json)
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, identity_fingerprint, names_full_disk,
+                                     read_stage_manifest, sha256_file, stage_folder, write_json)
 
 log = logging.getLogger("aiayn.data")
 
@@ -56,12 +57,14 @@ def _code_hash() -> str:
 class CorpusSplitWriter:
     """Streams rows of one split into a Parquet file in this format, in row groups of ``batch_rows`` rows (also the
     writer of a distilled corpus's training split, ``pipeline.distill``). Rows come one at a time (:meth:`add`) or
-    a batch at a time (:meth:`add_batch`), in order."""
+    a batch at a time (:meth:`add_batch`), in order. As a context manager, it closes its file when the block fails
+    (a full disk): the file's space is freed when the caller removes it, not when the process ends."""
 
     def __init__(self, path: Path, split: str, batch_rows: int):
         self.path, self.split, self.batch_rows = path, split, batch_rows
         # Fixed writer options: the same rows always give the same bytes (no timestamps in Parquet metadata).
-        self.writer = pq.ParquetWriter(path, SCHEMA, compression="zstd", use_dictionary=["split", "origin"])
+        self.sink = open(path, "wb")  # ours to close, whatever state the writer is left in
+        self.writer = pq.ParquetWriter(self.sink, SCHEMA, compression="zstd", use_dictionary=["split", "origin"])
         self.cols: tuple[list, ...] = ([], [], [], [], [])  # rows added one at a time, not yet in a batch
         self.held: list[pa.RecordBatch] = []  # batches not yet written
         self.held_rows = 0
@@ -70,6 +73,16 @@ class CorpusSplitWriter:
         self.writing: Future | None = None
         self.rows = 0
         self.origins: Counter = Counter()
+
+    def __enter__(self) -> "CorpusSplitWriter":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error is not None:
+            self.thread.shutdown(cancel_futures=True)
+            with contextlib.suppress(Exception):  # what failed the block may fail the close too
+                self.writer.close()
+            self.sink.close()
 
     def add(self, origin: str, line: int, src: str, tgt: str, tgt_raw: str | None) -> None:
         o, ln, s, t, r = self.cols
@@ -125,6 +138,7 @@ class CorpusSplitWriter:
         if self.writing is not None:
             self.writing.result()
         self.writer.close()
+        self.sink.close()
         return {"file": self.path.name, "rows": self.rows, "sha256": sha256_file(self.path),
                 "origins": dict(sorted(self.origins.items()))}
 
@@ -132,15 +146,15 @@ class CorpusSplitWriter:
 def _write_eval_split(source: Source, role: str, out: Path, batch_rows: int, normalize: Normalizer,
                       counts: Counter, tree_leaves: str) -> tuple[dict, list[tuple[str, str]]]:
     """Dev/test: never filtered (that would change what is measured); normalised, raw target kept."""
-    writer = CorpusSplitWriter(out, role, batch_rows)
     pairs = []
-    for line, src, tgt in source.pairs():
-        s, t = normalize(src), normalize(source.model_target(tgt, tree_leaves))
-        if not s or not t:
-            counts["empty_side_kept"] += 1
-        writer.add(source.spec.name, line, s, t, tgt)
-        pairs.append((s, t))
-    entry = writer.close()
+    with CorpusSplitWriter(out, role, batch_rows) as writer:
+        for line, src, tgt in source.pairs():
+            s, t = normalize(src), normalize(source.model_target(tgt, tree_leaves))
+            if not s or not t:
+                counts["empty_side_kept"] += 1
+            writer.add(source.spec.name, line, s, t, tgt)
+            pairs.append((s, t))
+        entry = writer.close()
     if not entry["rows"]:
         raise DataError(f"{source.where} ({source.spec.name}) has no rows; a {role} set cannot be empty")
     return entry, pairs
@@ -190,6 +204,7 @@ def corpus_fingerprint(data: DataConfig) -> str:
     return identity_fingerprint(_open_sources(data)[3])
 
 
+@names_full_disk
 def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, int], None] | None = None) -> Path:
     """Build (or reuse) the cleaned corpus for ``data`` under ``work_dir/corpus/`` and return its folder.
 
@@ -220,23 +235,23 @@ def prepare_corpus(data: DataConfig, work_dir: Path, progress: Callable[[int, in
         normalize = Normalizer(data.cleaning, counts)
         keep = TrainFilter(data.cleaning, eval_pairs, counts)
         del eval_pairs
-        writer = CorpusSplitWriter(tmp / "train.parquet", "train", data.write_batch_rows)
         read: Counter = Counter()
         symbols: set[str] = set()  # parsing: the closed target vocabulary of the kept training trees
         reading = _TrainProgress(train, progress)
-        for source in train:
-            name = source.spec.name
-            # a batch at a time: normalisation, the rules and dedup run over whole columns (clean.py)
-            for lines, src, tgt in reading.batches(source, data.write_batch_rows):
-                read[name] += len(lines)
-                src = normalize.array(src)
-                tgt = normalize.array(source.model_targets(tgt, data.tree_leaves))
-                kept = keep.batch(src, tgt)  # bool [n]
-                if kept.any():
-                    tgt = tgt.filter(kept)
-                    writer.add_batch(name, lines[kept], src.filter(kept), tgt)
-                    symbols |= source.target_symbols(tgt)
-        entry = writer.close()
+        with CorpusSplitWriter(tmp / "train.parquet", "train", data.write_batch_rows) as writer:
+            for source in train:
+                name = source.spec.name
+                # a batch at a time: normalisation, the rules and dedup run over whole columns (clean.py)
+                for lines, src, tgt in reading.batches(source, data.write_batch_rows):
+                    read[name] += len(lines)
+                    src = normalize.array(src)
+                    tgt = normalize.array(source.model_targets(tgt, data.tree_leaves))
+                    kept = keep.batch(src, tgt)  # bool [n]
+                    if kept.any():
+                        tgt = tgt.filter(kept)
+                        writer.add_batch(name, lines[kept], src.filter(kept), tgt)
+                        symbols |= source.target_symbols(tgt)
+            entry = writer.close()
         report = _cleaning_report(sum(read.values()), counts, entry["rows"])
         if not entry["rows"]:
             raise DataError(

@@ -43,8 +43,8 @@ import pyarrow.parquet as pq
 
 from pipeline.config import TokenizerConfig
 from pipeline.data import read_manifest
-from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, remove_stale_temps,
-                                     sha256_file, stage_folder, write_json)
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, names_full_disk,
+                                     remove_stale_temps, sha256_file, stage_folder, write_json)
 from pipeline.support.proc import exit_with_parent
 from pipeline.tokenize import Tokenizer, verify_file
 
@@ -55,6 +55,7 @@ log = logging.getLogger("aiayn.shards")
 _IN_FLIGHT_PER_WORKER = 2  # chunks queued per worker: enough to keep it busy, few enough to bound memory
 
 
+@names_full_disk
 def build_shards(corpus_dir: Path, tokenizer_dir: Path, cfg: TokenizerConfig, work_dir: Path,
                  progress: Callable[[int, int], None] | None = None) -> Path:
     """Encode every split of the corpus with the tokenizer into Arrow IPC shards; return the shard folder.

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -13,11 +16,14 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+from pipeline.support.errors import UserError
 
 _CHUNK = 1 << 20
 MANIFEST = "manifest.json"  # every stage folder's last file: its presence means the folder is complete
 log = logging.getLogger("aiayn.stages")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def sha256_file(path: Path) -> str:
@@ -27,6 +33,38 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _listed(tree: Any) -> Iterator[dict]:
+    """Every ``{"file": ..., "sha256": ...}`` entry anywhere in a manifest's JSON tree."""
+    if isinstance(tree, dict):
+        if isinstance(tree.get("file"), str) and isinstance(tree.get("sha256"), str):
+            yield tree
+        for value in tree.values():
+            yield from _listed(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _listed(value)
+
+
+def altered_files(index: Path) -> list[str]:
+    """What differs between the files an index lists (a stage's manifest, a checkpoint index, an export's
+    ``export.json``: each ``{"file", "sha256"}`` entry in it, ``bytes`` too where it has them) and the files beside
+    it: one line per altered file (truncated, overwritten, corrupted). Entries naming no file beside the index
+    (the corpus file a tokenizer records it was trained on) are another folder's to check."""
+    index = Path(index)
+    problems = []
+    for entry in _listed(json.loads(index.read_text(encoding="utf-8"))):
+        path = index.parent / entry["file"]
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        if isinstance(entry.get("bytes"), int) and size != entry["bytes"]:
+            problems.append(f"{path}: {size} bytes, {entry['bytes']} recorded in {index}")
+        elif (actual := sha256_file(path)) != entry["sha256"]:
+            problems.append(f"{path}: sha256 {actual[:16]}... differs from {entry['sha256'][:16]}... recorded in "
+                            f"{index}")
+    return problems
 
 
 def _temp_tag() -> str:
@@ -167,8 +205,10 @@ def stage_folder(work_dir: Path, stage: str, identity: dict, restarts: str | Non
     """``(folder, fingerprint, done)`` for a stage output named by the hash of everything that determines it.
 
     ``identity`` holds the stage's format, code hash, settings and input hashes. ``done`` is True when an earlier
-    run finished the folder (its manifest exists): the caller returns it as is. A folder without a manifest is an
-    interrupted run's leftover and is removed, so the caller always writes from scratch; where an interrupted run
+    run finished the folder (its manifest exists) and every file its manifest lists still has its recorded sha256
+    (:func:`altered_files`): the caller returns it as is. A folder without a manifest is an interrupted run's
+    leftover, and one whose files were altered since (a truncated shard) is not to be trusted: either is removed,
+    with a warning for the second, so the caller always writes from scratch; where an interrupted run
     of this very output left its temporary folder, the log says so, and why the stage cannot continue it
     (``restarts``).
     """
@@ -179,8 +219,12 @@ def stage_folder(work_dir: Path, stage: str, identity: dict, restarts: str | Non
         log.warning("%s %s: an interrupted run's partial output was removed; this stage starts again from the "
                     "beginning: %s", stage, out.name, restarts)
     if (out / MANIFEST).is_file():
-        log.info("%s unchanged, reusing %s", stage, out)
-        return out, fingerprint, True
+        altered = altered_files(out / MANIFEST)
+        if not altered:
+            log.info("%s unchanged, reusing %s", stage, out)
+            return out, fingerprint, True
+        log.warning("%s %s was altered since it was written (%s); writing it again", stage, out,
+                    "; ".join(altered))
     if out.exists():
         shutil.rmtree(out)
     return out, fingerprint, False
@@ -203,3 +247,49 @@ def read_stage_manifest(folder: Path, expected_format: str, what: str, fix: str,
     if found != expected_format:
         raise error(f"{path}: format {found!r}, expected {expected_format!r}; {fix}")
     return manifest
+
+
+class DiskFullError(UserError, OSError):
+    """A stage's write found the disk (or the quota) full: the message names the file and the space left."""
+
+
+def _is_disk_full(error: OSError) -> bool:
+    # pyarrow's write errors carry the C library's message but not always its errno
+    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
+
+
+def _mount_of(path: Path) -> Path:
+    """The nearest existing folder at or above ``path`` and the mount point it is on."""
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    mount = path
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    return mount
+
+
+def names_full_disk(stage: F) -> F:
+    """Decorate a stage function that writes under its ``work_dir`` parameter: a full disk anywhere in it (ENOSPC,
+    EDQUOT) becomes one :class:`DiskFullError` line naming the file being written (or the work dir where the error
+    names none), the space left on its file system and what to do, instead of a traceback from deep in a writer.
+    Nothing else changes: the stage's temporary output is removed or kept for its resume as on any other error."""
+    signature = inspect.signature(stage)
+
+    @functools.wraps(stage)
+    def run(*args, **kwargs):
+        try:
+            return stage(*args, **kwargs)
+        except OSError as e:
+            if isinstance(e, DiskFullError) or not _is_disk_full(e):
+                raise
+            work_dir = Path(signature.bind(*args, **kwargs).arguments["work_dir"])
+            target = Path(e.filename) if e.filename else work_dir
+            mount = _mount_of(target)
+            free = shutil.disk_usage(mount).free / 2**20
+            raise DiskFullError(f"{target}: no space left on device ({free:.0f} MiB free on {mount}, which holds "
+                                f"work_dir {work_dir}): free space there or set work_dir to a larger disk, then run "
+                                "again (finished stages are reused, a partial output is resumed or rewritten)"
+                                ) from None
+
+    return run  # type: ignore[return-value]

@@ -25,9 +25,10 @@ _SOURCES = {
     "teachers": ("Teacher", "TeacherError", "TeacherRef", "describe_student", "lineage_tags", "resolve_teachers",
                  "shared_tokenizer", "speedup_tag"),
     "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training", "model_scores"),
-    "runs": ("TrackingError", "check_reachable", "close_flow_run", "close_stale_runs", "connect", "finish_run",
-             "flatten", "flow_run_pages", "log_headline", "log_metrics", "log_params", "run_url", "runs_view_url",
-             "set_tags", "start_pipeline_run", "start_stage_run", "ui_link", "version_url"),
+    "runs": ("TrackingError", "check_reachable", "close_flow_run", "close_stale_runs", "connect",
+             "end_pipeline_run", "finish_run", "flatten", "flow_run_pages", "log_headline", "log_metrics",
+             "log_params", "run_url", "runs_view_url", "set_tags", "start_pipeline_run", "start_stage_run", "ui_link",
+             "version_url", "wait_until_reachable"),
     "sink": ("MlflowSink",),
     "sweep": ("dev_curve", "log_child", "log_sweep_result", "run_outcome", "start_sweep_run"),
 }

@@ -100,7 +100,15 @@ def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: D
     return str(mlflow.register_model(info.model_uri, name, tags=all_tags).version)
 
 
-def version_with_checkpoint(name: str, checkpoint_sha256: str) -> str | None:
+class Registered(NamedTuple):
+    """A version that holds a given checkpoint, and whether its promotion was decided (``promotion.decision`` among
+    its tags: :func:`promote` sets it; a run stopped between registering and deciding leaves it unset)."""
+
+    version: str
+    decided: bool
+
+
+def version_with_checkpoint(name: str, checkpoint_sha256: str) -> Registered | None:
     """The newest version of ``name`` whose checkpoint has this sha256 (the same model registered before)."""
     try:
         found = client().search_model_versions(f"name = '{name}' and tags.checkpoint_sha256 = '{checkpoint_sha256}'")
@@ -108,7 +116,10 @@ def version_with_checkpoint(name: str, checkpoint_sha256: str) -> str | None:
         if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
             return None
         raise
-    return str(max(int(v.version) for v in found)) if found else None
+    if not found:
+        return None
+    newest = max(found, key=lambda v: int(v.version))
+    return Registered(str(newest.version), "promotion.decision" in newest.tags)
 
 
 def version_tags(name: str, version: str) -> dict[str, str]:

@@ -37,26 +37,53 @@ class TrackingError(UserError, RuntimeError):
     The message names the server or run and what to do."""
 
 
+def _unreachable(uri: str, timeout_s: float) -> str | None:
+    """Why the http(s) tracking server ``uri`` does not answer ``GET /health`` (its URL and the error), or None
+    when it does; database and file URIs need no server: None."""
+    if urlparse(uri).scheme not in ("http", "https"):
+        return None
+    url = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            if r.status == 200:
+                return None
+            why = f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        why = f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        why = str(getattr(e, "reason", e))
+    return f"{url}: {why}"
+
+
 def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
     """Raise :class:`TrackingError` at once unless an http(s) tracking server answers ``GET /health``.
 
     Database and file URIs need no server and pass. This is the fail-fast check: MLflow's own client retries a
     dead server for minutes before it gives up.
     """
-    if urlparse(uri).scheme not in ("http", "https"):
+    if why := _unreachable(uri, timeout_s):
+        raise TrackingError(f"MLflow tracking server {uri} is not reachable ({why}). Start it "
+                            "(python -m ops.localstack up) or point MLFLOW_TRACKING_URI at a running server.")
+
+
+def wait_until_reachable(say: Callable[[str], None], patience_s: float = 600.0, every_s: float = 15.0) -> None:
+    """Return at once when the tracking server answers; else ``say`` one line that it is unreachable and being
+    retried, try again every ``every_s`` seconds, ``say`` when it is back, and raise :class:`TrackingError` once
+    ``patience_s`` have passed. Called before a stage's results are logged: MLflow's client would retry a
+    server that is down for minutes without a word, then fail with a traceback."""
+    uri = mlflow.get_tracking_uri()
+    if not (why := _unreachable(uri, min(every_s, 10.0))):
         return
-    url = uri.rstrip("/") + "/health"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
-            if r.status == 200:
-                return
-            why = f"HTTP {r.status}"
-    except urllib.error.HTTPError as e:
-        why = f"HTTP {e.code}"
-    except (urllib.error.URLError, OSError) as e:
-        why = str(getattr(e, "reason", e))
-    raise TrackingError(f"MLflow tracking server {uri} is not reachable ({url}: {why}). Start it "
-                        "(python -m ops.localstack up) or point MLFLOW_TRACKING_URI at a running server.")
+    say(f"MLflow tracking server {uri} is unreachable ({why}); retrying every {every_s:.0f} s for up to "
+        f"{patience_s / 60:.0f} min before this run fails")
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        time.sleep(min(every_s, max(0.0, deadline - time.monotonic())))
+        if not (why := _unreachable(uri, min(every_s, 10.0))):
+            say(f"MLflow tracking server {uri} answers again; going on")
+            return
+    raise TrackingError(f"MLflow tracking server {uri} stayed unreachable for {patience_s / 60:.0f} min ({why}): "
+                        "start it again, then rerun: the stages that finished are reused from the cache")
 
 
 def client() -> MlflowClient:
@@ -373,6 +400,15 @@ def _close_with_children(c: MlflowClient, parent, status: str, reason: str) -> l
             c.set_tag(run_id, "closed_by", reason)
         c.set_terminated(run_id, status)
     return todo
+
+
+def end_pipeline_run(parent_run_id: str, status: str, reason: str = "") -> list[str]:
+    """End a pipeline run that stopped: its stage runs still RUNNING (the ``train`` run a failed training leaves)
+    and its parent run, with ``status`` (FAILED or KILLED); returns the ended run ids. Fails at once when the
+    server does not answer (the next run of the config ends them: :func:`close_stale_runs`)."""
+    check_reachable(mlflow.get_tracking_uri())
+    c = client()
+    return _close_with_children(c, c.get_run(parent_run_id), status, reason)
 
 
 def close_flow_run(flow_run_id: str, status: str, *, tracking_uri: str | None = None,
