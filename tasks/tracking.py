@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 from typing import Iterator, Sequence
 from uuid import UUID
@@ -19,7 +20,7 @@ from prefect import get_run_logger, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.exceptions import MissingContextError, ObjectAlreadyExists, ObjectNotFound
 
 from pipeline import tracking
 from pipeline.config import RunConfig
@@ -65,13 +66,21 @@ def start_tracking(cfg: RunConfig, uri: str, run_name: str, tags: dict[str, str]
     return tracking.start_pipeline_run(cfg, run_name=run_name, tags=tags)
 
 
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The flow or task run's logger; this module's outside a run (log_stage called as a plain function)."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
 def log_stage(parent_run_id: str, stage: str, cached: bool, outputs: dict[str, Path], run_id: str | None = None,
               attention_sentences: int = 3, teachers: Sequence[str] = ()) -> str:
     """Record a finished stage's outputs in its child run (opened here unless ``run_id`` is given), and its headline
     figures on the parent run too (:data:`pipeline.tracking.runs.HEADLINE`); ``teachers`` names the distill stage's
     teachers (registered versions). A tracking server that does not answer is waited for, saying so
     (:func:`pipeline.tracking.wait_until_reachable`)."""
-    tracking.wait_until_reachable(get_run_logger().warning)
+    tracking.wait_until_reachable(_logger().warning)
     run_id = run_id or tracking.start_stage_run(parent_run_id, stage)
     tracking.set_tags(run_id, {"cached": str(cached).lower()})
     if stage == "data":
