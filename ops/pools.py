@@ -6,6 +6,7 @@ that no template is edited by hand.
         [--gpu-image REGISTRY/aiayn-pipeline-gpu:TAG] [--var VARIABLE=JSON ...] [--gpu-var VARIABLE=JSON ...] \\
         [--max-gpus N]
     python -m ops.pools apply --type docker --image aiayn-pipeline:TAG --var 'volumes=["/srv/aiayn:/shared"]'
+    python -m ops.pools apply --type process --pool aiayn-gpu    # one pool only: Docker's has no GPU pool
     python -m ops.pools show ...      # the templates ``apply`` would send, as JSON, creating nothing
 
 Pools by role, as prefect.yaml's deployments name them: ``aiayn-cpu`` (the CPU pipeline runs and their node runs)
@@ -171,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="VARIABLE=JSON", help="the same, for the GPU pool only (e.g. gpus=4, tolerations=...)")
     p.add_argument("--max-gpus", type=int, help="the most GPUs a run of the GPU pool may ask for (job variable gpus; "
                                                 "default 8)")
+    p.add_argument("--pool", choices=["aiayn-cpu", "aiayn-gpu"],
+                   help="only this pool (default: every pool --type has a template for), e.g. --type process --pool "
+                        "aiayn-gpu beside Docker's CPU pool, which has no GPU twin")
     return p
 
 
@@ -179,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bases = templates(args.kind, args.image, dict(args.values), args.gpu_image, dict(args.gpu_values),
                           args.max_gpus)
+        if args.pool is not None:
+            if args.pool not in bases:
+                raise PoolError(f"--pool {args.pool}: --type {args.kind} has no template for it (deploy/{args.kind}/ "
+                                f"makes {', '.join(bases)}); make it with another --type, e.g. process")
+            bases = {args.pool: bases[args.pool]}
         if args.action == "show":
             print(json.dumps(bases, indent=2))
             return 0

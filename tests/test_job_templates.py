@@ -211,6 +211,20 @@ def test_pools_take_a_teams_defaults_and_refuse_what_the_schema_refuses() -> Non
         templates("docker", "", {})
 
 
+def test_pools_apply_makes_one_pool_with_pool_and_names_a_type_without_its_template(capsys) -> None:
+    """A Docker team's GPU pool: Docker's templates hold the CPU pool only, so ``--pool aiayn-gpu`` takes another
+    type's template (process) and leaves the CPU pool alone; a pool the type has no template for is refused."""
+    import json
+
+    from ops.pools import main
+
+    assert main(["show", "--type", "process", "--pool", "aiayn-gpu"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)) == ["aiayn-gpu"]
+    assert main(["show", "--type", "docker", "--image", "reg/img:1", "--pool", "aiayn-gpu"]) == 2
+    assert capsys.readouterr().err == ("error: --pool aiayn-gpu: --type docker has no template for it (deploy/docker/ "
+                                       "makes aiayn-cpu); make it with another --type, e.g. process\n")
+
+
 @pytest.mark.integration
 def test_pools_are_applied_to_the_server_at_prefect_api_url(tmp_path: Path) -> None:
     """On servers started as a team's (``ops.localstack up --worker none``: no pool, deployment or worker of the
