@@ -507,7 +507,8 @@ class Stack:
 
         ``worker``: ``process`` runs each flow run as a process of this checkout; ``docker`` as a container of
         ``image`` (deploy/Dockerfile), with ``data_root`` mounted read-only and the work dir and result storage
-        read-write."""
+        read-write; ``none`` starts the two servers only (a team's: its pools, deployments and workers are made
+        with ``python -m ops.pools apply`` and ``deploy``, and never replaced by this stack's)."""
         if worker == "docker" and login() is not None:
             raise StackError("--worker docker with a login (AIAYN_STACK_PASSWORD): the Docker pool's template would "
                              "carry the MLflow password where every reader of the pool sees it; on a team's servers "
@@ -529,6 +530,8 @@ class Stack:
         if "prefect-server" not in services:
             services["prefect-server"] = start_prefect_server(self.home / "prefect", prefect_port, database, host)
             self.save(services)
+        if worker == "none":
+            return services
         api_url = services["prefect-server"].url + "/api"
         env = prefect_env(self.home / "prefect", api_url)
         if worker == "docker":
@@ -684,9 +687,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where cached stage results go: a folder, or 'block:<type>/<name>', a Prefect storage block "
                         "for workers on other machines (default: env AIAYN_RESULT_STORAGE, else the stack's "
                         "PREFECT_HOME)")
-    p.add_argument("--worker", choices=["process", "docker"], default="process",
+    p.add_argument("--worker", choices=["process", "docker", "none"], default="process",
                    help="how flow runs run: processes of this checkout, or containers of --image started by a "
-                        "Docker worker (a Docker work pool; the data root, work dir and result storage mounted)")
+                        "Docker worker (a Docker work pool; the data root, work dir and result storage mounted); "
+                        "none: the two servers only, no pools, deployments or worker (a team's servers: "
+                        "python -m ops.pools apply and deploy make those)")
     p.add_argument("--host", default=HOST,
                    help="the address both servers listen on and are reached at: 127.0.0.1, this machine only, or "
                         "an address of this machine that other machines or containers reach")
@@ -711,13 +716,17 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"MLflow UI:   {ui_link(services['mlflow'].url, 'experiments')}")
             print(f"databases:   Prefect {services['prefect-server'].database}, MLflow {services['mlflow'].database}")
-            kind = "process" if args.worker == "process" else f"docker, image {args.image}"
             if (credentials := login()) is not None:
                 print(f"login:       user {credentials[0]} on both servers (password: AIAYN_STACK_PASSWORD)")
-            print(f"worker:      pool {WORK_POOL} ({kind}), log {services['prefect-worker'].log}")
-            gpu = services.get("prefect-gpu-worker")
-            print(f"GPU worker:  pool {GPU_POOL}, log {gpu.log}" if gpu else
-                  f"GPU worker:  none (no CUDA device here): runs of the {GPU_POOL} pool's deployments wait")
+            if args.worker == "none":
+                print("workers:     none (--worker none): make the pools and deployments with python -m ops.pools "
+                      "apply and python -m ops.localstack deploy (docs/how-to/team-servers.md)")
+            else:
+                kind = "process" if args.worker == "process" else f"docker, image {args.image}"
+                print(f"worker:      pool {WORK_POOL} ({kind}), log {services['prefect-worker'].log}")
+                gpu = services.get("prefect-gpu-worker")
+                print(f"GPU worker:  pool {GPU_POOL}, log {gpu.log}" if gpu else
+                      f"GPU worker:  none (no CUDA device here): runs of the {GPU_POOL} pool's deployments wait")
             print(f"export PREFECT_API_URL={services['prefect-server'].url}/api "
                   f"MLFLOW_TRACKING_URI={services['mlflow'].url}")
         elif args.action == "deploy":

@@ -6,6 +6,7 @@ that no template is edited by hand.
         [--gpu-image REGISTRY/aiayn-pipeline-gpu:TAG] [--var VARIABLE=JSON ...] [--gpu-var VARIABLE=JSON ...] \\
         [--max-gpus N]
     python -m ops.pools apply --type docker --image aiayn-pipeline:TAG --var 'volumes=["/srv/aiayn:/shared"]'
+    python -m ops.pools apply --type process --pool aiayn-gpu    # one pool only: Docker's has no GPU pool
     python -m ops.pools show ...      # the templates ``apply`` would send, as JSON, creating nothing
 
 Pools by role, as prefect.yaml's deployments name them: ``aiayn-cpu`` (the CPU pipeline runs and their node runs)
@@ -26,11 +27,15 @@ server at PREFECT_API_URL, which must be set: without it prefect.toml sends the 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,8 +112,30 @@ def templates(kind: str, image: str, values: dict, gpu_image: str | None = None,
     return out
 
 
+def existing_type(pool: str, env: dict[str, str]) -> str | None:
+    """The type of work pool ``pool`` on the server at ``env``'s PREFECT_API_URL (with its PREFECT_API_AUTH_STRING),
+    None when it has no such pool."""
+    auth = env.get("PREFECT_API_AUTH_STRING")
+    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+    url = f"{env['PREFECT_API_URL'].rstrip('/')}/work_pools/{urllib.parse.quote(pool)}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as r:
+            return json.loads(r.read())["type"]
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise PoolError(f"work pool {pool}: the server at PREFECT_API_URL answered {e.code}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise PoolError(f"work pool {pool}: no server answers at PREFECT_API_URL ({getattr(e, 'reason', e)})") from None
+
+
 def create(pool: str, kind: str, base: dict, env: dict[str, str]) -> None:
-    """``prefect work-pool create POOL --type KIND --base-job-template FILE --overwrite`` against PREFECT_API_URL."""
+    """``prefect work-pool create POOL --type KIND --base-job-template FILE --overwrite`` against PREFECT_API_URL;
+    a PoolError when the pool exists with another type: Prefect keeps an existing pool's type and would only swap
+    its template, leaving a pool whose workers get a template of another kind."""
+    if (had := existing_type(pool, env)) not in (None, kind):
+        raise PoolError(f"work pool {pool} exists as a {had} pool, not {kind}, and Prefect does not change a pool's "
+                        f"type: stop its {had} workers and delete it first (prefect work-pool delete {pool})")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(base, f)
     try:
@@ -145,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="VARIABLE=JSON", help="the same, for the GPU pool only (e.g. gpus=4, tolerations=...)")
     p.add_argument("--max-gpus", type=int, help="the most GPUs a run of the GPU pool may ask for (job variable gpus; "
                                                 "default 8)")
+    p.add_argument("--pool", choices=["aiayn-cpu", "aiayn-gpu"],
+                   help="only this pool (default: every pool --type has a template for), e.g. --type process --pool "
+                        "aiayn-gpu beside Docker's CPU pool, which has no GPU twin")
     return p
 
 
@@ -153,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bases = templates(args.kind, args.image, dict(args.values), args.gpu_image, dict(args.gpu_values),
                           args.max_gpus)
+        if args.pool is not None:
+            if args.pool not in bases:
+                raise PoolError(f"--pool {args.pool}: --type {args.kind} has no template for it (deploy/{args.kind}/ "
+                                f"makes {', '.join(bases)}); make it with another --type, e.g. process")
+            bases = {args.pool: bases[args.pool]}
         if args.action == "show":
             print(json.dumps(bases, indent=2))
             return 0

@@ -211,22 +211,47 @@ def test_pools_take_a_teams_defaults_and_refuse_what_the_schema_refuses() -> Non
         templates("docker", "", {})
 
 
+def test_pools_apply_makes_one_pool_with_pool_and_names_a_type_without_its_template(capsys) -> None:
+    """A Docker team's GPU pool: Docker's templates hold the CPU pool only, so ``--pool aiayn-gpu`` takes another
+    type's template (process) and leaves the CPU pool alone; a pool the type has no template for is refused."""
+    import json
+
+    from ops.pools import main
+
+    assert main(["show", "--type", "process", "--pool", "aiayn-gpu"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)) == ["aiayn-gpu"]
+    assert main(["show", "--type", "docker", "--image", "reg/img:1", "--pool", "aiayn-gpu"]) == 2
+    assert capsys.readouterr().err == ("error: --pool aiayn-gpu: --type docker has no template for it (deploy/docker/ "
+                                       "makes aiayn-cpu); make it with another --type, e.g. process\n")
+
+
 @pytest.mark.integration
 def test_pools_are_applied_to_the_server_at_prefect_api_url(tmp_path: Path) -> None:
-    """On a Prefect server of its own (the stack's pools are process pools that other tests' workers serve): the
-    pools are made with the team's values pinned, and the server refuses a flow run that sets a pinned variable or
-    asks for more GPUs than the pool's maximum."""
+    """On servers started as a team's (``ops.localstack up --worker none``: no pool, deployment or worker of the
+    stack's own): the pools are made with the team's values pinned, the server refuses a flow run that sets a
+    pinned variable or asks for more GPUs than the pool's maximum, and a pool is never re-made as another type
+    (Prefect would keep its type and swap only its template)."""
     import os
     import subprocess
     import sys
     import urllib.error
 
-    from ops.localstack import free_port, start_prefect_server
+    from ops.localstack import Stack, free_port
     from tests.conftest import api
 
-    server = start_prefect_server(tmp_path / "prefect", free_port())
+    stack = [sys.executable, "-m", "ops.localstack", "--home", str(tmp_path / "stack")]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_", "AIAYN_STACK_PASSWORD"))},
+           "PREFECT_HOME": str(tmp_path / "client")}
     try:
-        env = {**os.environ, "PREFECT_API_URL": server.url + "/api", "PREFECT_HOME": str(tmp_path / "prefect")}
+        up = subprocess.run([*stack, "up", "--worker", "none", "--prefect-port", str(free_port()), "--mlflow-port",
+                             str(free_port())], env=env, capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "workers:     none (--worker none)" in up.stdout
+        services = Stack(tmp_path / "stack").load()
+        assert sorted(services) == ["mlflow", "prefect-server"]
+        env["PREFECT_API_URL"] = services["prefect-server"].url + "/api"
+        assert api(env["PREFECT_API_URL"], "/work_pools/filter", {}) == []
+        assert api(env["PREFECT_API_URL"], "/deployments/filter", {}) == []
         # before the pools: `ops.localstack deploy` names the pool to make first, not Prefect's "does not exist"
         res = subprocess.run([sys.executable, "-m", "ops.localstack", "deploy"], env=env, capture_output=True,
                              text=True, timeout=120)
@@ -260,11 +285,18 @@ def test_pools_are_applied_to_the_server_at_prefect_api_url(tmp_path: Path) -> N
             code, detail = create_flow_run(refused)
             assert code == 422 and field in detail, (refused, code, detail)
         assert create_flow_run({"gpus": 2, "memory": "8Gi"})[0] == 201
+        res = subprocess.run([sys.executable, "-m", "ops.pools", "apply", "--type", "docker", "--image", "reg/x:1"],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert (res.returncode, res.stderr) == (2, (
+            "error: work pool aiayn-cpu exists as a kubernetes pool, not docker, and Prefect does not change a "
+            "pool's type: stop its kubernetes workers and delete it first (prefect work-pool delete aiayn-cpu)\n"))
+        cpu = api(env["PREFECT_API_URL"], "/work_pools/aiayn-cpu")
+        assert cpu["type"] == "kubernetes" and "job_manifest" in cpu["base_job_template"]["job_configuration"]
         unset = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
         res = subprocess.run(cmd, env=unset, capture_output=True, text=True, timeout=300)
         assert res.returncode == 2 and "PREFECT_API_URL is not set" in res.stderr
     finally:
-        server.stop()
+        subprocess.run([*stack, "down"], env=env, capture_output=True, timeout=120)
 
 
 def test_the_cluster_manifests_agree_with_the_templates_and_prefect_yaml() -> None:

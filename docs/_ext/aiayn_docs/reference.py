@@ -327,10 +327,10 @@ def _schema_type(p: dict[str, Any]) -> str:
 
 def deployments_page() -> str:
     lines = ["# Deployments reference", "", HEADER.format(src="`prefect.yaml` and the flows' parameter schemas"), "",
-             "Every deployment of `prefect.yaml` (applied by `python -m ops.localstack up`, or `prefect deploy "
-             "--all`), run as `prefect deployment run 'FLOW/DEPLOYMENT' [-p name=value ...]`. A run's parameters "
-             "are validated against the flow's schema when the run is created: an unknown name or a wrong type is "
-             "refused then, and no run exists.", "",
+             "Every deployment of `prefect.yaml` (applied by `python -m ops.localstack up`, or by `python -m "
+             "ops.localstack deploy` to a server of your own), run as `prefect deployment run 'FLOW/DEPLOYMENT' "
+             "[-p name=value ...]`. A run's parameters are validated against the flow's schema when the run is "
+             "created: an unknown name or a wrong type is refused then, and no run exists.", "",
              "| deployment | what | fixed parameters | schedule | concurrency |", "|---|---|---|---|---|"]
     deps = deployments()
     for d in deps:
