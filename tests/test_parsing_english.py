@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from pipeline.config import load_config
 from pipeline.parsing.english import leaf, treebank_words, words_with_spans
+from pipeline.parsing.trees import parse_tree
+from pipeline.shards import build_shards
+from pipeline.train import train
+from tests.test_parsing import REPO, TINY_MODEL, ptb_stack  # noqa: F401 (ptb_stack: the sample's corpus, a fixture)
 
 
 @pytest.mark.parametrize("text, words", [
@@ -35,3 +43,85 @@ def test_each_word_keeps_the_users_characters(text) -> None:
     leaves = [leaf(w) for w in words]
     assert "(" not in "".join(leaves) and ")" not in "".join(leaves)  # a bracket cannot be a leaf
     assert [w.text for w in words if w.text not in "()"] == [x for x in leaves if x not in ("-LRB-", "-RRB-")]
+
+
+# ------------------------------------------------------------------------------ a parser of raw English
+
+# Hard sentences: quotes (typographic and ASCII), parentheses, braces, hyphens, "n't", $, %, slashes, asterisks,
+# dashes, non-ASCII letters, and a sentence near the model's limit of 1,024 positions (1,015 treebank words: the
+# shortest tree of them, n + 3 tokens, fits the 1,023 output positions).
+HARD = ['He said, "I don\'t know (or care)."',
+        "“It’s a well-known fact,” she said—twice.",
+        "Profit rose 5% to $3.8 billion -- a record {for now}.",
+        "The café in Zürich isn't open [yet]; *some* 3/4 of us can't wait…",
+        " ".join(["The cat sat on the mat ,"] * 145)]
+DECODE = ["decode.beam_size=2", "decode.max_len_b=10"]
+
+
+def _words(line: str) -> list[str]:
+    """The leaves a parse of ``line`` must have: its words as written, brackets as the treebank writes them."""
+    return [leaf(w) for w in words_with_spans(line)]
+
+
+@pytest.fixture(scope="module")
+def parser(ptb_stack, tmp_path_factory):
+    """A tiny parser after two updates on the sample (its trees are poor: the round trip is what is tested)."""
+    cfg, work, corpus, tok_dir = ptb_stack
+    cfg = load_config("ptb-sample-cpu", [("data.root", cfg.data.root), ("work_dir", str(work)), *TINY_MODEL])
+    run = train(cfg, build_shards(corpus, tok_dir, cfg.tokenizer, work), tmp_path_factory.mktemp("parser"))
+    return cfg, run / "checkpoints" / "ckpt-00000002.pt", tok_dir
+
+
+def _translate(parser, *args: str, input: str) -> subprocess.CompletedProcess:
+    cfg, checkpoint, tok_dir = parser
+    cmd = [sys.executable, "-m", "pipeline", "translate", "--config", "ptb-sample-cpu", "--checkpoint",
+           str(checkpoint), "--tokenizer", str(tok_dir), *[a for s in DECODE for a in ("--set", s)], *args]
+    return subprocess.run(cmd, input=input, capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+@pytest.mark.integration
+def test_translate_parses_raw_english_over_the_users_own_words(parser, tmp_path) -> None:
+    """One command, a file of ordinary English: one tree per line, each over exactly the line's words as the user
+    wrote them; ``--pretokenized`` reads treebank words and writes them as given."""
+    raw = tmp_path / "raw.txt"
+    raw.write_text("\n".join(HARD) + "\n", encoding="utf-8")
+    res = _translate(parser, "--input", str(raw), input="")
+    assert res.returncode == 0, res.stderr[-3000:]
+    trees = [parse_tree(line) for line in res.stdout.splitlines()]
+    assert [tree.words() for tree in trees] == [_words(line) for line in HARD]
+    assert trees[0].words() == ["He", "said", ",", '"', "I", "do", "n't", "know", "-LRB-", "or", "care", "-RRB-",
+                                ".", '"']
+    assert trees[1].words() == ["“", "It", "’s", "a", "well-known", "fact", ",", "”", "she", "said", "—", "twice",
+                                "."]
+    for line, tree in zip(HARD, trees):  # nothing of the user's text lost or added
+        text = "".join(tree.words()).replace("-LRB-", "(").replace("-RRB-", ")")
+        assert text == "".join(line.split())
+    assert "positions" not in res.stderr  # the long sentence fits the model
+
+    treebank = "He said , `` I do n't know -LRB- or care -RRB- . ''\n"
+    res = _translate(parser, "--pretokenized", input=treebank)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert parse_tree(res.stdout).words() == treebank.split()
+
+
+@pytest.mark.integration
+def test_a_sentence_beyond_the_models_positions_is_parsed_over_all_its_words(parser) -> None:
+    """Past the model's positions the source is cut (a warning names the line), and the tree still covers every
+    word: the words the model did not read hang from the root."""
+    long = " ".join(["The cat sat on the mat ,"] * 150) + " ."  # 1,051 treebank words
+    res = _translate(parser, input=long + "\n")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert parse_tree(res.stdout).words() == _words(long)
+    assert "stdin: line 1 has" in res.stderr and "1 of 1 lines were longer" in res.stderr
+
+
+@pytest.mark.integration
+def test_pretokenized_is_for_parsing_and_an_empty_line_is_named(parser) -> None:
+    res = _translate(parser, input="He left.\n\nShe stayed.\n")
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "error: stdin: line 2 is empty; a parse needs at least one word"), res.stderr
+    cfg, checkpoint, tok_dir = parser
+    res = subprocess.run([sys.executable, "-m", "pipeline", "translate", "--config", "multi30k-cpu", "--checkpoint",
+                          str(checkpoint), "--tokenizer", str(tok_dir), "--pretokenized"], input="A man .\n",
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 2 and "--pretokenized: task 'translation' translates raw text" in res.stderr
