@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
+from ops.localstack import free_port
 from pipeline.config import load_config
 from pipeline.parsing.english import leaf, treebank_words, words_with_spans
 from pipeline.parsing.trees import parse_tree
 from pipeline.shards import build_shards
+from pipeline import tracking
 from pipeline.train import train
-from tests.test_parsing import REPO, TINY_MODEL, ptb_stack  # noqa: F401 (ptb_stack: the sample's corpus, a fixture)
+from tests.test_parsing import REPO, TINY_MODEL
+from tests.test_tracking import _env, _ok, _post  # the serving tests' environment and requests
 
 
 @pytest.mark.parametrize("text, words", [
@@ -125,3 +133,66 @@ def test_pretokenized_is_for_parsing_and_an_empty_line_is_named(parser) -> None:
                           str(checkpoint), "--tokenizer", str(tok_dir), "--pretokenized"], input="A man .\n",
                          capture_output=True, text=True, cwd=REPO, timeout=300)
     assert res.returncode == 2 and "--pretokenized: task 'translation' translates raw text" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def served_parser(mlflow_server, parser) -> str:
+    """The parser registered as the flow registers it (pyfunc, checkpoint config and all), with the decoding the
+    CLI tests run; its model URI."""
+    cfg, checkpoint, tok_dir = parser
+    tracking.connect(mlflow_server, "test-parsing-english")
+    c = MlflowClient(mlflow_server)
+    run_id = c.create_run(c.get_experiment_by_name("test-parsing-english").experiment_id).info.run_id
+    name = f"transformer-en-tree-{free_port()}"
+    version = tracking.register_model(run_id, checkpoint, tok_dir, load_config("ptb-sample-cpu", DECODE).decode,
+                                      name, {"dev.f1": 0.0})
+    return f"models:/{name}/{version}"
+
+
+@pytest.mark.integration
+def test_the_served_parser_returns_the_commands_trees(parser, served_parser) -> None:
+    """The pyfunc of a parser takes raw English and returns what ``translate`` writes for it; a sentence with no
+    word and an nbest it cannot give are refused with a message."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    sentences = HARD[:4]
+    res = _translate(parser, input="\n".join(sentences) + "\n")
+    assert res.returncode == 0, res.stderr[-3000:]
+    model = mlflow.pyfunc.load_model(served_parser)
+    assert model.predict(sentences) == res.stdout.splitlines()
+    assert model.predict(sentences[0]) == res.stdout.splitlines()[:1]  # a single string is one sentence
+    with pytest.raises(MlflowException, match="request: line 2 is empty"):
+        model.predict(["He left.", "  "])
+    with pytest.raises(MlflowException, match="a parser returns one tree per sentence"):
+        model.predict(sentences, params={"nbest": 2})
+
+
+@pytest.mark.slow
+def test_models_serve_parses_raw_english(mlflow_server, served_parser, tmp_path) -> None:
+    """`mlflow models serve` of the registered parser answers raw English with the trees the loaded model gives,
+    refuses a sentence with no word with a 400, and goes on serving."""
+    import mlflow
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m",
+                             served_parser, "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                            env=_env(mlflow_server), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _ok(f"http://127.0.0.1:{port}/ping"):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        want = mlflow.pyfunc.load_model(served_parser).predict(HARD[:4])
+        assert [parse_tree(t).words() for t in want] == [_words(s) for s in HARD[:4]]
+        assert _post(port, json.dumps({"inputs": HARD[:4]}).encode()) == (200, {"predictions": want})
+        status, out = _post(port, json.dumps({"inputs": ["He left.", ""]}).encode())
+        assert status == 400 and "line 2 is empty" in out["message"], out
+        assert proc.poll() is None and _ok(f"http://127.0.0.1:{port}/ping")
+        assert "serving with PyTorch" in (tmp_path / "serve.log").read_text()
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+        log.close()

@@ -102,10 +102,10 @@ def model_arguments(checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig,
 
 
 def save_translator(folder: Path, checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, cleaning: dict,
-                    export: Path | None = None, task: str = "translation", tree_leaves: str = PLACEHOLDER) -> Path:
+                    export: Path | None = None) -> Path:
     """The translator pyfunc saved to a local ``folder`` (what ``mlflow models serve -m`` serves), without its
     input example: validating that loads the model in this process."""
-    arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export, task, tree_leaves)
+    arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export)
     arguments.pop("input_example")
     mlflow.pyfunc.save_model(str(folder), **arguments)
     return folder
