@@ -56,8 +56,8 @@ def test_each_word_keeps_the_users_characters(text) -> None:
 # ------------------------------------------------------------------------------ a parser of raw English
 
 # Hard sentences: quotes (typographic and ASCII), parentheses, braces, hyphens, "n't", $, %, slashes, asterisks,
-# dashes, non-ASCII letters, and a sentence near the model's limit of 1,024 positions (1,015 treebank words: the
-# shortest tree of them, n + 3 tokens, fits the 1,023 output positions).
+# dashes, non-ASCII letters, and a sentence near the model's limit of 1,024 positions (1,015 treebank words: a tree
+# of them, n + 3 tokens at the least, fits the 1,023 output positions).
 HARD = ['He said, "I don\'t know (or care)."',
         "“It’s a well-known fact,” she said—twice.",
         "Profit rose 5% to $3.8 billion -- a record {for now}.",
@@ -114,12 +114,13 @@ def test_translate_parses_raw_english_over_the_users_own_words(parser, tmp_path)
 
 @pytest.mark.integration
 def test_a_sentence_beyond_the_models_positions_is_parsed_over_all_its_words(parser) -> None:
-    """Past the model's positions the source is cut (a warning names the line), and the tree still covers every
-    word: the words the model did not read hang from the root."""
+    """Past the model's positions the source is cut (a warning names the line) and no tree of its words fits the
+    output positions: it is still parsed, as one flat constituent over every word."""
     long = " ".join(["The cat sat on the mat ,"] * 150) + " ."  # 1,051 treebank words
     res = _translate(parser, input=long + "\n")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert parse_tree(res.stdout).words() == _words(long)
+    tree = parse_tree(res.stdout)
+    assert tree.words() == _words(long) and all(child.is_preterminal for child in tree.children)
     assert "stdin: line 1 has" in res.stderr and "1 of 1 lines were longer" in res.stderr
 
 
