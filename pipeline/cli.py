@@ -256,11 +256,15 @@ def read_input(path: str | None) -> list[str]:
 def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
     """Raw text (stdin or --input) to translations on stdout, normalised as the data stage normalises.
 
-    For ``task: parsing`` the input is tokenized sentences (PTB tokens separated by spaces) and each output line
-    is a repaired tree over exactly those words (POS tags ``XX``). Lines longer than the model's positions are cut
-    to fit, each with a warning, and counted at the end."""
+    For ``task: parsing`` the input is sentences of ordinary English (``--pretokenized``: treebank words separated
+    by spaces) and each output line is a tree over exactly their words, the user's own as leaves (POS tags ``XX``;
+    :func:`pipeline.parsing.evaluate.parse_lines`). Lines longer than the model's positions are cut to fit, each
+    with a warning, and counted at the end."""
     if not args.checkpoint or not args.tokenizer:
         raise ConfigError("translate needs --checkpoint (a .pt file) and --tokenizer (a tokenizer folder)")
+    if args.pretokenized and not EVALUATORS[cfg.task].reads_pretokenized:
+        raise ConfigError(f"--pretokenized: task {cfg.task!r} translates raw text; the option is for parsing "
+                          "(treebank words separated by spaces)")
     normalize = Normalizer(cfg.data.cleaning, Counter())
     name = args.input or "stdin"
     # decoded before the model loads: bad input fails in a moment, not after loading a large checkpoint
@@ -280,7 +284,7 @@ def cmd_translate(cfg: RunConfig, args: argparse.Namespace) -> None:
         progress = bar.update
     truncated: list[int] = []
     for line in EVALUATORS[cfg.task].outputs(cfg, model, tokenizer, lines, progress, source=name,
-                                             truncated=truncated):
+                                             truncated=truncated, pretokenized=args.pretokenized):
         print(line)
     if truncated:
         log.warning("%s: %s", name, truncation_summary(len(truncated), len(lines), model.config.max_positions))
@@ -352,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--input", help=(
                 "a text file (a .gz one decompressed), one UTF-8 sentence per line, read as the data stage reads its "
                 "text files (default: stdin)"))
+            p.add_argument("--pretokenized", action="store_true", help=(
+                "parsing: each line is already in treebank words separated by spaces (as the treebank writes them: "
+                "do n't, -LRB-), parsed as given; default: ordinary English, split into treebank words first"))
     return parser
 
 

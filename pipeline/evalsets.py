@@ -171,6 +171,7 @@ class Evaluator(abc.ABC):
     """How one task decodes and scores; ``pipeline.evaluate.EVALUATORS[cfg.task]`` is its instance."""
 
     dev_metric: str  # the name of the dev number models are chosen on (averaging's N), for humans
+    reads_pretokenized: bool = False  # whether :meth:`outputs` also reads lines already split into words
 
     @abc.abstractmethod
     def evaluate(self, cfg: RunConfig, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
@@ -183,9 +184,11 @@ class Evaluator(abc.ABC):
     @abc.abstractmethod
     def outputs(self, cfg: RunConfig, model: Transformer | Ensemble, tokenizer: Tokenizer, lines: Sequence[str],
                 progress: Callable[[int], None] | None = None, *, source: str = "input",
-                truncated: list[int] | None = None) -> list[str]:
+                truncated: list[int] | None = None, pretokenized: bool = False) -> list[str]:
         """One output line per input line, as ``python -m pipeline translate`` prints it; a line longer than the
-        model's positions is cut, warned about naming ``source``, and its number appended to ``truncated``."""
+        model's positions is cut, warned about naming ``source``, and its number appended to ``truncated``.
+        ``pretokenized``: the lines are already split into the task's words (parsing: treebank words separated by
+        spaces) rather than raw text; only tasks whose :attr:`reads_pretokenized` is true take it."""
 
     @abc.abstractmethod
     def dev_score(self, split: dict) -> float:

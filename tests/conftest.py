@@ -212,6 +212,20 @@ def short_multi30k(shared_data: Path, root: Path, train: int, val: int, test2016
     return root
 
 
+@pytest.fixture(scope="session")
+def ptb_stack(shared_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The treebank sample's corpus and word tokenizer as ``ptb-sample-cpu`` makes them: (config, work dir, corpus,
+    tokenizer folder), for the parsing tests."""
+    from pipeline.config import load_config
+    from pipeline.data import prepare_corpus
+    from pipeline.tokenize import train_tokenizer
+
+    cfg = load_config("ptb-sample-cpu", [("data.root", str(shared_data))])
+    work = tmp_path_factory.mktemp("ptb")
+    corpus = prepare_corpus(cfg.data, work)
+    return cfg, work, corpus, train_tokenizer(corpus, cfg.tokenizer, work)
+
+
 SMALL_TRAIN_PAIRS = 2_000
 
 

@@ -463,14 +463,6 @@ def test_parsing_configs_and_their_validation(tmp_path) -> None:
         load_config("multi30k-cpu", ["data.dev.include=['*.en']"])
 
 
-@pytest.fixture(scope="module")
-def ptb_stack(shared_data, tmp_path_factory):
-    cfg = load_config("ptb-sample-cpu", [("data.root", str(shared_data))])
-    work = tmp_path_factory.mktemp("ptb")
-    corpus = prepare_corpus(cfg.data, work)
-    return cfg, work, corpus, train_tokenizer(corpus, cfg.tokenizer, work)
-
-
 @pytest.mark.integration
 def test_data_stage_writes_words_linearised_trees_and_gold(ptb_stack) -> None:
     _, _, corpus, _ = ptb_stack

@@ -29,9 +29,10 @@ from pipeline.data import DataError
 from pipeline.evalsets import SAMPLE_ROWS, Checkpoints, EvalSetup, Evaluator, Progress, evaluate_splits, scores_header
 from pipeline.inference import translate, truncation_summary
 from pipeline.parsing.constraint import tree_constraint
+from pipeline.parsing.english import leaf, words_with_spans
 from pipeline.parsing.evalb import COLLINS, UNLABELED, score_corpus
 from pipeline.parsing.trees import (PLACEHOLDER, Repair, Tree, parse_tree, remove_empty, repair, right_branching,
-                                    strip_root)
+                                    strip_root, with_words)
 from pipeline.tokenize import Tokenizer
 
 log = logging.getLogger("aiayn.parsing")
@@ -53,6 +54,32 @@ def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], de
     trees = [repair(out, sent.split(), tags[i] if tags is not None else None, leaves)
              for i, (out, sent) in enumerate(zip(outputs, sentences))]
     return outputs, trees
+
+
+def parse_lines(model: Transformer | Ensemble, tokenizer: Tokenizer, lines: Sequence[str], decode: DecodeConfig,
+                leaves: str = PLACEHOLDER, progress: Callable[[int], None] | None = None, *,
+                pretokenized: bool = False, source: str = "input", truncated: list[int] | None = None) -> list[str]:
+    """One tree per line of text (POS tags ``XX``), over exactly the line's words: what ``python -m pipeline
+    translate`` and the served parser write.
+
+    A line is ordinary English by default: it is split into the treebank's words
+    (:func:`pipeline.parsing.english.words_with_spans`), parsed over them, and the tree is written with the user's
+    own words as leaves (``“It’s`` stays ``“ It ’s``; a bracket is written ``-LRB-`` / ``-RRB-``, which a bracketed
+    tree needs). ``pretokenized``: the line already holds treebank words separated by spaces, parsed and written as
+    they are. A line with no word is refused (a :class:`DataError` naming ``source`` and the line); ``leaves``,
+    ``truncated`` and ``source`` as in :func:`parse`."""
+    words = [line.split() if pretokenized else words_with_spans(line) for line in lines]
+    empty = next((n for n, ws in enumerate(words, start=1) if not ws), None)
+    if empty is not None:
+        raise DataError(f"{source}: line {empty} is empty; a parse needs at least one word")
+    if pretokenized:
+        sentences, written = list(lines), words
+    else:
+        sentences = [" ".join(w.form for w in ws) for ws in words]
+        written = [[leaf(w) for w in ws] for ws in words]
+    _, parsed = parse(model, tokenizer, sentences, decode, progress=progress, leaves=leaves, source=source,
+                      truncated=truncated)
+    return [str(with_words(tree, ws)) for (tree, _), ws in zip(parsed, written)]
 
 
 def _summaries(golds: list[Tree], tests: list[Tree]) -> dict:
@@ -127,6 +154,7 @@ class ParsingEvaluator(Evaluator):
     """``task: parsing``: trees over the input's words, scored with EVALB; models are chosen on dev EVALB F1."""
 
     dev_metric = "EVALB F1"
+    reads_pretokenized = True
 
     def evaluate(self, cfg: RunConfig, checkpoint: Checkpoints, tokenizer_dir: Path, corpus_dir: Path, out_dir: Path,
                  splits: Sequence[str] | None = None, device: str | None = None,
@@ -136,15 +164,11 @@ class ParsingEvaluator(Evaluator):
 
     def outputs(self, cfg: RunConfig, model: Transformer | Ensemble, tokenizer: Tokenizer, lines: Sequence[str],
                 progress: Callable[[int], None] | None = None, *, source: str = "input",
-                truncated: list[int] | None = None) -> list[str]:
-        """Each line is a tokenized sentence (PTB tokens separated by spaces); each output a repaired tree over
-        exactly its words (POS tags ``XX``)."""
-        empty = [i for i, line in enumerate(lines, start=1) if not line]
-        if empty:
-            raise DataError(f"{source}: line {empty[0]} is empty; a parse needs at least one word")
-        _, parsed = parse(model, tokenizer, lines, cfg.decode, progress=progress, leaves=cfg.data.tree_leaves,
-                          source=source, truncated=truncated)
-        return [str(tree) for tree, _ in parsed]
+                truncated: list[int] | None = None, pretokenized: bool = False) -> list[str]:
+        """Each line is a sentence of ordinary English (``pretokenized``: treebank words separated by spaces); each
+        output a tree over exactly its words (:func:`parse_lines`)."""
+        return parse_lines(model, tokenizer, lines, cfg.decode, cfg.data.tree_leaves, progress,
+                           pretokenized=pretokenized, source=source, truncated=truncated)
 
     def dev_score(self, split: dict) -> float:
         return float(split["f1"])

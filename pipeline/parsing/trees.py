@@ -356,6 +356,22 @@ def _fill(node: Tree, words: Iterator[str], tags: Iterator[str] | None, replaced
     return Tree(node.label, children)
 
 
+def with_words(tree: Tree, words: Iterable[str]) -> Tree:
+    """``tree`` with its leaves, left to right, written as ``words`` (one for each leaf), tags and brackets kept:
+    a parse over the treebank's forms of a user's words written with the user's own."""
+    words = list(words)
+    if len(words) != len(tree.tagged_words()):
+        raise ValueError(f"{len(words)} words for a tree of {len(tree.tagged_words())} leaves")
+    rest = iter(words)
+
+    def rewrite(node: Tree) -> Tree:
+        if node.is_preterminal:
+            return Tree(node.label, [next(rest)])
+        return Tree(node.label, [rewrite(child) for child in node.children])
+
+    return rewrite(tree)
+
+
 def is_well_formed(output: str, n_words: int, leaves: str = PLACEHOLDER) -> bool:
     """True when ``output`` needs no repair for a sentence of ``n_words`` words."""
     return not repair(output, ["w"] * n_words, leaves=leaves)[1].needed

@@ -1,4 +1,4 @@
-"""The served model: an MLflow pyfunc that takes raw source sentences and returns translations.
+"""The served model: an MLflow pyfunc that takes raw source sentences and returns translations (a parser's: trees).
 
 It bundles the averaged checkpoint, the tokenizer folder, the CTranslate2 export when it passed the export gate
 (``pipeline.export``), the decoding settings and the text normalisation the data stage applied (both in the model
@@ -20,6 +20,11 @@ that is an object, and a body that is not UTF-8 JSON get a 400 that says what is
 empty sentence translates to an empty string without decoding; a sentence longer than the model's positions is
 cut to them (logged). MLflow's schema enforcement turns JSON numbers, booleans and null into their text ("1",
 "True", "None") before the model sees them; those are translated as text.
+
+A parser (``task: parsing`` in the model config, from its checkpoint) takes sentences of ordinary English and
+returns one tree per sentence over exactly its words, the user's own as leaves, decoded under the tree constraint
+with the PyTorch engine: what ``python -m pipeline translate`` writes with the same settings
+(:func:`pipeline.parsing.evaluate.parse_lines`). A sentence with no word, or ``nbest`` above 1, gets a 400.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
 from pipeline.config import REPO_ROOT, CleaningConfig, DecodeConfig
 from pipeline.data.clean import Normalizer
 from pipeline.engines import Engine, open_engine
+from pipeline.parsing.trees import PLACEHOLDER
+from pipeline.support.errors import UserError
 from pipeline.tokenize import Tokenizer
 
 ENGINE_ENV = "AIAYN_SERVING_ENGINE"
@@ -49,7 +56,7 @@ THREADS_ENV = "AIAYN_SERVING_THREADS"
 # also spare MLflow inferring them (which loads the model in a subprocess: seconds per log). An environment without
 # ctranslate2 still serves, with the PyTorch engine (pipeline.engines.open_engine).
 REQUIREMENTS = ("torch", "numpy", "pyarrow", "pydantic", "PyYAML", "sentencepiece", "sacrebleu", "sacremoses",
-                "tqdm", "pandas", "mlflow", "ctranslate2")
+                "tqdm", "pandas", "mlflow", "ctranslate2", "nltk")
 INPUT_EXAMPLE = ["A man in a blue shirt is riding a bicycle.", "Two dogs play in the snow."]
 MAX_BEAM = 64  # a request's beam_size at most: a larger beam costs memory and time in proportion
 
@@ -77,16 +84,19 @@ def code_paths() -> list[str]:
 
 
 def model_arguments(checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, cleaning: dict,
-                    export: Path | None = None) -> dict[str, Any]:
+                    export: Path | None = None, task: str = "translation",
+                    tree_leaves: str = PLACEHOLDER) -> dict[str, Any]:
     """What logging (or saving) the translator pyfunc takes: the artifacts (checkpoint, tokenizer and the
-    CTranslate2 ``export`` when given, which then is the engine it serves with), model config, code,
-    requirements, signature and input example."""
+    CTranslate2 ``export`` when given, which then is the engine it serves with), model config (with the
+    checkpoint's ``task`` and, for parsing, how it writes leaves: ``data.tree_leaves``), code, requirements,
+    signature and input example."""
     artifacts = {"checkpoint": str(checkpoint), "tokenizer": str(tokenizer_dir)}
     if export is not None:
         artifacts["ctranslate2"] = str(export)
     engine = "torch" if export is None else "ctranslate2"
     return {"python_model": Translator(), "artifacts": artifacts,
-            "model_config": {"decode": decode.model_dump(mode="json"), "cleaning": cleaning, "engine": engine},
+            "model_config": {"decode": decode.model_dump(mode="json"), "cleaning": cleaning, "engine": engine,
+                             "task": task, "tree_leaves": tree_leaves},
             "code_paths": code_paths(), "pip_requirements": pip_requirements(), "signature": signature(decode),
             "input_example": INPUT_EXAMPLE}
 
@@ -144,8 +154,8 @@ def request_decoding(decode: DecodeConfig, params: dict[str, Any] | None,
 
 
 class Translator(mlflow.pyfunc.PythonModel):
-    """Raw source sentences in, detokenized translations out, with the engine chosen at load (see the module
-    docstring)."""
+    """Raw source sentences in, detokenized translations (a parser: trees) out, with the engine chosen at load (see
+    the module docstring)."""
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
         if not logging.getLogger("aiayn").hasHandlers():  # a bare server (mlflow models serve): log to stderr
@@ -158,6 +168,8 @@ class Translator(mlflow.pyfunc.PythonModel):
         self.decode = DecodeConfig.model_validate(config["decode"], strict=False)
         # The normalisation the training data had (NFC, whitespace), so that raw input matches it.
         self.normalize = Normalizer(CleaningConfig.model_validate(config["cleaning"], strict=False), Counter())
+        # models logged before parsing was served have neither key: they are translators
+        self.task, self.tree_leaves = config.get("task", "translation"), config.get("tree_leaves", PLACEHOLDER)
         export = context.artifacts.get("ctranslate2")
         self.engine: Engine = open_engine(os.environ.get(ENGINE_ENV) or config.get("engine", "torch"),
                                           Path(context.artifacts["checkpoint"]), tokenizer,
@@ -167,5 +179,20 @@ class Translator(mlflow.pyfunc.PythonModel):
     def predict(self, context: mlflow.pyfunc.PythonModelContext, model_input, params: dict[str, Any] | None = None):
         decode, nbest = request_decoding(self.decode, params, self.engine.max_positions)
         sentences = [self.normalize(s) for s in source_sentences(model_input)]
+        if self.task == "parsing":
+            return self._parse(sentences, decode, nbest)
         out = self.engine.translate(sentences, decode, nbest)  # an empty sentence: "" (pipeline.encoding.to_decode)
         return [best[0] for best in out] if nbest == 1 else out
+
+    def _parse(self, sentences: list[str], decode: DecodeConfig, nbest: int) -> list[str]:
+        """One tree per sentence of English (:func:`pipeline.parsing.evaluate.parse_lines`), decoded by the
+        PyTorch engine's model (a parser is never exported)."""
+        from pipeline.parsing.evaluate import parse_lines  # torch: a translator served by CTranslate2 never loads it
+
+        if nbest != 1:
+            raise _bad_request(f"param nbest={nbest}: a parser returns one tree per sentence; leave nbest at 1")
+        try:
+            return parse_lines(self.engine.model, self.engine.tokenizer, sentences, decode, self.tree_leaves,
+                               source="request")
+        except UserError as e:  # a sentence with no word
+            raise _bad_request(str(e)) from None

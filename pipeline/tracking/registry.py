@@ -22,6 +22,7 @@ from pipeline.checkpoint import load_checkpoint
 from pipeline.config import DecodeConfig
 from pipeline.support.fsutil import sha256_file
 from pipeline.inference import model_from_state
+from pipeline.parsing.trees import PLACEHOLDER
 from pipeline.promotion import Decision, Policy, PromotionSet, decide, guards, paired_bootstrap
 
 from .pyfunc import model_arguments
@@ -86,8 +87,12 @@ def register_model(run_id: str, checkpoint: Path, tokenizer_dir: Path, decode: D
     if promotion is not None:
         log_promotion_set(run_id, promotion)
     state = load_checkpoint(checkpoint)
-    cleaning = state["config"]["data"]["cleaning"]
-    arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export)
+    config = state["config"]
+    cleaning = config["data"]["cleaning"]
+    # a parser serves trees: its task and leaves travel in the model config (checkpoints older than either are
+    # translators' and write XX)
+    arguments = model_arguments(checkpoint, tokenizer_dir, decode, cleaning, export, config.get("task", "translation"),
+                                config["data"].get("tree_leaves", PLACEHOLDER))
     # MLflow files a logged model under the active experiment (Default, "0", when none was set), not its source
     # run's: the model page belongs in the run's experiment.
     mlflow.set_experiment(experiment_id=client().get_run(run_id).info.experiment_id)

@@ -77,7 +77,8 @@ class TranslationEvaluator(Evaluator):
 
     def outputs(self, cfg: RunConfig, model: Transformer | Ensemble, tokenizer: Tokenizer, lines: Sequence[str],
                 progress: Callable[[int], None] | None = None, *, source: str = "input",
-                truncated: list[int] | None = None) -> list[str]:
+                truncated: list[int] | None = None, pretokenized: bool = False) -> list[str]:
+        """Translations of raw text (``pretokenized`` is refused by the CLI: :attr:`reads_pretokenized`)."""
         return translate(model, tokenizer, lines, cfg.decode, progress, source=source, truncated=truncated)
 
     def dev_score(self, split: dict) -> float:

@@ -1,0 +1,199 @@
+"""Raw English in, trees out: Penn Treebank words of untokenised text, and parses whose leaves are the user's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from ops.localstack import free_port
+from pipeline.config import load_config
+from pipeline.parsing.english import leaf, treebank_words, words_with_spans
+from pipeline.parsing.trees import parse_tree
+from pipeline.shards import build_shards
+from pipeline import tracking
+from pipeline.train import train
+from tests.test_parsing import REPO, TINY_MODEL
+from tests.test_tracking import _env, _ok, _post  # the serving tests' environment and requests
+
+
+@pytest.mark.parametrize("text, words", [
+    ('He said, "I don\'t know."', ["He", "said", ",", "``", "I", "do", "n't", "know", ".", "''"]),
+    ("Profit (before taxes) rose 5% to $3.8 billion.",
+     ["Profit", "-LRB-", "before", "taxes", "-RRB-", "rose", "5", "%", "to", "$", "3.8", "billion", "."]),
+    ("The {braces} and [brackets] stay.", ["The", "-LCB-", "braces", "-RCB-", "and", "-LSB-", "brackets", "-RSB-",
+                                          "stay", "."]),
+    ("It rose 3/4 point -- a well-known *rule*.",
+     ["It", "rose", "3\\/4", "point", "--", "a", "well-known", "\\*", "rule", "\\*", "."]),
+    ("“It’s late,” she said—twice.", ["``", "It", "'s", "late", ",", "''", "she", "said", "--", "twice", "."]),
+    ("‘Zürich’ can't cannot.", ["`", "Zürich", "'", "ca", "n't", "can", "not", "."]),
+    ("", []),
+    ("   ", []),
+])
+def test_treebank_words_follow_the_treebanks_conventions(text, words) -> None:
+    assert treebank_words(text) == words
+
+
+@pytest.mark.parametrize("text", [
+    '“It’s late,” she said—twice (or thrice) at 5% of $3/4 -- “n’t”.',
+    "Mr.  Smith\tdidn't go to the U.S. in 1990–1995 … or «ever».",
+])
+def test_each_word_keeps_the_users_characters(text) -> None:
+    words = words_with_spans(text)
+    assert [w.text for w in words] == [text[w.start:w.end] for w in words]
+    assert "".join(w.text for w in words) == "".join(text.split())  # nothing dropped, nothing added
+    leaves = [leaf(w) for w in words]
+    assert "(" not in "".join(leaves) and ")" not in "".join(leaves)  # a bracket cannot be a leaf
+    assert [w.text for w in words if w.text not in "()"] == [x for x in leaves if x not in ("-LRB-", "-RRB-")]
+
+
+# ------------------------------------------------------------------------------ a parser of raw English
+
+# Hard sentences: quotes (typographic and ASCII), parentheses, braces, hyphens, "n't", $, %, slashes, asterisks,
+# dashes, non-ASCII letters, and a sentence near the model's limit of 1,024 positions (1,015 treebank words: a tree
+# of them, n + 3 tokens at the least, fits the 1,023 output positions).
+HARD = ['He said, "I don\'t know (or care)."',
+        "“It’s a well-known fact,” she said—twice.",
+        "Profit rose 5% to $3.8 billion -- a record {for now}.",
+        "The café in Zürich isn't open [yet]; *some* 3/4 of us can't wait…",
+        " ".join(["The cat sat on the mat ,"] * 145)]
+DECODE = ["decode.beam_size=2", "decode.max_len_b=10"]
+
+
+def _words(line: str) -> list[str]:
+    """The leaves a parse of ``line`` must have: its words as written, brackets as the treebank writes them."""
+    return [leaf(w) for w in words_with_spans(line)]
+
+
+@pytest.fixture(scope="module")
+def parser(ptb_stack, tmp_path_factory):
+    """A tiny parser after two updates on the sample (its trees are poor: the round trip is what is tested)."""
+    cfg, work, corpus, tok_dir = ptb_stack
+    cfg = load_config("ptb-sample-cpu", [("data.root", cfg.data.root), ("work_dir", str(work)), *TINY_MODEL])
+    run = train(cfg, build_shards(corpus, tok_dir, cfg.tokenizer, work), tmp_path_factory.mktemp("parser"))
+    return cfg, run / "checkpoints" / "ckpt-00000002.pt", tok_dir
+
+
+def _translate(parser, *args: str, input: str) -> subprocess.CompletedProcess:
+    cfg, checkpoint, tok_dir = parser
+    cmd = [sys.executable, "-m", "pipeline", "translate", "--config", "ptb-sample-cpu", "--checkpoint",
+           str(checkpoint), "--tokenizer", str(tok_dir), *[a for s in DECODE for a in ("--set", s)], *args]
+    return subprocess.run(cmd, input=input, capture_output=True, text=True, cwd=REPO, timeout=600)
+
+
+@pytest.mark.integration
+def test_translate_parses_raw_english_over_the_users_own_words(parser, tmp_path) -> None:
+    """One command, a file of ordinary English: one tree per line, each over exactly the line's words as the user
+    wrote them; ``--pretokenized`` reads treebank words and writes them as given."""
+    raw = tmp_path / "raw.txt"
+    raw.write_text("\n".join(HARD) + "\n", encoding="utf-8")
+    res = _translate(parser, "--input", str(raw), input="")
+    assert res.returncode == 0, res.stderr[-3000:]
+    trees = [parse_tree(line) for line in res.stdout.splitlines()]
+    assert [tree.words() for tree in trees] == [_words(line) for line in HARD]
+    assert trees[0].words() == ["He", "said", ",", '"', "I", "do", "n't", "know", "-LRB-", "or", "care", "-RRB-",
+                                ".", '"']
+    assert trees[1].words() == ["“", "It", "’s", "a", "well-known", "fact", ",", "”", "she", "said", "—", "twice",
+                                "."]
+    for line, tree in zip(HARD, trees):  # nothing of the user's text lost or added
+        text = "".join(tree.words()).replace("-LRB-", "(").replace("-RRB-", ")")
+        assert text == "".join(line.split())
+    assert "positions" not in res.stderr  # the long sentence fits the model
+
+    treebank = "He said , `` I do n't know -LRB- or care -RRB- . ''\n"
+    res = _translate(parser, "--pretokenized", input=treebank)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert parse_tree(res.stdout).words() == treebank.split()
+
+
+@pytest.mark.integration
+def test_a_sentence_beyond_the_models_positions_is_parsed_over_all_its_words(parser) -> None:
+    """Past the model's positions the source is cut (a warning names the line) and no tree of its words fits the
+    output positions: it is still parsed, as one flat constituent over every word."""
+    long = " ".join(["The cat sat on the mat ,"] * 150) + " ."  # 1,051 treebank words
+    res = _translate(parser, input=long + "\n")
+    assert res.returncode == 0, res.stderr[-3000:]
+    tree = parse_tree(res.stdout)
+    assert tree.words() == _words(long) and all(child.is_preterminal for child in tree.children)
+    assert "stdin: line 1 has" in res.stderr and "1 of 1 lines were longer" in res.stderr
+
+
+@pytest.mark.integration
+def test_pretokenized_is_for_parsing_and_an_empty_line_is_named(parser) -> None:
+    res = _translate(parser, input="He left.\n\nShe stayed.\n")
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "error: stdin: line 2 is empty; a parse needs at least one word"), res.stderr
+    cfg, checkpoint, tok_dir = parser
+    res = subprocess.run([sys.executable, "-m", "pipeline", "translate", "--config", "multi30k-cpu", "--checkpoint",
+                          str(checkpoint), "--tokenizer", str(tok_dir), "--pretokenized"], input="A man .\n",
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 2 and "--pretokenized: task 'translation' translates raw text" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def served_parser(mlflow_server, parser) -> str:
+    """The parser registered as the flow registers it (pyfunc, checkpoint config and all), with the decoding the
+    CLI tests run; its model URI."""
+    cfg, checkpoint, tok_dir = parser
+    tracking.connect(mlflow_server, "test-parsing-english")
+    c = MlflowClient(mlflow_server)
+    run_id = c.create_run(c.get_experiment_by_name("test-parsing-english").experiment_id).info.run_id
+    name = f"transformer-en-tree-{free_port()}"
+    version = tracking.register_model(run_id, checkpoint, tok_dir, load_config("ptb-sample-cpu", DECODE).decode,
+                                      name, {"dev.f1": 0.0})
+    return f"models:/{name}/{version}"
+
+
+@pytest.mark.integration
+def test_the_served_parser_returns_the_commands_trees(parser, served_parser) -> None:
+    """The pyfunc of a parser takes raw English and returns what ``translate`` writes for it; a sentence with no
+    word and an nbest it cannot give are refused with a message."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    sentences = HARD[:4]
+    res = _translate(parser, input="\n".join(sentences) + "\n")
+    assert res.returncode == 0, res.stderr[-3000:]
+    model = mlflow.pyfunc.load_model(served_parser)
+    assert model.predict(sentences) == res.stdout.splitlines()
+    assert model.predict(sentences[0]) == res.stdout.splitlines()[:1]  # a single string is one sentence
+    with pytest.raises(MlflowException, match="request: line 2 is empty"):
+        model.predict(["He left.", "  "])
+    with pytest.raises(MlflowException, match="a parser returns one tree per sentence"):
+        model.predict(sentences, params={"nbest": 2})
+
+
+@pytest.mark.slow
+def test_models_serve_parses_raw_english(mlflow_server, served_parser, tmp_path) -> None:
+    """`mlflow models serve` of the registered parser answers raw English with the trees the loaded model gives,
+    refuses a sentence with no word with a 400, and goes on serving."""
+    import mlflow
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m",
+                             served_parser, "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                            env=_env(mlflow_server), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _ok(f"http://127.0.0.1:{port}/ping"):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        want = mlflow.pyfunc.load_model(served_parser).predict(HARD[:4])
+        assert [parse_tree(t).words() for t in want] == [_words(s) for s in HARD[:4]]
+        assert _post(port, json.dumps({"inputs": HARD[:4]}).encode()) == (200, {"predictions": want})
+        status, out = _post(port, json.dumps({"inputs": ["He left.", ""]}).encode())
+        assert status == 400 and "line 2 is empty" in out["message"], out
+        assert proc.poll() is None and _ok(f"http://127.0.0.1:{port}/ping")
+        assert "serving with PyTorch" in (tmp_path / "serve.log").read_text()
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+        log.close()
