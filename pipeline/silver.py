@@ -10,8 +10,10 @@ trained parsers (the teachers), kept by their confidence and trained on beside e
 
 The unlabelled folder is a corpus folder whose training split holds the words and no tree (``tgt`` empty); its
 name hashes the files' content, the dev and test sets it was checked against and this module's code (the
-tokenizer's included), so it is made once. The output is a distilled corpus (``pipeline.distill``'s contract):
-the rules :data:`RULES` run on the decoded chunks, so a changed ``distill.keep_fraction`` decodes nothing again.
+tokenizer's included), so it is made once. The output is a distilled corpus (``pipeline.distill``'s contract),
+named by the gold corpus, the unlabelled folder, the teachers' content, the decoding settings, the rule's
+``keep_fraction`` and this module's code. The rules :data:`RULES` run on the decoded chunks, whose partial folder
+is keyed without them: a run refused for keeping nothing resumes with every chunk decoded.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Prefect tasks for the data, distillation (and its semi-supervised parsing twin), tokenizer, shard, averaging and evaluation stages: thin wrappers over
-the plain stage functions (paths and configs in, paths out), adding cross-run caching and, where the network is
-involved, retries."""
+"""Prefect tasks for the data, distillation (and its semi-supervised parsing twin), tokenizer, shard, averaging
+and evaluation stages: thin wrappers over the plain stage functions (paths and configs in, paths out), adding
+cross-run caching and, where the network is involved, retries."""
 
 from __future__ import annotations
 
