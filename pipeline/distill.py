@@ -57,8 +57,10 @@ TRANSLATIONS = "translations.txt"  # one line per training source, in corpus ord
 RULES = ("empty", "copy", "ratio")  # the filters of failure(), in the order they run
 # DistillConfig fields left out of the identity: the teachers are in it by content (sha256) (translations made
 # elsewhere have a road and identity of their own: distill_from_translations), and chunking
-# decides only where a killed run resumes, not what is decoded; the speed measurement comes after, at registration.
-_NOT_CONTENT = frozenset({"teachers", "translations", "chunk_sentences", "speed_sentences"})
+# decides only where a killed run resumes, not what is decoded; the speed measurement comes after, at registration;
+# unlabelled and keep_fraction are semi-supervised parsing's (pipeline.silver), with an identity of its own.
+_NOT_CONTENT = frozenset({"teachers", "translations", "chunk_sentences", "speed_sentences", "unlabelled",
+                          "keep_fraction"})
 # The filters run on decoded chunks: a partial folder is keyed without them, so a run refused for an empty result
 # resumes, after the filters are relaxed, with every chunk already decoded.
 _FILTERS = frozenset({"max_ratio", "drop_copies", "keep_original"})  # applied after decoding

@@ -107,6 +107,21 @@ def test_the_semi_config_names_the_news_sentences_and_its_rule() -> None:
         load_config("multi30k-cpu", ["distill.unlabelled=[news/a.en]"])
 
 
+def test_parse_wsj_refuses_unlabelled_text_without_teachers_and_a_teacher_of_another_task(monkeypatch) -> None:
+    """Refused while resolving the configs, before any stage or teacher run (the flow's body, without Prefect)."""
+    from flows.parsing import parse_wsj
+
+    monkeypatch.delenv("AIAYN_DATA_ROOT", raising=False)
+    monkeypatch.delenv("AIAYN_WORK_DIR", raising=False)
+    with pytest.raises(ConfigError, match="no teachers to parse them: pass -p teacher_configs"):
+        parse_wsj.fn(config="ptb-sample-semi-cpu")
+    with pytest.raises(ConfigError, match="has no distill.unlabelled"):
+        parse_wsj.fn(config="ptb-sample-cpu", teacher_configs=["ptb-sample-cpu"])
+    with pytest.raises(ValueError, match=r"config 'multi30k-cpu' has \{'task': 'translation'.*parse-wsj "
+                                         r"\(teacher_configs\) needs"):
+        parse_wsj.fn(config="ptb-sample-semi-cpu", teacher_configs=["multi30k-cpu"])
+
+
 # ------------------------------------------------------------------------------------------- unlabelled text
 
 
