@@ -1,6 +1,7 @@
 """The stage sequence every pipeline flow composes (translation and parsing differ only in their configs):
 
-    data -> [distill: teachers resolved from the registry, their translations of the training sources]
+    data -> [distill: teachers resolved from the registry, their translations of the training sources; for
+             parsing, their kept parses of distill.unlabelled beside the gold trees (pipeline.silver)]
     -> tokenizer -> shards -> train (torchrun) -> average -> evaluate -> export (CTranslate2 + its quality
     gate; translation) -> register (+ champion) -> report
 
@@ -28,7 +29,7 @@ from pipeline.config import ConfigError, DevDomainWarning, FlowRunTrust, RunConf
 from tasks.caching import run_cached
 from tasks.report import publish_report
 from tasks.stages import (average_stage, data_stage, distill_stage, evaluate_stage, export_stage, shards_stage,
-                          tokenizer_stage)
+                          silver_stage, tokenizer_stage, unlabelled_stage)
 from tasks.tracking import fetch_champion, log_stage, register, resolve_teachers, start_tracking
 from tasks.training import train_stage
 
@@ -87,11 +88,17 @@ def run_pipeline(flow_name: str, cfg: RunConfig, tracking_uri: str | None, regis
         teachers = []
         if cfg.distill.teachers:  # the stages after this read the distilled corpus
             teachers = resolve_teachers(cfg, work)
-            # one teacher whose export passed its gate decodes through it (several times faster on a CPU)
-            export = teachers[0].export if len(teachers) == 1 else None
-            corpus, hit = stages["distill"] = run_cached(
-                distill_stage, corpus=corpus, teachers=[t.checkpoint for t in teachers],
-                tokenizer_dir=tracking.shared_tokenizer(teachers), distill=cfg.distill, work_dir=work, export=export)
+            files, shared = [t.checkpoint for t in teachers], tracking.shared_tokenizer(teachers)
+            if cfg.task == "parsing":  # semi-supervised: the teachers parse unlabelled sentences
+                unlabelled = unlabelled_stage(cfg.distill.unlabelled, cfg.data.root, corpus, work)
+                corpus, hit = stages["distill"] = run_cached(
+                    silver_stage, corpus=corpus, teachers=files, tokenizer_dir=shared, distill=cfg.distill,
+                    unlabelled=unlabelled, work_dir=work)
+            else:  # one teacher whose export passed its gate decodes through it (several times faster on a CPU)
+                export = teachers[0].export if len(teachers) == 1 else None
+                corpus, hit = stages["distill"] = run_cached(
+                    distill_stage, corpus=corpus, teachers=files, tokenizer_dir=shared, distill=cfg.distill,
+                    work_dir=work, export=export)
             log_stage(parent, "distill", hit, {"corpus": corpus}, teachers=[t.label for t in teachers])
         # train.init_from=champion continues from the champion's weights, so it reads its vocabulary too.
         init = fetch_champion(cfg, work) if cfg.train.init_from == "champion" else None

@@ -12,6 +12,8 @@ the versions the ``teacher_configs`` runs registered. Every one of them reaches 
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prefect.runtime import flow_run
 
 from flows.common import Precision, flow_config, pipeline_config, pipeline_flow, run_pipeline
@@ -63,15 +65,26 @@ def distill_translation(config: ConfigName | str = "multi30k-student-tiny", teac
                           "-p teachers='[\"models:/<name>@champion\"]', or -p teacher_configs='[\"<config>\"]' to "
                           "train them first, or run a student config (e.g. multi30k-student-tiny)")
     if teacher_configs:
-        pair = {"task": "translation", "src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang}
-        for teacher in teacher_configs:  # a teacher of another language pair is refused before any of them trains
-            flow_config(teacher, {}, data_root, f"{NAME} (teacher_configs)", pair, tracking_uri)
-        trained = []
-        for i, teacher in enumerate(teacher_configs, 1):
-            run = train_translation.with_options(flow_run_name=f"{flow_run.get_name()}-teacher-{i}")(
-                config=teacher, data_root=data_root, max_steps=max_steps, max_minutes=max_minutes,
-                precision=precision, tracking_uri=tracking_uri, register_model=True)
-            trained.append(f"models:/{run['registered_model']}/{run['decision']['version']}")
+        trained = train_teachers(NAME, train_translation, cfg, teacher_configs, data_root, max_steps, max_minutes,
+                                 precision, tracking_uri)
         cfg = student_config(config, data_root, overrides, teachers, trained, max_steps, max_minutes, precision,
                              tracking_uri)
     return run_pipeline(NAME, cfg, tracking_uri, register_model)
+
+
+def train_teachers(name: str, child: Callable[..., dict], cfg: RunConfig, teacher_configs: list[str],
+                   data_root: str | None, max_steps: int | None, max_minutes: float | None,
+                   precision: Precision | None, tracking_uri: str | None) -> list[str]:
+    """Train, evaluate and register each of ``teacher_configs`` as a ``child`` flow run (``train-translation``,
+    ``parse-wsj``) under the flow run ``name``; returns the versions they registered (``models:/<name>/<v>``). A
+    teacher config of another task or language pair than the student's ``cfg`` is refused before any trains."""
+    pair = {"task": cfg.task, "src_lang": cfg.data.src_lang, "tgt_lang": cfg.data.tgt_lang}
+    for teacher in teacher_configs:
+        flow_config(teacher, {}, data_root, f"{name} (teacher_configs)", pair, tracking_uri)
+    trained = []
+    for i, teacher in enumerate(teacher_configs, 1):
+        run = child.with_options(flow_run_name=f"{flow_run.get_name()}-teacher-{i}")(
+            config=teacher, data_root=data_root, max_steps=max_steps, max_minutes=max_minutes,
+            precision=precision, tracking_uri=tracking_uri, register_model=True)
+        trained.append(f"models:/{run['registered_model']}/{run['decision']['version']}")
+    return trained

@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import shutil
 import time
 from collections import Counter
@@ -56,13 +57,18 @@ TRANSLATIONS = "translations.txt"  # one line per training source, in corpus ord
 RULES = ("empty", "copy", "ratio")  # the filters of failure(), in the order they run
 # DistillConfig fields left out of the identity: the teachers are in it by content (sha256) (translations made
 # elsewhere have a road and identity of their own: distill_from_translations), and chunking
-# decides only where a killed run resumes, not what is decoded; the speed measurement comes after, at registration.
-_NOT_CONTENT = frozenset({"teachers", "translations", "chunk_sentences", "speed_sentences"})
+# decides only where a killed run resumes, not what is decoded; the speed measurement comes after, at registration;
+# unlabelled and keep_fraction are semi-supervised parsing's (pipeline.silver), with an identity of its own.
+_NOT_CONTENT = frozenset({"teachers", "translations", "chunk_sentences", "speed_sentences", "unlabelled",
+                          "keep_fraction"})
 # The filters run on decoded chunks: a partial folder is keyed without them, so a run refused for an empty result
 # resumes, after the filters are relaxed, with every chunk already decoded.
 _FILTERS = frozenset({"max_ratio", "drop_copies", "keep_original"})  # applied after decoding
 _CHUNK_SCHEMA = pa.schema([("tgt", pa.string()),  # the kept hypothesis of each training source, normalised
-                           ("truncated", pa.bool_())])  # its source was cut to the teachers' positions
+                           ("truncated", pa.bool_()),  # its source was cut to the teachers' positions
+                           # the teachers' length-normalised log-probability of their best hypothesis, where the
+                           # decoder gives one (our engine, for the semi-supervised rule: confident); else null
+                           ("confidence", pa.float64())])
 _WRITE_ROWS = 65_536  # rows per Parquet write of the training split (fixed: the same rows give the same bytes)
 _CHRF = CHRF()
 
@@ -87,6 +93,25 @@ def failure(src: str, hyp: str, distill: DistillConfig) -> str | None:
     if ns > distill.max_ratio * nh or nh > distill.max_ratio * ns:
         return "ratio"
     return None
+
+
+def confident(confidences: Sequence[float], keep_fraction: float) -> tuple[list[bool], float | None]:
+    """The semi-supervised rule ``confident``: which of the teachers' silver trees are kept, and the threshold.
+
+    A tree's confidence is the teachers' length-normalised log-probability of it (the mean over its tokens and
+    end-of-sentence, :func:`pipeline.inference.translate_nbest`); the ``keep_fraction`` most confident trees are
+    kept (``ceil(keep_fraction * n)`` of ``n``, ties broken by corpus order, so the same trees give the same
+    choice). The threshold is the lowest confidence kept (None when there are no trees). The paper's silver trees
+    are a high-confidence corpus, the sentences on which two parsers agreed (Vinyals et al., 2015); with one
+    teacher, its most confident trees stand for them.
+    """
+    n = len(confidences)
+    keep = min(n, math.ceil(keep_fraction * n))
+    ranked = sorted(range(n), key=lambda i: (-confidences[i], i))[:keep]
+    kept = [False] * n
+    for i in ranked:
+        kept[i] = True
+    return kept, (confidences[ranked[-1]] if ranked else None)
 
 
 def select_hypothesis(hypotheses: Sequence[str], reference: str, select: str) -> str:
@@ -437,15 +462,17 @@ def _chunk_file(partial: Path, index: int) -> Path:
 
 
 # How a chunk of sources is translated: (sources, where they come from for a warning, the lines cut to the
-# teachers' positions (appended to), progress per batch (sentences)) -> each source's n-best translations
-Decoder = Callable[[list[str], str, list[int], Callable[[int], None]], list[list[str]]]
+# teachers' positions (appended to), each source's confidence (extended, by a decoder that has one), progress per
+# batch (sentences)) -> each source's n-best translations
+Decoder = Callable[[list[str], str, list[int], list[float], Callable[[int], None]], list[list[str]]]
 
 
 def torch_decoder(model: Transformer | Ensemble, tokenizer: Tokenizer, distill: DistillConfig) -> Decoder:
     """Our beam search (an ensemble's too), as ``distill.decode`` says, progress per batch."""
-    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None]):
+    def decode(sources: list[str], source: str, truncated: list[int], confidence: list[float],
+               advance: Callable[[int], None]):
         return translate_nbest(model, tokenizer, sources, distill.decode, advance, nbest=distill.nbest,
-                               source=source, truncated=truncated)
+                               source=source, truncated=truncated, confidence=confidence)
     return decode
 
 
@@ -455,7 +482,8 @@ def export_decoder(export: Path, tokenizer: Tokenizer, distill: DistillConfig) -
 
     engine = CTranslate2Engine(export, tokenizer)
 
-    def decode(sources: list[str], source: str, truncated: list[int], advance: Callable[[int], None]):
+    def decode(sources: list[str], source: str, truncated: list[int], confidence: list[float],
+               advance: Callable[[int], None]):
         out = engine.translate(sources, distill.decode, nbest=distill.nbest, source=source, truncated=truncated)
         advance(len(sources))
         return out
@@ -486,12 +514,14 @@ def _decode_chunks(decode: Decoder, corpus_dir: Path, corpus: dict, distill: Dis
         started = time.perf_counter()
         sources, references = table.column("src").to_pylist(), table.column("tgt").to_pylist()
         truncated: list[int] = []
+        confidence: list[float] = []
         nbest = decode(sources, f"{train} chunk {i} (rows {i * size + 1}-{i * size + len(sources)})", truncated,
-                       advance)
+                       confidence, advance)
         targets = [select_hypothesis([normalize(h) for h in hyps], ref, distill.select)
                    for hyps, ref in zip(nbest, references)]
         cut = set(truncated)  # lines from 1 within the chunk
-        chunk = pa.table([targets, [line in cut for line in range(1, len(sources) + 1)]], schema=_CHUNK_SCHEMA)
+        chunk = pa.table([targets, [line in cut for line in range(1, len(sources) + 1)],
+                          confidence or [None] * len(sources)], schema=_CHUNK_SCHEMA)
         with atomic_file(_chunk_file(partial, i)) as tmp:
             pq.write_table(chunk, tmp, compression="zstd")
         elapsed = time.perf_counter() - started

@@ -89,17 +89,19 @@ def decoding_model(model: Transformer, precision: str) -> Transformer:
 def translate(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
               progress: Callable[[int], None] | None = None, *, source: str = "input",
               truncated: list[int] | None = None,
-              constraint: Callable[[Sequence[str]], Callable] | None = None) -> list[str]:
+              constraint: Callable[[Sequence[str]], Callable] | None = None,
+              confidence: list[float] | None = None) -> list[str]:
     """Detokenized translations of normalised ``sentences``, in their order: the best of
     :func:`translate_nbest` for each."""
     return [best[0] for best in translate_nbest(model, tokenizer, sentences, decode, progress, source=source,
-                                                truncated=truncated, constraint=constraint)]
+                                                truncated=truncated, constraint=constraint, confidence=confidence)]
 
 
 def translate_nbest(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
                     progress: Callable[[int], None] | None = None, *, nbest: int = 1, source: str = "input",
                     truncated: list[int] | None = None,
-                    constraint: Callable[[Sequence[str]], Callable] | None = None) -> list[list[str]]:
+                    constraint: Callable[[Sequence[str]], Callable] | None = None,
+                    confidence: list[float] | None = None) -> list[list[str]]:
     """Each normalised sentence's ``nbest`` best detokenized translations, best first, in the sentences' order.
 
     Sentences are decoded in batches of ``decode.batch_sentences`` sorted by length (less padding, and a batch's
@@ -108,13 +110,16 @@ def translate_nbest(model: Transformer, tokenizer: Tokenizer, sentences: Sequenc
     naming ``source`` and the line, and the line appended to ``truncated``). ``constraint``: given a batch's
     sentences, the ``allowed`` hook of :func:`model.decoding.beam_search` for that batch (e.g. trees only, for
     parsing); None decodes freely. An empty sentence is not decoded: its translations are ``[""]``
-    (:func:`pipeline.encoding.to_decode`).
+    (:func:`pipeline.encoding.to_decode`). ``confidence``, when given, is extended with each sentence's best
+    hypothesis's length-normalised log-probability, in the sentences' order: ``log P(y | x) / (|y| + 1)``, the mean
+    over its tokens and end-of-sentence, under the constraint's mask (0.0 for an empty sentence).
     """
     model = decoding_model(model, decode.precision)
     device = next(model.parameters()).device
     ids = encode_sources(tokenizer, sentences, model.config.max_positions, source, truncated)
     order = sorted(to_decode(sentences), key=lambda i: -len(ids[i]))
     out: list[list[str]] = [[""] for _ in ids]
+    mean_logprob = [0.0] * len(ids)
     if progress and len(order) < len(ids):
         progress(len(ids) - len(order))  # the empty ones, done
     for start in range(0, len(order), decode.batch_sentences):
@@ -131,8 +136,11 @@ def translate_nbest(model: Transformer, tokenizer: Tokenizer, sentences: Sequenc
                       max_len_b=decode.max_len_b, min_len=decode.min_len, nbest=nbest, allowed=allowed)
         for i, best in zip(chunk, hyps):
             out[i] = tokenizer.decode_batch([h.tokens for h in best])
+            mean_logprob[i] = best[0].log_prob / (len(best[0].tokens) + 1)
         if progress:
             progress(len(chunk))
+    if confidence is not None:
+        confidence.extend(mean_logprob)
     return out
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline.config import RunConfig, outside_run_identity
+from pipeline.config import ConfigError, RunConfig, outside_run_identity
 from pipeline.data import prepare_corpus
 from pipeline.support.fsutil import sha256_file
 from pipeline.shards import build_shards, read_shard_manifest
@@ -43,7 +43,8 @@ def checkpoint_teachers(cfg: RunConfig) -> list[Path]:
 
 def build_corpus(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, int], None]] | None = None) -> Path:
     """The corpus training reads: the data stage's, or with ``distill.teachers`` its distilled corpus (the
-    teachers' tokenizer found in the work dir by :func:`~pipeline.distill.teacher_tokenizer`), or with
+    teachers' tokenizer found in the work dir by :func:`~pipeline.distill.teacher_tokenizer`; for parsing, the
+    gold trees and the teachers' kept silver trees of ``distill.unlabelled``: :mod:`pipeline.silver`), or with
     ``distill.translations`` the distilled corpus of translations made elsewhere. A no-op returning
     the folder when unchanged; ``progress`` as for :func:`build_inputs`."""
     work = Path(cfg.work_dir)
@@ -52,6 +53,10 @@ def build_corpus(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, i
 
         corpus = prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
         return distill_from_translations(corpus, Path(cfg.distill.translations), cfg.distill, work)
+    if cfg.distill.unlabelled and not cfg.distill.teachers:
+        raise ConfigError("distill.unlabelled names sentences for teachers to parse, but distill.teachers is empty: "
+                          "set it to the checkpoint files (.pt) of trained parsers, e.g. --set "
+                          "'distill.teachers=[runs/train/<run>/averaged/last3.pt]'")
     if not cfg.distill.teachers:
         return prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
     # Only here: the decoding code (beam search, sacreBLEU) stays out of every process that does not distill,
@@ -63,6 +68,12 @@ def build_corpus(cfg: RunConfig, progress: Callable[[str, str], Callable[[int, i
     teachers = checkpoint_teachers(cfg)
     tokenizer = teacher_tokenizer(teachers, work)
     corpus = prepare_corpus(cfg.data, work, progress=progress and progress("reading the training pairs", "pairs"))
+    if cfg.task == "parsing":  # the semi-supervised setting: the teachers parse unlabelled sentences
+        from pipeline.silver import prepare_unlabelled, silver_corpus
+
+        unlabelled = prepare_unlabelled(cfg.distill.unlabelled, cfg.data.root, corpus, work)
+        return silver_corpus(corpus, teachers, tokenizer, cfg.distill, unlabelled, work, device=decode_device(),
+                             progress=progress and progress("parsing the unlabelled sentences", "sentences"))
     # the teachers decode on a GPU when there is one (hours on a CPU for a WMT corpus)
     return distill_corpus(corpus, teachers, tokenizer, cfg.distill, work, device=decode_device(),
                           progress=progress and progress("distilling the training sources", "sentences"))

@@ -1,6 +1,6 @@
-"""Prefect tasks for the data, distillation, tokenizer, shard, averaging and evaluation stages: thin wrappers over
-the plain stage functions (paths and configs in, paths out), adding cross-run caching and, where the network is
-involved, retries."""
+"""Prefect tasks for the data, distillation (and its semi-supervised parsing twin), tokenizer, shard, averaging
+and evaluation stages: thin wrappers over the plain stage functions (paths and configs in, paths out), adding
+cross-run caching and, where the network is involved, retries."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pipeline.export import export_model
 from pipeline.support.fsutil import sha256_file
 from pipeline.inference import decode_device
 from pipeline.shards import build_shards
+from pipeline.silver import prepare_unlabelled, silver_corpus
 from pipeline.tokenize import train_tokenizer
 from tasks.caching import recorded, stage_cache_key
 from tasks.progress import ProgressArtifact
@@ -77,6 +78,27 @@ def distill_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, disti
                                               f"with {engine}") as artifact:
         return distill_corpus(corpus, teachers, tokenizer_dir, distill, work_dir,
                               device=decode_device(), progress=artifact.fraction, export=export)
+
+
+@task(name="prepare-unlabelled")
+def unlabelled_stage(files: list[str], data_root: str, corpus: Path, work_dir: Path) -> Path:
+    """The semi-supervised parser's unlabelled sentences as treebank words, checked against the corpus's dev and
+    test sentences; not cached across runs: the stage itself reuses its folder by the files' content, which only
+    reading them tells."""
+    return prepare_unlabelled(files, data_root, corpus, work_dir)
+
+
+@task(name="silver-corpus", persist_result=True,
+      cache_key_fn=stage_cache_key(silver_corpus, content={"teachers": _teachers_content}))
+def silver_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, distill: DistillConfig, unlabelled: Path,
+                 work_dir: Path) -> Path:
+    """The parsing corpus with the kept silver trees the teachers (parser checkpoints) parse of the ``unlabelled``
+    sentences after its gold trees, with a ``silver-progress`` artifact (sentences parsed). Keyed on the corpus,
+    the teachers' content, the unlabelled folder's content and the distill settings."""
+    with ProgressArtifact("silver-progress", f"{len(teachers)} teacher(s) parsing the unlabelled sentences") \
+            as artifact:
+        return silver_corpus(corpus, teachers, tokenizer_dir, distill, unlabelled, work_dir,
+                             device=decode_device(), progress=artifact.fraction)
 
 
 @task(name="train-tokenizer", persist_result=True, cache_key_fn=stage_cache_key(train_tokenizer))

@@ -210,7 +210,7 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
     speeds = None
     if teachers:
         tags |= tracking.lineage_tags(teachers, corpus)
-        if cfg.distill.speed_sentences:
+        if cfg.distill.speed_sentences and cfg.task == "translation":  # a parser's teachers are its peers
             speeds = student_speeds([Served(t.label, t.checkpoint, t.tokenizer, t.export) for t in teachers],
                                     Served(name, checkpoint, tokenizer_dir, export), corpus,
                                     cfg.distill.speed_sentences, cfg.decode)

@@ -111,8 +111,8 @@ def test_a_config_without_teachers_is_refused_before_anything_runs(no_env) -> No
         distill_translation.fn(config="multi30k-cpu")
     with pytest.raises(ConfigError, match="has no teachers"):  # given as none: the config's are replaced
         distill_translation.fn(config="multi30k-student-tiny", teachers=[])
-    with pytest.raises(ConfigError, match="distill.teachers: distillation is for translation"):
-        distill_translation.fn(config="ptb-sample-cpu", teachers=["models:/x@champion"])
+    with pytest.raises(ValueError, match="flow distill-translation needs {'task': 'translation'}"):
+        distill_translation.fn(config="ptb-sample-semi-cpu", teachers=["models:/x@champion"])
     # a teacher config of another language pair is refused before any teacher trains
     with pytest.raises(ValueError, match=re.escape("config 'multi30k-en-fr-cpu' has {'tgt_lang': 'fr'}, but flow "
                                                    "distill-translation (teacher_configs) needs")):

@@ -90,6 +90,7 @@ LAYOUT = [
     ("distilled/*/manifest.json", "pipeline/distill.py", 'stage_folder(work_dir, "distilled"'),
     ("distilled/.*.partial/chunk-*.parquet", "pipeline/distill.py", 'f"chunk-{index:06d}.parquet"'),
     ("distilled/.lock", "pipeline/distill.py", 'exclusive(out.parent, "distillation")'),
+    ("unlabelled/*/manifest.json", "pipeline/silver.py", 'stage_folder(work_dir, "unlabelled"'),
     ("tokenizer/*/manifest.json", "pipeline/tokenize.py", 'stage_folder(work_dir, "tokenizer"'),
     ("shards/*/manifest.json", "pipeline/shards/writer.py", 'stage_folder(work_dir, "shards"'),
     ("shards/.*.partial/*", "pipeline/shards/writer.py", 'f".{fingerprint[:16]}.partial"'),

@@ -17,6 +17,10 @@ class DistillConfig(Strict):
     failed are dropped (each rule counted), and this config's model (the student) trains on what is left. Dev and
     test sets keep their human references. No teachers: the run trains on the corpus as it is.
 
+    For parsing the same road is the paper's semi-supervised setting: the teachers are trained parsers, they parse
+    the ``unlabelled`` sentences, the ``keep_fraction`` most confident silver trees are kept (rule ``confident``)
+    and the parser trains on them beside every gold tree (``keep_original`` must stay true).
+
     A teacher is a registered version, ``models:/<registered model>@<alias>`` or
     ``models:/<registered model>/<version>`` (MLflow's model URIs), or a checkpoint file (``.pt``); several decode as
     one ensemble (their log-probabilities averaged at each step). They must share one tokenizer; the student trains
@@ -49,6 +53,15 @@ class DistillConfig(Strict):
         "pair as it is and, beside it, its source with the teachers' translation (about twice the pairs; the "
         "filters drop only failed translations). False = the teachers' targets alone (Kim & Rush, 2016). Not in "
         "the paper."))
+    unlabelled: list[str] = Field(default_factory=list, description=(
+        "Parsing only (the paper's semi-supervised setting, section 6.3): text files under data.root, one "
+        "sentence of ordinary English per line, that the teachers (parsers) parse; the kept silver trees join "
+        "the gold training trees. Their words are split by Penn Treebank conventions first, and a file holding a "
+        "dev or test sentence is refused. Translation distils its training sources and takes none."))
+    keep_fraction: float = Field(default=0.5, gt=0, le=1, description=(
+        "Parsing only: the rule confident keeps this fraction of the silver trees, the ones the teachers are most "
+        "confident of (the highest length-normalised log-probability); 1 keeps them all. The paper's silver "
+        "trees are a high-confidence corpus (Vinyals et al., 2015: the sentences on which two parsers agreed)."))
     chunk_sentences: int = Field(default=4096, ge=1, description=(
         "Training sources decoded per chunk; each finished chunk is kept on disk, so a killed run resumes with the "
         "next one."))

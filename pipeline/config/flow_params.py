@@ -14,8 +14,8 @@ from pipeline.config.run import RunConfig
 # also takes the path of a config file there or in a folder of AIAYN_CONFIG_DIRS (pipeline.config.trust).
 ConfigName = Literal["multi30k-cpu", "multi30k-cpu-hub", "multi30k-cpu-weekly", "multi30k-en-fr-cpu",
                      "multi30k-en-fr-student-tiny", "multi30k-student-deep-shallow", "multi30k-student-tiny",
-                     "multi30k-teacher-gpu", "ptb-sample-cpu", "wmt14-en-de-base", "wmt14-en-de-big",
-                     "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"]
+                     "multi30k-teacher-gpu", "ptb-sample-cpu", "ptb-sample-semi-cpu", "wmt14-en-de-base",
+                     "wmt14-en-de-big", "wmt14-en-fr-base", "wmt14-en-fr-big", "wsj-parsing"]
 
 
 def _flow_overrides_model() -> type[BaseModel]:

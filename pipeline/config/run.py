@@ -120,13 +120,27 @@ class RunConfig(Strict):
             if self.tokenizer.model_type != "word":
                 raise ValueError("task 'parsing' needs tokenizer.model_type 'word' (one piece per word and per "
                                  "bracket symbol)")
-            if self.distill.teachers:
-                raise ValueError("distill.teachers: distillation is for translation; a parse is scored against "
-                                 "the gold tree, which a teacher's output would replace")
+            d = self.distill
+            if d.translations:
+                raise ValueError("distill.translations: translations made elsewhere are for translation; a "
+                                 "parser's teachers parse distill.unlabelled here")
+            if d.teachers and not d.unlabelled:
+                raise ValueError("distill.teachers: a parser's teachers parse unlabelled sentences, never the "
+                                 "training trees (their gold trees stay): name text files of English sentences "
+                                 "under data.root in distill.unlabelled")
+            if d.unlabelled and not d.keep_original:
+                raise ValueError("distill.keep_original false: the semi-supervised parser trains on the gold trees "
+                                 "and the kept silver trees together; set distill.keep_original: true")
+            if d.nbest != 1 or d.select != "best":
+                raise ValueError(f"distill.nbest {d.nbest}, distill.select {d.select!r}: unlabelled sentences have "
+                                 "no reference to choose among hypotheses by; set nbest: 1 and select: best")
             if self.decode.search == "static" and self.decode.tree_constraint:
                 raise ValueError("decode.search 'static' cannot apply decode.tree_constraint (it reads every prefix "
                                  "on the host at each step); use decode.search: dynamic for parsing")
         else:
+            if self.distill.unlabelled:
+                raise ValueError("distill.unlabelled is for task parsing (its semi-supervised setting); "
+                                 "translation distils its own training sources")
             wrong = [where for where, s in sources if s.format == "ptb"]
             if wrong:
                 raise ValueError(f"format 'ptb' sources ({wrong}) are for task 'parsing'; set task: parsing")

@@ -40,17 +40,18 @@ log = logging.getLogger("aiayn.parsing")
 
 def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], decode: DecodeConfig,
           tags: Sequence[Sequence[str]] | None = None, progress: Callable[[int], None] | None = None,
-          leaves: str = PLACEHOLDER, *, source: str = "input",
-          truncated: list[int] | None = None) -> tuple[list[str], list[tuple[Tree, Repair]]]:
+          leaves: str = PLACEHOLDER, *, source: str = "input", truncated: list[int] | None = None,
+          confidence: list[float] | None = None) -> tuple[list[str], list[tuple[Tree, Repair]]]:
     """The model's raw outputs for tokenized ``sentences`` (words separated by spaces) and, for each, the
     repaired tree over its words with what repair changed. ``tags`` (one list per sentence) fill the
     preterminals; without them every tag is ``XX``. ``leaves``: how the model writes preterminals
     (``data.tree_leaves``). A sentence longer than the model's positions is cut, warned about (naming ``source``)
-    and its line appended to ``truncated``, as :func:`pipeline.inference.translate` does."""
+    and its line appended to ``truncated``, as :func:`pipeline.inference.translate` does; ``confidence`` is
+    extended with each output's length-normalised log-probability (:func:`~pipeline.inference.translate_nbest`)."""
     constraint = (tree_constraint(tokenizer, leaves, decode.tree_max_open_run, decode.tree_max_unary_chain)
                   if decode.tree_constraint else None)
     outputs = translate(model, tokenizer, sentences, decode, progress, source=source, truncated=truncated,
-                        constraint=constraint)
+                        constraint=constraint, confidence=confidence)
     trees = [repair(out, sent.split(), tags[i] if tags is not None else None, leaves)
              for i, (out, sent) in enumerate(zip(outputs, sentences))]
     return outputs, trees

@@ -219,19 +219,30 @@ _add("data", "artifact", ("data/corpus/manifest.json", "The corpus manifest: raw
 
 # --- distill
 _add("distill", "metric",
-     ("distill.read", "Training sources the teachers translated (count)."),
+     ("distill.read", "Training sources the teachers translated (for parsing: unlabelled sentences parsed) "
+                      "(count)."),
      ("distill.kept", "Teacher pairs kept in the distilled training split after the filters (count)."),
      ("distill.references", "Human training pairs kept beside the teachers' pairs with distill.keep_original "
                             "(count)."),
-     ("distill.removed.<rule>", "Pairs dropped by this filter of the teachers' output (empty, copy, ratio), filters "
-                                "applied in order (count)."),
+     ("distill.removed.<rule>", "Pairs dropped by this filter of the teachers' output (empty, copy, ratio; for "
+                                "semi-supervised parsing ill_formed, unconfident), filters applied in order "
+                                "(count)."),
      ("distill.truncated", "Training sources cut to the teachers' positions before decoding (count)."))
 _add("distill", "tag",
      ("distill.teachers", "The teachers, comma-separated: registered versions as <name>/<version> (an alias "
                           "resolved to the version it pointed at), or checkpoint paths."),
      ("corpus_fingerprint", "Prefix of the distilled corpus's fingerprint: equal on two runs exactly when their "
                             "distilled corpora are."),
-     ("source_corpus_fingerprint", "Prefix of the fingerprint of the corpus the teachers translated."))
+     ("source_corpus_fingerprint", "Prefix of the fingerprint of the corpus the teachers translated."),
+     ("distill.teacher_sha256.<i>", "The sha256 of the checkpoint of the teacher at this index, in the order "
+                                    "named."),
+     ("distill.unlabelled.<i>", "Semi-supervised parsing: the unlabelled file at this index that the teachers "
+                                "parsed, its path under data.root and its sha256."),
+     ("distill.rule", "Semi-supervised parsing: the rule that kept the silver trees (confident)."),
+     ("distill.keep_fraction", "Semi-supervised parsing: the fraction of well-formed silver trees the rule kept "
+                               "(distill.keep_fraction)."),
+     ("distill.threshold", "Semi-supervised parsing: the lowest length-normalised log-probability of a kept silver "
+                           "tree."))
 _add("distill", "artifact", ("data/distilled/manifest.json", "The distilled corpus's manifest: the source corpus's "
                                                              "with the teachers' hashes, the decoding settings and "
                                                              "each filter's count."))

@@ -93,8 +93,11 @@ def log_distillation(run_id: str, corpus_dir: Path, teachers: Sequence[str]) -> 
     ``distill.read``, ``distill.kept``, ``distill.removed.<rule>``, ``distill.references``: human pairs kept beside
     the teachers', and ``distill.truncated``: sources cut to the teachers' positions), the teachers by ``teachers``
     (their labels: registered versions, not aliases) and both corpora's fingerprints (tags), and its training split
-    as an input (context ``distilled``: source = its Parquet file, digest = its sha256). Dev and test are the
-    source corpus's files, logged by the data stage. Returns the metrics."""
+    as an input (context ``distilled``: source = its Parquet file, digest = its sha256), each teacher's sha256
+    (``distill.teacher_sha256.<i>``) and, for semi-supervised parsing, each unlabelled file with its sha256
+    (``distill.unlabelled.<i>``), the rule (``distill.rule``, ``distill.keep_fraction``) and its threshold
+    (``distill.threshold``). Dev and test are the source corpus's files, logged by the data stage. Returns the
+    metrics."""
     corpus_dir = Path(corpus_dir).resolve()
     manifest = read_manifest(corpus_dir)
     entry = manifest["distillation"]
@@ -102,9 +105,17 @@ def log_distillation(run_id: str, corpus_dir: Path, teachers: Sequence[str]) -> 
     metrics = {"distill.read": entry["read"], "distill.kept": entry["kept"], "distill.truncated": entry["truncated"],
                "distill.references": entry.get("references", 0),  # a corpus distilled before keep_original: none
                **{f"distill.removed.{k}": v for k, v in entry["removed"].items()}}
+    tags = {"distill.teachers": ",".join(teachers), "corpus_fingerprint": manifest["fingerprint"][:16],
+            "source_corpus_fingerprint": entry["source_corpus"]["fingerprint"][:16],
+            **{f"distill.teacher_sha256.{i}": t["sha256"] for i, t in enumerate(entry["teachers"])}}
+    if unlabelled := entry.get("unlabelled"):  # semi-supervised parsing: what the teachers parsed, and the rule
+        rule = entry["rule"]
+        tags |= {"distill.rule": rule["name"], "distill.keep_fraction": str(rule["keep_fraction"]),
+                 "distill.threshold": str(rule["threshold"]),
+                 **{f"distill.unlabelled.{i}": f"{s['path']} sha256:{s['sha256']}"
+                    for i, s in enumerate(unlabelled["sources"])}}
     log_metrics(run_id, metrics)
-    set_tags(run_id, {"distill.teachers": ",".join(teachers), "corpus_fingerprint": manifest["fingerprint"][:16],
-                      "source_corpus_fingerprint": entry["source_corpus"]["fingerprint"][:16]})
+    set_tags(run_id, tags)
     train = manifest["splits"]["train"]
     log_inputs(run_id, [_dataset_input("distilled/train", LocalArtifactDatasetSource(str(corpus_dir / train["file"])),
                                        train["sha256"], "distilled", CORPUS_SCHEMA, split="train", rows=train["rows"],
