@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.localstack import DATABASES, PostgreSQL, StackError
+from ops.database import DATABASES, PostgreSQL, StackError
 from tests.conftest import QUICK, Prefect, short_multi30k
 
 
@@ -174,7 +174,8 @@ def test_up_names_a_database_it_cannot_create(postgres: str, tmp_path: Path) -> 
 def test_no_worker_cli_call_or_other_server_inherits_a_database_setting(monkeypatch, tmp_path: Path) -> None:
     """The database settings of the shell that runs ``up`` reach no worker or CLI call of the stack (the
     environment their flow runs inherit); each server gets its own database's URL only, which ``up`` sets."""
-    from ops.localstack import client_environ, prefect_env
+    from ops.database import client_environ
+    from ops.localstack import prefect_env
 
     secret = {"AIAYN_DATABASE_URL": "postgresql://u:pw1@db", "MLFLOW_BACKEND_STORE_URI": "postgresql://u:pw2@db/m",
               "PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://u:pw3@db/p",

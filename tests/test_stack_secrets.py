@@ -34,7 +34,7 @@ def _role_with_the_password(postgres: str) -> str:
     databases (the fixture is the session's: another test's are another role's); its URL, percent-encoded."""
     import psycopg2
 
-    from ops.localstack import DATABASES, PostgreSQL
+    from ops.database import DATABASES, PostgreSQL
 
     db = PostgreSQL.parse(postgres)
     conn = psycopg2.connect(dbname="postgres", user=db.user, password=db.password, host=db.host, port=db.port)
