@@ -127,7 +127,7 @@ def select_hypothesis(hypotheses: Sequence[str], reference: str, select: str) ->
     return max(hypotheses, key=lambda h: _CHRF.sentence_score(h, [reference]).score)
 
 
-def _teacher_files(teachers: Sequence[Path | str]) -> tuple[list[Path], list[str]]:
+def teacher_files(teachers: Sequence[Path | str]) -> tuple[list[Path], list[str]]:
     """The teachers as checkpoint files and their sha256, each checked to exist and to be another model than the
     others (:func:`~pipeline.checkpoint.distinct_models`, as every ensemble is)."""
     if not teachers:
@@ -143,7 +143,7 @@ def _teacher_files(teachers: Sequence[Path | str]) -> tuple[list[Path], list[str
     return files, distinct_models(files)
 
 
-def _train_corpus(corpus_dir: Path) -> dict:
+def train_corpus(corpus_dir: Path) -> dict:
     """The manifest of the corpus to distill, checked to have a training split."""
     corpus = read_manifest(corpus_dir)
     if "train" not in corpus["splits"]:
@@ -170,8 +170,8 @@ def distilled_fingerprint(corpus_dir: Path, teachers: Sequence[Path], distill: D
     decoding (it hashes the teachers' files): what an orchestrator keys its cache on. The teachers count by
     content and in any order; ``distill.teachers``, ``distill.chunk_sentences`` and ``distill.speed_sentences`` are not
     part of it."""
-    corpus = _train_corpus(Path(corpus_dir))
-    shas = _teacher_files(teachers)[1]
+    corpus = train_corpus(Path(corpus_dir))
+    shas = teacher_files(teachers)[1]
     return identity_fingerprint(_identities(corpus, shas, distill)[1])
 
 
@@ -182,7 +182,7 @@ def teacher_tokenizer(teachers: Sequence[Path], work_dir: Path) -> Path:
     Raises :class:`DistillError` naming the checkpoints when they record different tokenizers (an ensemble decodes
     with one), none (a checkpoint older than the record), or one this work dir does not hold.
     """
-    files = _teacher_files(teachers)[0]
+    files = teacher_files(teachers)[0]
     recorded = {f: load_checkpoint(f).get("tokenizer_sha256") for f in files}
     if unrecorded := [str(f) for f, sha in recorded.items() if sha is None]:
         raise DistillError(f"teacher {', '.join(unrecorded)} records no tokenizer (a checkpoint older than the "
@@ -226,8 +226,8 @@ def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pa
     count and what to relax).
     """
     corpus_dir = Path(corpus_dir)
-    corpus = _train_corpus(corpus_dir)
-    files, shas = _teacher_files(teachers)
+    corpus = train_corpus(corpus_dir)
+    files, shas = teacher_files(teachers)
     if export is not None and len(files) > 1:
         raise DistillError(f"a CTranslate2 export ({export}) decodes one teacher, and {len(files)} were given: an "
                            "ensemble decodes with our engine; give the export with its one teacher, or none")
@@ -248,14 +248,14 @@ def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pa
     with exclusive(out.parent, "distillation"):
         if (out / MANIFEST).is_file():  # another run finished it while this one waited
             return out
-        _verified_corpus(corpus_dir, corpus)
+        verified_corpus(corpus_dir, corpus)
         started = time.perf_counter()
-        _decode_chunks(decode, corpus_dir, corpus, distill, partial, progress,
+        decode_chunks(decode, corpus_dir, corpus, distill, partial, progress,
                        "torch" if export is None else "ctranslate2")
         with atomic_dir(out) as tmp:
             train, report = _write_corpus(tmp, corpus_dir, corpus,
-                                          *_chunk_targets(partial, _chunks(corpus, distill)), distill)
-            _write_manifest(tmp, corpus_dir, corpus, fingerprint, identity["code"], train, {
+                                          *_chunk_targets(partial, chunk_count(corpus, distill)), distill)
+            write_manifest(tmp, corpus_dir, corpus, fingerprint, identity["code"], train, {
                 "teachers": [{"path": str(f.resolve()), "sha256": sha} for f, sha in zip(files, shas)],
                 "engine": "torch" if export is None else {"ctranslate2": str(Path(export).resolve()),
                                                           "sha256": export_sha},
@@ -271,7 +271,7 @@ def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pa
     return out
 
 
-def _verified_corpus(corpus_dir: Path, corpus: dict) -> None:
+def verified_corpus(corpus_dir: Path, corpus: dict) -> None:
     """Every split file of the corpus checked against its manifest before anything is built from it."""
     for split in corpus["splits"].values():
         verify_file(corpus_dir / split["file"], split["sha256"], corpus_dir / MANIFEST,
@@ -283,7 +283,7 @@ def sources_sha256(corpus_dir: Path, corpus: dict) -> str:
     translations folder's lines pair with. It depends on the text alone, not on the code or file format that
     stored it, so translations made at another commit still fit a corpus of the same sources."""
     digest = hashlib.sha256()
-    for table in _row_chunks(corpus_dir / corpus["splits"]["train"]["file"], ["src"], _WRITE_ROWS):
+    for table in row_chunks(corpus_dir / corpus["splits"]["train"]["file"], ["src"], _WRITE_ROWS):
         for src in table.column("src").to_pylist():
             digest.update(src.encode("utf-8") + b"\n")
     return digest.hexdigest()
@@ -314,8 +314,8 @@ def write_translations(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir
     settings; ``lineage`` adds what the caller knows (the commit, the teachers' scores, the machine).
     """
     corpus_dir, out_dir = Path(corpus_dir), Path(out_dir).resolve()
-    corpus = _train_corpus(corpus_dir)
-    files, shas = _teacher_files(teachers)
+    corpus = train_corpus(corpus_dir)
+    files, shas = teacher_files(teachers)
     decoded, _ = _identities(corpus, shas, distill)
     tokenizer = Tokenizer(tokenizer_dir)
     # refuses a teacher of another tokenizer or language pair, before decoding
@@ -324,9 +324,9 @@ def write_translations(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir
     state = Path(work_dir).resolve() / "translations"
     partial = state / f".{identity_fingerprint({**decoded, 'chunks': distill.chunk_sentences})[:16]}.partial"
     with exclusive(state, "translations"):
-        _verified_corpus(corpus_dir, corpus)
-        _decode_chunks(torch_decoder(model, tokenizer, distill), corpus_dir, corpus, distill, partial, progress)
-        targets, truncated = _chunk_targets(partial, _chunks(corpus, distill))
+        verified_corpus(corpus_dir, corpus)
+        decode_chunks(torch_decoder(model, tokenizer, distill), corpus_dir, corpus, distill, partial, progress)
+        targets, truncated = _chunk_targets(partial, chunk_count(corpus, distill))
         if out_dir.exists():
             shutil.rmtree(out_dir)  # an earlier result at this path: replaced by this one as a whole
         with atomic_dir(out_dir) as tmp:
@@ -397,7 +397,7 @@ def distill_from_translations(corpus_dir: Path, translations: Path, distill: Dis
     the filters and this stage's code.
     """
     corpus_dir, translations = Path(corpus_dir), Path(translations).expanduser().resolve()
-    corpus = _train_corpus(corpus_dir)
+    corpus = train_corpus(corpus_dir)
     made = read_translations(translations, corpus_dir, corpus)
     identity = {"format": DISTILL_FORMAT, "code": stage_code_hash(__name__), "corpus": corpus["fingerprint"],
                 "translations": made["sha256"], "filters": distill.model_dump(mode="json", include=set(_FILTERS))}
@@ -407,11 +407,11 @@ def distill_from_translations(corpus_dir: Path, translations: Path, distill: Dis
     with exclusive(out.parent, "distillation"):
         if (out / MANIFEST).is_file():  # another run finished it while this one waited
             return out
-        _verified_corpus(corpus_dir, corpus)
+        verified_corpus(corpus_dir, corpus)
         with open(translations / TRANSLATIONS, encoding="utf-8", newline="\n") as f, atomic_dir(out) as tmp:
             targets = (line[:-1] if line.endswith("\n") else line for line in f)
             train, report = _write_corpus(tmp, corpus_dir, corpus, targets, made["truncated"], distill)
-            _write_manifest(tmp, corpus_dir, corpus, fingerprint, identity["code"], train, {
+            write_manifest(tmp, corpus_dir, corpus, fingerprint, identity["code"], train, {
                 "teachers": made["teachers"],
                 "translations": {"path": str(translations), "sha256": made["sha256"],
                                  "lineage": made["lineage"]},
@@ -424,7 +424,7 @@ def distill_from_translations(corpus_dir: Path, translations: Path, distill: Dis
     return out
 
 
-def _write_manifest(tmp: Path, corpus_dir: Path, corpus: dict, fingerprint: str, code: str, train: dict,
+def write_manifest(tmp: Path, corpus_dir: Path, corpus: dict, fingerprint: str, code: str, train: dict,
                     entry: dict) -> None:
     """The distilled corpus's manifest: the source corpus's, with its own fingerprint and training split, and the
     ``distillation`` entry (format, code, source corpus, then ``entry``: the teachers and what the road adds)."""
@@ -435,7 +435,7 @@ def _write_manifest(tmp: Path, corpus_dir: Path, corpus: dict, fingerprint: str,
                                                  **entry}})
 
 
-def _row_chunks(path: Path, columns: list[str], rows: int) -> Iterator[pa.Table]:
+def row_chunks(path: Path, columns: list[str], rows: int) -> Iterator[pa.Table]:
     """``columns`` of the Parquet file at ``path`` in consecutive tables of ``rows`` rows (the last may be
     shorter), streamed: memory holds about one chunk, whatever the file's size."""
     # pre_buffer off: with it, the reader keeps every row group it has read until the end (the whole file)
@@ -452,12 +452,12 @@ def _row_chunks(path: Path, columns: list[str], rows: int) -> Iterator[pa.Table]
         yield pa.concat_tables(pending)
 
 
-def _chunks(corpus: dict, distill: DistillConfig) -> int:
+def chunk_count(corpus: dict, distill: DistillConfig) -> int:
     """How many chunks of ``distill.chunk_sentences`` the corpus's training sources make."""
     return -(-corpus["splits"]["train"]["rows"] // distill.chunk_sentences)
 
 
-def _chunk_file(partial: Path, index: int) -> Path:
+def chunk_file(partial: Path, index: int) -> Path:
     return partial / f"chunk-{index:06d}.parquet"
 
 
@@ -490,16 +490,16 @@ def export_decoder(export: Path, tokenizer: Tokenizer, distill: DistillConfig) -
     return decode
 
 
-def _decode_chunks(decode: Decoder, corpus_dir: Path, corpus: dict, distill: DistillConfig, partial: Path,
+def decode_chunks(decode: Decoder, corpus_dir: Path, corpus: dict, distill: DistillConfig, partial: Path,
                    progress: Progress | None, engine: str = "torch") -> None:
     """Decode every chunk of the training sources not yet in ``partial`` into its chunk file (atomically), with
     ``decode`` (named ``engine`` in the log)."""
     train = corpus_dir / corpus["splits"]["train"]["file"]
     total, size = corpus["splits"]["train"]["rows"], distill.chunk_sentences
-    chunks = _chunks(corpus, distill)
+    chunks = chunk_count(corpus, distill)
     partial.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(partial)  # a chunk whose write was killed
-    finished = {i for i in range(chunks) if _chunk_file(partial, i).is_file()}
+    finished = {i for i in range(chunks) if chunk_file(partial, i).is_file()}
     done = sum(min(size, total - i * size) for i in finished)
     if finished:
         log.info("resuming the distillation in %s: %d of %d chunks (%d of %d sources) already decoded", partial,
@@ -508,7 +508,7 @@ def _decode_chunks(decode: Decoder, corpus_dir: Path, corpus: dict, distill: Dis
         progress(done, total)
     advance = sentence_counter(total, progress, done)
     normalize = Normalizer(CleaningConfig.model_validate(corpus["config"].get("cleaning", {})), Counter())
-    for i, table in enumerate(_row_chunks(train, ["src", "tgt"], size)):
+    for i, table in enumerate(row_chunks(train, ["src", "tgt"], size)):
         if i in finished:
             continue
         started = time.perf_counter()
@@ -522,7 +522,7 @@ def _decode_chunks(decode: Decoder, corpus_dir: Path, corpus: dict, distill: Dis
         cut = set(truncated)  # lines from 1 within the chunk
         chunk = pa.table([targets, [line in cut for line in range(1, len(sources) + 1)],
                           confidence or [None] * len(sources)], schema=_CHUNK_SCHEMA)
-        with atomic_file(_chunk_file(partial, i)) as tmp:
+        with atomic_file(chunk_file(partial, i)) as tmp:
             pq.write_table(chunk, tmp, compression="zstd")
         elapsed = time.perf_counter() - started
         log.info("chunk %d of %d decoded (%s): %d sources in %.1f s (%.1f sources/s)", i + 1, chunks, engine,
@@ -532,10 +532,10 @@ def _decode_chunks(decode: Decoder, corpus_dir: Path, corpus: dict, distill: Dis
 def _chunk_targets(partial: Path, chunks: int) -> tuple[Iterator[str], int]:
     """The decoded chunks in ``partial``: every training source's target in corpus order (streamed), and how many
     sources were cut to the teachers' positions."""
-    truncated = sum(pq.read_table(_chunk_file(partial, i), columns=["truncated"]).column("truncated")
+    truncated = sum(pq.read_table(chunk_file(partial, i), columns=["truncated"]).column("truncated")
                     .to_pylist().count(True) for i in range(chunks))
     targets = (t for i in range(chunks)
-               for t in pq.read_table(_chunk_file(partial, i), columns=["tgt"]).column("tgt").to_pylist())
+               for t in pq.read_table(chunk_file(partial, i), columns=["tgt"]).column("tgt").to_pylist())
     return targets, truncated
 
 
@@ -555,7 +555,7 @@ def _write_corpus(tmp: Path, corpus_dir: Path, corpus: dict, targets: Iterator[s
     read: Counter = Counter()
     kept: Counter = Counter()
     columns = ["origin", "line", "src", "tgt"]
-    for table in _row_chunks(corpus_dir / source["file"], columns, distill.chunk_sentences):
+    for table in row_chunks(corpus_dir / source["file"], columns, distill.chunk_sentences):
         hyps = list(itertools.islice(targets, table.num_rows))
         for origin, line, src, tgt, hyp in zip(*(table.column(c).to_pylist() for c in columns), hyps, strict=True):
             read[origin] += 1

@@ -33,8 +33,8 @@ from pipeline.data.corpus import CorpusSplitWriter, rule_report
 from pipeline.data.sources import DataError, resolve_root
 from pipeline.data.sources.base import existing_file, resolve_inside
 from pipeline.data.sources.lines import Lines
-from pipeline.distill import (DistillError, Decoder, Progress, _chunk_file, _chunks, _decode_chunks, _row_chunks,
-                              _teacher_files, _train_corpus, _verified_corpus, _write_manifest, confident)
+from pipeline.distill import (DistillError, Decoder, Progress, chunk_file, chunk_count, decode_chunks, row_chunks,
+                              teacher_files, train_corpus, verified_corpus, write_manifest, confident)
 from pipeline.inference import load_models
 from pipeline.parsing.english import treebank_words
 from pipeline.parsing.evaluate import parse
@@ -87,7 +87,7 @@ def prepare_unlabelled(files: Sequence[str], data_root: str | Path, corpus_dir: 
     if not files:
         raise DistillError("distill.unlabelled is empty: name text files of English sentences under data.root")
     corpus_dir = Path(corpus_dir)
-    corpus = _train_corpus(corpus_dir)
+    corpus = train_corpus(corpus_dir)
     root = resolve_root(data_root)
     paths = [existing_file(resolve_inside(root, rel, f"distill.unlabelled[{i}]"), f"distill.unlabelled[{i}]")
              for i, rel in enumerate(files)]
@@ -145,7 +145,7 @@ def parser_decoder(model, tokenizer: Tokenizer, decode: DecodeConfig, leaves: st
 
 def _silver_rows(partial: Path, chunks: int) -> tuple[list[str], list[float], int]:
     """The decoded chunks: every sentence's tree (``""``: ill-formed), its confidence, and the sources cut."""
-    tables = [pq.read_table(_chunk_file(partial, i)) for i in range(chunks)]
+    tables = [pq.read_table(chunk_file(partial, i)) for i in range(chunks)]
     trees = [t for table in tables for t in table.column("tgt").to_pylist()]
     scores = [s for table in tables for s in table.column("confidence").to_pylist()]
     return trees, scores, sum(table.column("truncated").to_pylist().count(True) for table in tables)
@@ -166,8 +166,8 @@ def silver_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pat
     sha256), the unlabelled files (path, sha256, lines), the rule with its threshold and the counts.
     """
     corpus_dir = Path(corpus_dir)
-    corpus = _train_corpus(corpus_dir)
-    files, shas = _teacher_files(teachers)
+    corpus = train_corpus(corpus_dir)
+    files, shas = teacher_files(teachers)
     unlabelled_dir = Path(unlabelled_dir).resolve()
     unlabelled = read_stage_manifest(unlabelled_dir, UNLABELLED_FORMAT, "unlabelled sentences",
                                      "re-run prepare_unlabelled", DistillError)
@@ -186,14 +186,14 @@ def silver_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Pat
     with exclusive(out.parent, "distillation"):
         if (out / MANIFEST).is_file():  # another run finished it while this one waited
             return out
-        _verified_corpus(corpus_dir, corpus)
-        _decode_chunks(parser_decoder(model, tokenizer, distill.decode, leaves), unlabelled_dir, unlabelled,
+        verified_corpus(corpus_dir, corpus)
+        decode_chunks(parser_decoder(model, tokenizer, distill.decode, leaves), unlabelled_dir, unlabelled,
                        distill, partial, progress)
-        trees, scores, truncated = _silver_rows(partial, _chunks(unlabelled, distill))
+        trees, scores, truncated = _silver_rows(partial, chunk_count(unlabelled, distill))
         with atomic_dir(out) as tmp:
             train, report = _write_silver(tmp, corpus_dir, corpus, unlabelled_dir, unlabelled, trees, scores,
                                           distill.keep_fraction)
-            _write_manifest(tmp, corpus_dir, corpus, fingerprint, identity["code"], train, {
+            write_manifest(tmp, corpus_dir, corpus, fingerprint, identity["code"], train, {
                 "teachers": [{"path": str(f.resolve()), "sha256": sha} for f, sha in zip(files, shas)],
                 "engine": "torch",
                 "unlabelled": {"fingerprint": unlabelled["fingerprint"], "path": str(unlabelled_dir),
@@ -221,11 +221,11 @@ def _write_silver(tmp: Path, corpus_dir: Path, corpus: dict, unlabelled_dir: Pat
     gold = corpus["splits"]["train"]
     writer = CorpusSplitWriter(tmp / gold["file"], "train", _WRITE_ROWS)
     columns = ["origin", "line", "src", "tgt"]
-    for table in _row_chunks(corpus_dir / gold["file"], columns, _WRITE_ROWS):
+    for table in row_chunks(corpus_dir / gold["file"], columns, _WRITE_ROWS):
         for origin, line, src, tgt in zip(*(table.column(c).to_pylist() for c in columns)):
             writer.add(origin, line, src, tgt, None)
     i = 0
-    for table in _row_chunks(unlabelled_dir / unlabelled["splits"]["train"]["file"], ["origin", "line", "src"],
+    for table in row_chunks(unlabelled_dir / unlabelled["splits"]["train"]["file"], ["origin", "line", "src"],
                              _WRITE_ROWS):
         for origin, line, src in zip(*(table.column(c).to_pylist() for c in ("origin", "line", "src"))):
             if i in kept:
