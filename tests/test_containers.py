@@ -208,7 +208,8 @@ def test_two_nodes_in_two_containers_train_as_one_node_of_two(image: str, shared
         prefect = Prefect(api_url, env)
         pools.create("aiayn-test-nodes", "docker", pools.template("docker", "aiayn-cpu", {
             "image": image, "image_pull_policy": "Never", "networks": [net], "volumes": [f"{work}:{work}:rw"],
-            "env": {"MLFLOW_TRACKING_URI": services["mlflow"].url, "AIAYN_CPU_THREADS": threads}}), env)
+            "env": {"MLFLOW_TRACKING_URI": services["mlflow"].url, "AIAYN_CPU_THREADS": threads,
+                    "AIAYN_WORK_DIR": str(work)}}), env)  # the work dir the parent records its node runs in
         cli = str(Path(sys.executable).with_name("prefect"))
         res = subprocess.run([cli, "--no-prompt", "deploy", "flows/nodes.py:train_node", "--name", "docker",
                               "--pool", "aiayn-test-nodes"], cwd=REPO_ROOT, env=env, capture_output=True,

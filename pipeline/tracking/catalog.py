@@ -426,7 +426,11 @@ _add("register", "param",
                         "``decode`` section at registration)."),
      ("cleaning/<field>", "A cleaning rule of the training corpus, applied to raw input before translation (the "
                           "config's ``data.cleaning`` section)."),
-     ("engine", "The engine the logged model serves with: ctranslate2 (an export that passed its gate) or torch."))
+     ("engine", "The engine the logged model serves with: ctranslate2 (an export that passed its gate) or torch."),
+     ("task", "What the served model does with a request's sentences: translation, or parsing (raw English in, "
+              "one tree per sentence out)."),
+     ("tree_leaves", "For a parser: what its trees' leaves are in training (words or the paper's XX); served "
+                     "trees always carry the request's own words."))
 _add("register", "artifact",
      ("promotion/hypotheses.txt", "The model's outputs on the promotion set, which later challengers are paired "
                                   "with."),
