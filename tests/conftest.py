@@ -311,9 +311,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, shared_data: Path):
     from ops.localstack import Stack, free_port
 
     home = tmp_path_factory.mktemp("stack")
-    # the tests' own configs and sweep files lie in their temporary folders: the stack's pool allows them
+    # the tests' own configs and sweep files lie in their temporary folders: the stack's pool allows them; a test
+    # that must not share the stack's cached stages (test_crash) names a work dir of its own: the pool opts it in
     env = {**os.environ, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-           "AIAYN_CONFIG_DIRS": str(tmp_path_factory.getbasetemp().resolve())}
+           "AIAYN_CONFIG_DIRS": str(tmp_path_factory.getbasetemp().resolve()),
+           "AIAYN_RUNS_MAY_SET": "data_root,work_dir"}
     env.pop("PREFECT_API_URL", None)
     ports = [str(free_port()), str(free_port())]
     cmd = [sys.executable, "-m", "ops.localstack", "--home", str(home), "--prefect-port", ports[0],

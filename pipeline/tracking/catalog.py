@@ -237,12 +237,12 @@ _add("distill", "tag",
      ("distill.teacher_sha256.<i>", "The sha256 of the checkpoint of the teacher at this index, in the order "
                                     "named."),
      ("distill.unlabelled.<i>", "Semi-supervised parsing: the unlabelled file at this index that the teachers "
-                                "parsed, its path under data.root and its sha256."),
-     ("distill.rule", "Semi-supervised parsing: the rule that kept the silver trees (confident)."),
+                                "parsed, its path under data.root and its sha256.", True),
+     ("distill.rule", "Semi-supervised parsing: the rule that kept the silver trees (confident).", True),
      ("distill.keep_fraction", "Semi-supervised parsing: the fraction of well-formed silver trees the rule kept "
-                               "(distill.keep_fraction)."),
+                               "(distill.keep_fraction).", True),
      ("distill.threshold", "Semi-supervised parsing: the lowest length-normalised log-probability of a kept silver "
-                           "tree."))
+                           "tree.", True))
 _add("distill", "artifact", ("data/distilled/manifest.json", "The distilled corpus's manifest: the source corpus's "
                                                              "with the teachers' hashes, the decoding settings and "
                                                              "each filter's count."))
