@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -20,7 +17,7 @@ from pipeline.shards import build_shards
 from pipeline import tracking
 from pipeline.train import train
 from tests.test_parsing import REPO, TINY_MODEL
-from tests.test_tracking import _env, _ok, _post  # the serving tests' environment and requests
+from tests.test_tracking import _ok, _post, serving  # the serving tests' server and requests
 
 
 @pytest.mark.parametrize("text, words", [
@@ -175,17 +172,7 @@ def test_models_serve_parses_raw_english(mlflow_server, served_parser, tmp_path)
     refuses a sentence with no word with a 400, and goes on serving."""
     import mlflow
 
-    port = free_port()
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m",
-                             served_parser, "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
-                            env=_env(mlflow_server), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not _ok(f"http://127.0.0.1:{port}/ping"):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.5)
+    with serving(served_parser, mlflow_server, tmp_path / "serve.log") as (proc, port):
         want = mlflow.pyfunc.load_model(served_parser).predict(HARD[:4])
         assert [parse_tree(t).words() for t in want] == [_words(s) for s in HARD[:4]]
         assert _post(port, json.dumps({"inputs": HARD[:4]}).encode()) == (200, {"predictions": want})
@@ -193,7 +180,3 @@ def test_models_serve_parses_raw_english(mlflow_server, served_parser, tmp_path)
         assert status == 400 and "line 2 is empty" in out["message"], out
         assert proc.poll() is None and _ok(f"http://127.0.0.1:{port}/ping")
         assert "serving with PyTorch" in (tmp_path / "serve.log").read_text()
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-        log.close()

@@ -3,6 +3,7 @@ loading and serving the champion, fail-fast and retried logging."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -14,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import mlflow
 import pandas as pd
@@ -495,17 +497,7 @@ def test_models_serve_answers_invocations_and_refuses_bad_requests(tracked, tmp_
 
     location = MlflowClient(tracked["uri"]).get_experiment_by_name("test-tracking").artifact_location
     assert location.startswith("mlflow-artifacts:"), location
-    port = free_port()
-    log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m",
-                             f"models:/{tracked['name']}@champion", "--env-manager", "local", "-h", "127.0.0.1",
-                             "-p", str(port)], env=_env(tracked["uri"]), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not _ok(f"http://127.0.0.1:{port}/ping"):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.5)
+    with serving(f"models:/{tracked['name']}@champion", tracked["uri"], tmp_path / "serve.log") as (proc, port):
         model = mlflow.pyfunc.load_model(f"models:/{tracked['name']}@champion")
         want = model.predict(SENTENCES)
         for body in ({"inputs": SENTENCES}, {"dataframe_records": [{"source": s} for s in SENTENCES]}):
@@ -528,10 +520,25 @@ def test_models_serve_answers_invocations_and_refuses_bad_requests(tracked, tmp_
             assert 400 <= status < 500 and message in out["message"], (body, status, out)
         assert proc.poll() is None and _ok(f"http://127.0.0.1:{port}/ping")
         assert "serving with CTranslate2" in (tmp_path / "serve.log").read_text()
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-        log.close()
+
+
+@contextlib.contextmanager
+def serving(model_uri: str, tracking_uri: str, log_path: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """``mlflow models serve`` of ``model_uri`` on a free port of 127.0.0.1, answering /ping; stopped after."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "models", "serve", "-m", model_uri,
+                                 "--env-manager", "local", "-h", "127.0.0.1", "-p", str(port)],
+                                env=_env(tracking_uri), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not _ok(f"http://127.0.0.1:{port}/ping"):
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+                time.sleep(0.5)
+            yield proc, port
+        finally:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=30)
 
 
 def _ok(url: str) -> bool:
