@@ -20,34 +20,62 @@ from tests.test_parsing import REPO, TINY_MODEL
 from tests.test_tracking import _ok, _post, serving  # the serving tests' server and requests
 
 
-@pytest.mark.parametrize("text, words", [
+# Each character class of news and web text, the treebank's words for a sentence of it (what the parser reads).
+SENTENCES = [
     ('He said, "I don\'t know."', ["He", "said", ",", "``", "I", "do", "n't", "know", ".", "''"]),
-    ("Profit (before taxes) rose 5% to $3.8 billion.",
-     ["Profit", "-LRB-", "before", "taxes", "-RRB-", "rose", "5", "%", "to", "$", "3.8", "billion", "."]),
+    ("Profit (before taxes) rose 5% to $3.8 billion & more.",
+     ["Profit", "-LRB-", "before", "taxes", "-RRB-", "rose", "5", "%", "to", "$", "3.8", "billion", "&", "more", "."]),
     ("The {braces} and [brackets] stay.", ["The", "-LCB-", "braces", "-RCB-", "and", "-LSB-", "brackets", "-RSB-",
                                           "stay", "."]),
     ("It rose 3/4 point -- a well-known *rule*.",
      ["It", "rose", "3\\/4", "point", "--", "a", "well-known", "\\*", "rule", "\\*", "."]),
     ("“It’s late,” she said—twice.", ["``", "It", "'s", "late", ",", "''", "she", "said", "--", "twice", "."]),
+    ("Pages 10–12 – or not ― maybe‒no.",
+     ["Pages", "10", "--", "12", "--", "or", "not", "--", "maybe", "--", "no", "."]),
     ("‘Zürich’ can't cannot.", ["`", "Zürich", "'", "ca", "n't", "can", "not", "."]),
+    ("He waited… and waited... then left…", ["He", "waited", "...", "and", "waited", "...", "then", "left", "..."]),
+    ("He said 'no' to 'the plan.'", ["He", "said", "`", "no", "'", "to", "`", "the", "plan", ".", "'"]),
+    ("The students’ books of the ’80s and '90s.", ["The", "students", "'", "books", "of", "the", "'80s", "and",
+                                                   "'90s", "."]),
+    ("„Gut“, sagte er, «très» ‚bien‘ »ja« ‹non›.",
+     ["``", "Gut", "''", ",", "sagte", "er", ",", "``", "très", "''", "`", "bien", "'", "``", "ja", "''", "`", "non",
+      "'", "."]),
+    ("It cost 1,000,000 dollars, or 3.5 million.", ["It", "cost", "1,000,000", "dollars", ",", "or", "3.5", "million",
+                                                   "."]),
+    ("He moved to the U.S.", ["He", "moved", "to", "the", "U.S.", "."]),
+    ("She works at Apple Inc.", ["She", "works", "at", "Apple", "Inc.", "."]),
+    ('He said "they met at 9 a.m."', ["He", "said", "``", "they", "met", "at", "9", "a.m.", ".", "''"]),
+    ("The U.S. economy grew.", ["The", "U.S.", "economy", "grew", "."]),
+    ("See https://example.com/a?b=c&d=e (or www.x.org/path).",
+     ["See", "https:\\/\\/example.com\\/a?b=c&d=e", "-LRB-", "or", "www.x.org\\/path", "-RRB-", "."]),
+    ("Mail jo.smith@example.co.uk, please.", ["Mail", "jo.smith@example.co.uk", ",", "please", "."]),
+    ("Great job👍🏽! 😀 👨\u200d👩\u200d👧 🇩🇪 at 25°C",
+     ["Great", "job", "👍🏽", "!", "😀", "👨\u200d👩\u200d👧", "🇩🇪", "at", "25°C"]),
+    ("What?! No!! #1 @home", ["What", "?", "!", "No", "!", "!", "#", "1", "@", "home"]),
+    ("Mr.  Smith\tleft;  she\u00a0stayed: 3:15 p.m. on Oct. 5.", ["Mr.", "Smith", "left", ";", "she", "stayed", ":",
+                                                                "3:15", "p.m.", "on", "Oct.", "5", "."]),
     ("", []),
     ("   ", []),
-])
+]
+
+
+@pytest.mark.parametrize("text, words", SENTENCES)
 def test_treebank_words_follow_the_treebanks_conventions(text, words) -> None:
     assert treebank_words(text) == words
 
 
-@pytest.mark.parametrize("text", [
-    '“It’s late,” she said—twice (or thrice) at 5% of $3/4 -- “n’t”.',
-    "Mr.  Smith\tdidn't go to the U.S. in 1990–1995 … or «ever».",
-])
+@pytest.mark.parametrize("text", [text for text, _ in SENTENCES])
 def test_each_word_keeps_the_users_characters(text) -> None:
+    """The words' spans cover the line, in order, with only whitespace between them: nothing lost, nothing added;
+    the leaves a parse writes spell the line (a bracket as -LRB- / -RRB-)."""
     words = words_with_spans(text)
     assert [w.text for w in words] == [text[w.start:w.end] for w in words]
-    assert "".join(w.text for w in words) == "".join(text.split())  # nothing dropped, nothing added
+    gaps = zip([0, *(w.end for w in words)], [*(w.start for w in words), len(text)])
+    assert all(start <= end and not text[start:end].strip() for start, end in gaps)
+    assert all(w.text and not any(c.isspace() for c in w.text) for w in words)
     leaves = [leaf(w) for w in words]
     assert "(" not in "".join(leaves) and ")" not in "".join(leaves)  # a bracket cannot be a leaf
-    assert [w.text for w in words if w.text not in "()"] == [x for x in leaves if x not in ("-LRB-", "-RRB-")]
+    assert "".join({"-LRB-": "(", "-RRB-": ")"}.get(x, x) for x in leaves) == "".join(text.split())
 
 
 # ------------------------------------------------------------------------------ a parser of raw English
