@@ -89,6 +89,8 @@ HARD = ['He said, "I don\'t know (or care)."',
         "The café in Zürich isn't open [yet]; *some* 3/4 of us can't wait…",
         " ".join(["The cat sat on the mat ,"] * 145)]
 DECODE = ["decode.beam_size=2", "decode.max_len_b=10"]
+# Treebank input (EVALB-style scoring): words as the treebank writes them, separated by spaces.
+TREEBANK = ["He said , `` I do n't know -LRB- or care -RRB- . ''", "Profit rose 5 % to $ 3.8 billion in the U.S. ."]
 
 
 def _words(line: str) -> list[str]:
@@ -175,10 +177,17 @@ def served_parser(mlflow_server, parser) -> str:
     return f"models:/{name}/{version}"
 
 
+# What a model logged before the pyfunc class was renamed holds in its python_model.pkl (cloudpickle names the
+# class by its import path).
+OLD_PYTHON_MODEL_PKL = (b"\x80\x05\x95.\x00\x00\x00\x00\x00\x00\x00\x8c\x18pipeline.tracking.pyfunc\x94"
+                        b"\x8c\nTranslator\x94\x93\x94)\x81\x94.")
+
+
 @pytest.mark.integration
-def test_the_served_parser_returns_the_commands_trees(parser, served_parser) -> None:
-    """The pyfunc of a parser takes raw English and returns what ``translate`` writes for it; a sentence with no
-    word and an nbest it cannot give are refused with a message."""
+def test_the_served_parser_returns_the_commands_trees(parser, served_parser, tmp_path) -> None:
+    """The pyfunc of a parser takes raw English and returns what ``translate`` writes for it, and with the
+    request's ``pretokenized`` param treebank words as ``translate --pretokenized`` does; a sentence with no word
+    and an nbest it cannot give are refused with a message. A model logged under the class's old name loads."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -193,11 +202,25 @@ def test_the_served_parser_returns_the_commands_trees(parser, served_parser) -> 
     with pytest.raises(MlflowException, match="a parser returns one tree per sentence"):
         model.predict(sentences, params={"nbest": 2})
 
+    res = _translate(parser, "--pretokenized", input="\n".join(TREEBANK) + "\n")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert model.predict(TREEBANK, params={"pretokenized": True}) == res.stdout.splitlines()
+    assert [parse_tree(t).words() for t in res.stdout.splitlines()] == [line.split() for line in TREEBANK]
+    assert model.predict(sentences, params={"pretokenized": False}) == model.predict(sentences)  # the default
+    params = mlflow.models.get_model_info(served_parser).signature.params.params
+    assert {p.name: p.default for p in params}["pretokenized"] is False
+
+    old = tmp_path / "old-model"  # the registered model as the code before the rename logged it
+    mlflow.artifacts.download_artifacts(served_parser, dst_path=str(old))
+    (old / "python_model.pkl").write_bytes(OLD_PYTHON_MODEL_PKL)
+    assert mlflow.pyfunc.load_model(str(old)).predict(sentences) == model.predict(sentences)
+
 
 @pytest.mark.slow
 def test_models_serve_parses_raw_english(mlflow_server, served_parser, tmp_path) -> None:
     """`mlflow models serve` of the registered parser answers raw English with the trees the loaded model gives,
-    refuses a sentence with no word with a 400, and goes on serving."""
+    and treebank words with ``"params": {"pretokenized": true}``; refuses a sentence with no word and a param of
+    the wrong type with a 400, and goes on serving."""
     import mlflow
 
     with serving(served_parser, mlflow_server, tmp_path / "serve.log") as (proc, port):
@@ -206,5 +229,11 @@ def test_models_serve_parses_raw_english(mlflow_server, served_parser, tmp_path)
         assert _post(port, json.dumps({"inputs": HARD[:4]}).encode()) == (200, {"predictions": want})
         status, out = _post(port, json.dumps({"inputs": ["He left.", ""]}).encode())
         assert status == 400 and "line 2 is empty" in out["message"], out
+        treebank = mlflow.pyfunc.load_model(served_parser).predict(TREEBANK, params={"pretokenized": True})
+        body = {"inputs": TREEBANK, "params": {"pretokenized": True}}
+        assert _post(port, json.dumps(body).encode()) == (200, {"predictions": treebank})
+        assert [parse_tree(t).words() for t in treebank] == [line.split() for line in TREEBANK]
+        status, out = _post(port, json.dumps({"inputs": TREEBANK, "params": {"pretokenized": "yes"}}).encode())
+        assert status == 400 and "pretokenized" in out["message"], out
         assert proc.poll() is None and _ok(f"http://127.0.0.1:{port}/ping")
         assert "serving with PyTorch" in (tmp_path / "serve.log").read_text()

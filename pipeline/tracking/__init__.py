@@ -19,7 +19,7 @@ from typing import Any
 # CTranslate2 model's memory.
 _SOURCES = {
     "lineage": ("log_corpus", "log_distillation", "log_tokenizer"),
-    "pyfunc": ("Translator",),
+    "pyfunc": ("ServedModel",),
     "registry": ("CHAMPION", "champion", "champion_artifacts", "promote", "promotion_set", "register_model",
                  "version_tags", "version_with_checkpoint"),
     "teachers": ("Teacher", "TeacherError", "TeacherRef", "describe_student", "lineage_tags", "resolve_teachers",

@@ -24,7 +24,10 @@ cut to them (logged). MLflow's schema enforcement turns JSON numbers, booleans a
 A parser (``task: parsing`` in the model config, from its checkpoint) takes sentences of ordinary English and
 returns one tree per sentence over exactly its words, the user's own as leaves, decoded under the tree constraint
 with the PyTorch engine: what ``python -m pipeline translate`` writes with the same settings
-(:func:`pipeline.parsing.evaluate.parse_lines`). A sentence with no word, or ``nbest`` above 1, gets a 400.
+(:func:`pipeline.parsing.evaluate.parse_lines`). Its params add ``pretokenized`` (default false: ordinary
+English): true reads each sentence as treebank words separated by spaces (``do n't``, ``-LRB-``), parsed and
+written as given, as ``translate --pretokenized`` does, so that EVALB can score the served model's trees against
+gold ones. A sentence with no word, or ``nbest`` above 1, gets a 400.
 """
 
 from __future__ import annotations
@@ -59,18 +62,22 @@ REQUIREMENTS = ("torch", "numpy", "pyarrow", "pydantic", "PyYAML", "sentencepiec
                 "tqdm", "pandas", "mlflow", "ctranslate2", "nltk")
 INPUT_EXAMPLE = ["A man in a blue shirt is riding a bicycle.", "Two dogs play in the snow."]
 MAX_BEAM = 64  # a request's beam_size at most: a larger beam costs memory and time in proportion
+PRETOKENIZED = "pretokenized"  # a parser's param: the sentences are treebank words, not ordinary English
 
 
-def signature(decode: DecodeConfig) -> ModelSignature:
+def signature(decode: DecodeConfig, task: str = "translation") -> ModelSignature:
     """One unnamed string column in (pyfunc then accepts a list of strings, a single string, or a DataFrame whose
     first column holds the sentences, and so does the REST server), one string out, and the per-request decoding
-    params with the registered settings as defaults."""
-    params = ParamSchema([ParamSpec("beam_size", DataType.long, decode.beam_size),
-                          ParamSpec("alpha", DataType.double, decode.length_penalty),
-                          ParamSpec("max_len_b", DataType.long, decode.max_len_b),
-                          ParamSpec("nbest", DataType.long, 1)])
+    params with the registered settings as defaults; a parser's also take ``pretokenized`` (default: raw
+    English)."""
+    params = [ParamSpec("beam_size", DataType.long, decode.beam_size),
+              ParamSpec("alpha", DataType.double, decode.length_penalty),
+              ParamSpec("max_len_b", DataType.long, decode.max_len_b),
+              ParamSpec("nbest", DataType.long, 1)]
+    if task == "parsing":
+        params.append(ParamSpec(PRETOKENIZED, DataType.boolean, False))
     return ModelSignature(inputs=Schema([ColSpec(DataType.string)]), outputs=Schema([ColSpec(DataType.string)]),
-                          params=params)
+                          params=ParamSchema(params))
 
 
 def pip_requirements() -> list[str]:
@@ -86,7 +93,7 @@ def code_paths() -> list[str]:
 def model_arguments(checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig, cleaning: dict,
                     export: Path | None = None, task: str = "translation",
                     tree_leaves: str = PLACEHOLDER) -> dict[str, Any]:
-    """What logging (or saving) the translator pyfunc takes: the artifacts (checkpoint, tokenizer and the
+    """What logging (or saving) the served model's pyfunc takes: the artifacts (checkpoint, tokenizer and the
     CTranslate2 ``export`` when given, which then is the engine it serves with), model config (with the
     checkpoint's ``task`` and, for parsing, how it writes leaves: ``data.tree_leaves``), code, requirements,
     signature and input example."""
@@ -94,10 +101,10 @@ def model_arguments(checkpoint: Path, tokenizer_dir: Path, decode: DecodeConfig,
     if export is not None:
         artifacts["ctranslate2"] = str(export)
     engine = "torch" if export is None else "ctranslate2"
-    return {"python_model": Translator(), "artifacts": artifacts,
+    return {"python_model": ServedModel(), "artifacts": artifacts,
             "model_config": {"decode": decode.model_dump(mode="json"), "cleaning": cleaning, "engine": engine,
                              "task": task, "tree_leaves": tree_leaves},
-            "code_paths": code_paths(), "pip_requirements": pip_requirements(), "signature": signature(decode),
+            "code_paths": code_paths(), "pip_requirements": pip_requirements(), "signature": signature(decode, task),
             "input_example": INPUT_EXAMPLE}
 
 
@@ -153,9 +160,9 @@ def request_decoding(decode: DecodeConfig, params: dict[str, Any] | None,
     return decode.model_copy(update={fields[k]: v for k, v in params.items()}), nbest
 
 
-class Translator(mlflow.pyfunc.PythonModel):
-    """Raw source sentences in, detokenized translations (a parser: trees) out, with the engine chosen at load (see
-    the module docstring)."""
+class ServedModel(mlflow.pyfunc.PythonModel):
+    """A registered translator or parser as MLflow serves it: raw source sentences in, detokenized translations
+    (a parser: trees) out, with the engine chosen at load (see the module docstring)."""
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
         if not logging.getLogger("aiayn").hasHandlers():  # a bare server (mlflow models serve): log to stderr
@@ -177,22 +184,32 @@ class Translator(mlflow.pyfunc.PythonModel):
 
     # model_input is left unannotated: MLflow would read a type hint as a schema that overrides the signature.
     def predict(self, context: mlflow.pyfunc.PythonModelContext, model_input, params: dict[str, Any] | None = None):
+        params = dict(params or {})
+        # a parser's param only: a translator's signature has none, and request_decoding refuses it
+        pretokenized = bool(params.pop(PRETOKENIZED, False)) if self.task == "parsing" else False
         decode, nbest = request_decoding(self.decode, params, self.engine.max_positions)
         sentences = [self.normalize(s) for s in source_sentences(model_input)]
         if self.task == "parsing":
-            return self._parse(sentences, decode, nbest)
+            return self._parse(sentences, decode, nbest, pretokenized)
         out = self.engine.translate(sentences, decode, nbest)  # an empty sentence: "" (pipeline.encoding.to_decode)
         return [best[0] for best in out] if nbest == 1 else out
 
-    def _parse(self, sentences: list[str], decode: DecodeConfig, nbest: int) -> list[str]:
-        """One tree per sentence of English (:func:`pipeline.parsing.evaluate.parse_lines`), decoded by the
-        PyTorch engine's model (a parser is never exported)."""
+    def _parse(self, sentences: list[str], decode: DecodeConfig, nbest: int, pretokenized: bool) -> list[str]:
+        """One tree per sentence of English, or of treebank words when ``pretokenized``
+        (:func:`pipeline.parsing.evaluate.parse_lines`), decoded by the PyTorch engine's model (a parser is never
+        exported)."""
         from pipeline.parsing.evaluate import parse_lines  # torch: a translator served by CTranslate2 never loads it
 
         if nbest != 1:
             raise _bad_request(f"param nbest={nbest}: a parser returns one tree per sentence; leave nbest at 1")
         try:
             return parse_lines(self.engine.model, self.engine.tokenizer, sentences, decode, self.tree_leaves,
-                               source="request")
+                               pretokenized=pretokenized, source="request")
         except UserError as e:  # a sentence with no word
             raise _bad_request(str(e)) from None
+
+
+# A registered model's python_model.pkl names its class by import path; those logged before the rename name
+# pipeline.tracking.pyfunc.Translator, which a process that has imported this module (rather than the model's own
+# copy of the code) resolves here.
+Translator = ServedModel
