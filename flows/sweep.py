@@ -1,6 +1,8 @@
-"""The recipe search: ``sweep-translation`` (any translation pair: the base config says which), a controller flow
-over trial runs of the pipeline's own deployment. ``sweep-en-de`` is its former name, kept so that what started it
-(``prefect deployment run 'sweep-en-de/multi30k-cpu'``, schedules, scripts) still does: the same body, two names.
+"""The recipe search: ``sweep-translation`` (any translation pair: the base config says which) and ``sweep-parse``
+(a parser's), controller flows over trial runs of the pipeline's own deployment (``train-en-de``, ``parse-wsj``).
+``sweep-en-de`` is the former name of ``sweep-translation``, kept so that what started it (``prefect deployment
+run 'sweep-en-de/multi30k-cpu'``, schedules, scripts) still does. One body for all three, scored on the task's
+own metric: sacreBLEU for translation, EVALB F1 (over sentences, against the gold trees) for parsing.
 
     open the Optuna study (resumable) -> search: trials as flow runs on the work pool, pruned on dev NLL
     -> confirm: the top trials and the base with paired seeds -> verdicts (pooled paired bootstrap, Bonferroni)
@@ -19,7 +21,7 @@ from pydantic import Field
 
 from flows.common import close_tracking_runs
 from pipeline import tracking
-from pipeline.config import FlowRunTrust, ensure_work_dir
+from pipeline.config import ConfigError, FlowRunTrust, ensure_work_dir
 from pipeline.support.fsutil import exclusive, write_text
 from pipeline.sweep.config import base_point, check_space, expand, load_sweep, resolve_base, variations
 from pipeline.sweep.search import arms, finished, open_study, search
@@ -56,7 +58,20 @@ def sweep_translation(sweep: str = "multi30k-cpu", data_root: str | None = None,
         confirm: False stops after the search with the leaderboard published: a long sweep spread over several
             windows of machine time (``-p trials=4 -p confirm=false``, then more); a later run goes on from there.
     """
-    return _run_sweep(sweep, data_root, trials, max_in_flight, tracking_uri, confirm)
+    return _run_sweep(sweep, data_root, trials, max_in_flight, tracking_uri, confirm, "translation")
+
+
+@_sweep_flow("sweep-parse")
+def sweep_parse(sweep: str = "ptb-sample-cpu", data_root: str | None = None, trials: Count | None = None,
+                max_in_flight: Count | None = None, tracking_uri: str | None = None, confirm: bool = True) -> dict:
+    """Study a parsing config's recipe on dev EVALB F1, confirm with paired seeds, write the winner as a preset.
+
+    Args:
+        sweep: a sweep under configs/sweeps/ whose base is a parsing config (``ptb-sample-cpu``: the fixed arms
+            of the CPU parser's study) or a path to one.
+        data_root, trials, max_in_flight, tracking_uri, confirm: as for ``sweep-translation``.
+    """
+    return _run_sweep(sweep, data_root, trials, max_in_flight, tracking_uri, confirm, "parsing")
 
 
 @_sweep_flow("sweep-en-de")
@@ -71,20 +86,27 @@ def sweep_en_de(sweep: str = "multi30k-cpu", data_root: str | None = None, trial
     """
     get_run_logger().info("flow sweep-en-de is kept for compatibility: it is sweep-translation under its former "
                           "name; run 'sweep-translation/multi30k-cpu' instead")
-    return _run_sweep(sweep, data_root, trials, max_in_flight, tracking_uri, confirm)
+    return _run_sweep(sweep, data_root, trials, max_in_flight, tracking_uri, confirm, "translation")
+
+
+# The sweep flow of each task: a base config of another task is refused, naming the flow that studies it.
+FLOW_OF_TASK = {"translation": "sweep-translation", "parsing": "sweep-parse"}
 
 
 def _run_sweep(sweep: str, data_root: str | None, trials: int | None, max_in_flight: int | None,
-               tracking_uri: str | None, confirm: bool) -> dict:
-    """The body of both sweep flows (their parameters): the study, the search, the confirmation and the winner.
-    Everything the sweep file, the flow run's parameters and the deployment can get wrong is refused before the
-    study, the sweep's MLflow run or any trial run exists."""
+               tracking_uri: str | None, confirm: bool, task: str) -> dict:
+    """The body of the sweep flows (their parameters; ``task``: the base config's task the flow studies): the
+    study, the search, the confirmation and the winner. Everything the sweep file, the flow run's parameters and
+    the deployment can get wrong is refused before the study, the sweep's MLflow run or any trial run exists."""
     logger = get_run_logger()
     trust = FlowRunTrust.from_environ()  # the sweep file and its base from the allowed folders; data_root checked
     trust.check("data_root", data_root, f"parameter data_root={data_root!r}")
     cfg = load_sweep(sweep, {k: v for k, v in (("trials", trials), ("max_in_flight", max_in_flight)) if v is not None},
                      allowed=trust.config_dirs)
     base = resolve_base(cfg, data_root)  # what every trial starts from
+    if base.task != task:
+        raise ConfigError(f"{cfg.source}: base {cfg.base!r} is a {base.task} config and flow {FLOW_OF_TASK[task]} "
+                          f"studies {task}: run the sweep with {FLOW_OF_TASK[base.task]}")
     point = base_point(cfg, base)
     check_space(cfg, point, data_root)
     work = ensure_work_dir(base.work_dir)
@@ -122,9 +144,11 @@ def _run_sweep(sweep: str, data_root: str | None, trials: int | None, max_in_fli
             for seed, outcome in arm.outcomes.items():
                 tracking.log_child(parent, f"confirm-{arm.label}-seed-{seed}", {**arm.params, "train.seed": seed},
                                    outcome.metrics, [], {"state": outcome.state, "trial.flow_run_id": arm.runs[seed]})
-        dev = judge(cfg, candidates, "dev", objective, base.promotion_metric)
-        tests = [v for t in base.data.test for v in judge(cfg, candidates, f"test.{t.name}", f"{t.name}.sacrebleu",
-                                                           "sacrebleu")] if base.task == "translation" else []
+        # every split judged on the task's metric (BLEU, EVALB F1); the tests are reported, never chosen on
+        metric = base.promotion_metric
+        dev = judge(cfg, candidates, "dev", objective, metric)
+        tests = [v for t in base.data.test for v in judge(cfg, candidates, f"test.{t.name}", f"{t.name}.{metric}",
+                                                           metric)]
         chosen = winner(candidates, dev)
         preset = write_winner(cfg, chosen, dev, tests, folder / "winner.yaml", base)
         best = next((v for v in dev if v.label == chosen.label), None)

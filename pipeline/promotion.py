@@ -70,11 +70,16 @@ class PromotionSet:
                 "references_sha256": self.references_sha256}
 
 
+def references_suffix(metric: str) -> str:
+    """The suffix of the file an evaluation folder keeps the references of one split in, beside ``<split>.hyp``,
+    for the metric that scores them: ``gold`` (EVALB F1: the gold trees) or ``ref`` (translation)."""
+    return "gold" if metric == "f1" else "ref"
+
+
 def read_promotion_set(policy: "Policy", eval_dir: Path) -> PromotionSet:
     """A version's promotion set from its evaluation folder: ``<split>.hyp`` with ``<split>.ref`` (translation)
     or ``<split>.gold`` (parsing), line for line."""
-    refs = "gold" if policy.metric == "f1" else "ref"
-    files = [Path(eval_dir) / f"{policy.split}.hyp", Path(eval_dir) / f"{policy.split}.{refs}"]
+    files = [Path(eval_dir) / f"{policy.split}.{kind}" for kind in ("hyp", references_suffix(policy.metric))]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise FileNotFoundError(f"promotion set {policy.set_name!r}: {missing} not found; the evaluation folder "

@@ -20,7 +20,7 @@ from pipeline.sweep.verdict import judge, leaderboard, markdown, winner, write_w
 REFS = [f"ein mann mit einem roten hut steht vor dem haus nummer {i} und wartet auf den bus" for i in range(120)]
 
 
-def _sweep(tmp_path: Path, **over) -> SweepConfig:
+def _tree(tmp_path: Path, **over) -> dict:
     tree = {"name": "t", "base": "multi30k-cpu", "deployment": "train-en-de/multi30k-cpu", "trials": 4,
             "max_in_flight": 2, "storage": f"sqlite:///{tmp_path / 'optuna.db'}", "poll_s": 0.01,
             "trial_overrides": {"export.engine": "none", "recipe": "none"},  # the config as written on every CPU
@@ -30,8 +30,11 @@ def _sweep(tmp_path: Path, **over) -> SweepConfig:
                           "wide": {"model.d_model": 384, "model.d_ff": 1536, "model.n_heads": 6}}}},
             "pruner": {"min_resource_s": 10, "max_resource_s": 90, "reduction_factor": 3},
             "confirm": {"top_k": 1, "seeds": [1, 2], "resamples": 200}}
-    tree.update(over)
-    return SweepConfig.model_validate(tree)
+    return {**tree, **over}
+
+
+def _sweep(tmp_path: Path, **over) -> SweepConfig:
+    return SweepConfig.model_validate(_tree(tmp_path, **over))
 
 
 def test_sweep_config_names_bad_fields_and_the_base_must_be_a_point(tmp_path):
@@ -139,7 +142,7 @@ def test_a_sweep_file_is_refused_whole_before_anything_starts_naming_the_file_an
     with pytest.raises(ConfigError, match=re.escape(f"{path}: enqueue[0] {{'data.cleaning.min_words': 50, "
                                                     "'data.cleaning.max_words': 40} makes an invalid config: ")
                        + ".*min_words \\(50\\) must not exceed max_words \\(40\\)"):
-        module._run_sweep(str(path), None, None, None, None, True)
+        module._run_sweep(str(path), None, None, None, None, True, "translation")
     assert not started, "something started before the sweep file was refused"
 
 
@@ -172,7 +175,7 @@ def test_trials_and_max_in_flight_below_one_are_refused_not_replaced_by_the_file
 
     import flows.sweep as module
 
-    for flow in (module.sweep_translation, module.sweep_en_de):
+    for flow in (module.sweep_translation, module.sweep_en_de, module.sweep_parse):
         properties = parameter_schema(flow.fn).model_dump_for_openapi()["properties"]
         for name in ("trials", "max_in_flight"):
             assert {"minimum": 1, "type": "integer"} in properties[name]["anyOf"], (flow.name, properties[name])
@@ -359,6 +362,54 @@ def test_a_hunch_is_the_base_with_its_values_and_never_a_draw_in_the_dimensions_
     assert [r["overrides"]["train.warmup_steps"] for r in runner.runs.values()] == [point["train.warmup_steps"]] * 2
     (old,) = [t for t in study.get_trials() if "withdrawn" in t.user_attrs]
     assert old.system_attrs["fixed_params"] == {"model": "wide"} and not old.params
+
+
+def _fixed(tmp_path: Path, **over) -> SweepConfig:
+    """A study of fixed arms over the test space: the base and three arms, no pruner and no top_k written."""
+    tree = {k: v for k, v in _tree(tmp_path).items() if k not in ("pruner", "trials")}
+    arms_ = [{"model": "wide"}, {"train.warmup_steps": 1500}, {"train.warmup_steps": 2000, "model": "wide"}]
+    return SweepConfig.model_validate({**tree, "fixed_arms": True, "enqueue": arms_, "max_in_flight": 1,
+                                       "confirm": {"seeds": [1, 2], "resamples": 200}, **over})
+
+
+def test_a_study_of_fixed_arms_runs_the_base_and_its_arms_only_and_confirms_every_one(tmp_path):
+    """``fixed_arms``: the trials are the base and the enqueued arms (trials defaults to their count and may not
+    exceed it, so TPE never draws), none is pruned though behind at every rung, and every completed arm is
+    confirmed against the base (not the top_k best), with the Bonferroni threshold over all of them."""
+    sweep = _fixed(tmp_path)
+    assert sweep.trials == 4
+    with pytest.raises(ValueError, match=r"trials = 5 with fixed_arms: the study has the base and 3 arm\(s\)"):
+        _fixed(tmp_path, trials=5)
+    with pytest.raises(ValueError, match=r"\['confirm.top_k', 'pruner'\] do not apply to fixed_arms"):
+        _fixed(tmp_path, pruner={"kind": "hyperband"}, confirm={"top_k": 1})
+    with pytest.raises(ValueError, match="fixed_arms needs its arms: list them under enqueue"):
+        _fixed(tmp_path, enqueue=[])
+    # a window of machine time runs the first trials only (the flow's -p trials=2), the next goes on
+    point = base_point(sweep, resolve_base(sweep))
+    runner = ScriptedRunner()
+    study = open_study(_fixed(tmp_path, trials=2), tmp_path, point, "multi30k-val.sacrebleu")
+    search(_fixed(tmp_path, trials=2), study, runner, lambda p: expand(sweep, p))
+    ran = [t for t in study.get_trials() if t.state.name == "COMPLETE"]
+    assert [t.params for t in ran] == [point, {**point, "model": "wide"}] and len(runner.runs) == 2
+    study = open_study(sweep, tmp_path, point, "multi30k-val.sacrebleu")
+    search(sweep, study, runner, lambda p: expand(sweep, p))
+    trials = study.get_trials()
+    assert [t.params for t in trials] == [point, *({**point, **arm} for arm in sweep.enqueue)]
+    # the worst arm (warm-up 2000 trails the base at every look) trained its whole budget, as every other did
+    assert all(t.state.name == "COMPLETE" and len(t.intermediate_values) == runner.points for t in trials)
+    assert not runner.cancelled and len(runner.runs) == 4
+    base, *candidates = arms(sweep, study, point)
+    assert base.label == "base" and sorted(a.trial for a in candidates) == [1, 2, 3]  # top_k (1) is not used
+    done = confirm(sweep, study, runner, [base, *candidates], lambda p: expand(sweep, p))
+    assert all(sorted(a.outcomes) == [1, 2] for a in done)
+    for arm in done:  # each seed's outputs, with the worse arms' the more words dropped
+        for seed in (1, 2):
+            drop = 0.3 if arm.label == "base" else 0.05 if arm.trial == 1 else 0.3
+            out = _outputs(tmp_path / f"{arm.label}-{seed}", drop, 10 * (arm.trial or 0) + seed)
+            arm.outcomes[seed] = Outcome("COMPLETED", {**arm.outcomes[seed].metrics}, out, 100)
+    verdicts = judge(sweep, done, "dev", "multi30k-val.sacrebleu", "sacrebleu")
+    assert len(verdicts) == 3 and all(v.threshold == pytest.approx(0.05 / 3) for v in verdicts)
+    assert winner(done, verdicts).trial == 1
 
 
 def test_hunches_follow_the_sweep_file_added_ones_join_and_a_waiting_one_taken_out_is_withdrawn(tmp_path):
@@ -601,12 +652,14 @@ def test_sweep_translation_is_the_flow_and_sweep_en_de_its_former_name_kept(monk
     assert module.sweep_translation.fn("s.yaml", None, 3, 1, None, False) == {"winner": None}
     assert not said
     assert module.sweep_en_de.fn("s.yaml", None, 3, 1, None, False) == {"winner": None}
-    assert calls == [("s.yaml", None, 3, 1, None, False)] * 2
+    assert calls == [("s.yaml", None, 3, 1, None, False, "translation")] * 2
     assert len(said) == 1 and "kept for compatibility" in said[0] and "sweep-translation/multi30k-cpu" in said[0]
     spec = yaml.safe_load((Path(__file__).resolve().parents[1] / "prefect.yaml").read_text(encoding="utf-8"))
     deployed = {d["entrypoint"]: d for d in spec["deployments"] if d["entrypoint"].startswith("flows/sweep.py:")}
     new, old = deployed.pop("flows/sweep.py:sweep_translation"), deployed.pop("flows/sweep.py:sweep_en_de")
+    parse = deployed.pop("flows/sweep.py:sweep_parse")  # the parser's study (tests/test_sweep_parsing.py)
     assert not deployed and new["name"] == old["name"] == "multi30k-cpu"
+    assert parse["parameters"] == {"sweep": "ptb-sample-cpu"}
     same = {"name", "parameters", "work_pool", "concurrency_limit", "schedules", "tags"}  # all but what says which
     assert set(new) == set(old) and {k: new[k] for k in same & set(new)} == {k: old[k] for k in same & set(old)}
     assert set(new) - same == {"entrypoint", "description"}

@@ -160,7 +160,8 @@ class ConfirmConfig(Strict):
 
 
 class SweepConfig(Strict):
-    """A sweep: ``trials`` trials of ``base`` (a run config) on ``deployment``, values drawn by TPE from ``space``."""
+    """A sweep: ``trials`` trials of ``base`` (a run config) on ``deployment``, values drawn by TPE from ``space``;
+    or, with ``fixed_arms``, a study of the base and the arms of ``enqueue`` alone (points of ``space``)."""
 
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description=(
         "The sweep's name: it names the Optuna study, its folder and the trial runs."))
@@ -183,6 +184,10 @@ class SweepConfig(Strict):
     enqueue: list[dict[str, Any]] = Field(default=[], description=(
         "Points tried right after the base, in order: each the base with the values it names ({dotted key: "
         "value}, keys of the space; the rest is the base's, never drawn)."))
+    fixed_arms: bool = Field(default=False, description=(
+        "A study of fixed arms instead of a search: the base and the points of enqueue are its only trials "
+        "(trials defaults to all of them and may not exceed them, so nothing is drawn), none is pruned, and every "
+        "completed one is confirmed against the base (pruner and confirm.top_k do not apply)."))
     pruner: PrunerConfig = Field(default=PrunerConfig(), description="Early stopping of trials that fall behind.")
     confirm: ConfirmConfig = Field(default=ConfirmConfig(), description=(
         "Confirmation of the best trials against the base by paired seeds."))
@@ -213,8 +218,29 @@ class SweepConfig(Strict):
                              "leave storage empty for SQLite in the work dir")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _arms_budget(cls, tree: Any) -> Any:
+        # A study of fixed arms runs them all unless told fewer (a study spread over windows of machine time).
+        if isinstance(tree, dict) and tree.get("fixed_arms") is True and "trials" not in tree \
+                and isinstance(tree.get("enqueue"), list):
+            return {**tree, "trials": 1 + len(tree["enqueue"])}
+        return tree
+
     @model_validator(mode="after")
     def _consistent(self) -> "SweepConfig":
+        if self.fixed_arms:
+            if not self.enqueue:
+                raise ValueError("fixed_arms needs its arms: list them under enqueue")
+            if self.trials > 1 + len(self.enqueue):
+                raise ValueError(f"trials = {self.trials} with fixed_arms: the study has the base and "
+                                 f"{len(self.enqueue)} arm(s), so trials past {1 + len(self.enqueue)} would be "
+                                 "drawn from the space; leave trials out, or add arms to enqueue")
+            ignored = sorted({"pruner"} & self.model_fields_set | ({"confirm.top_k"} if "top_k" in
+                                                                   self.confirm.model_fields_set else set()))
+            if ignored:
+                raise ValueError(f"{ignored} do not apply to fixed_arms (every arm trains its whole budget and is "
+                                 "confirmed): leave them out")
         # Every value the study will be told, checked before it exists: Optuna refuses a hunch outside the space
         # only when it is first asked for, after the sweep's runs have started.
         for key in [*self.trial_overrides, *self.space]:

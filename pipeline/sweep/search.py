@@ -1,8 +1,9 @@
 """The sweep's controller: Optuna's ask-and-tell over trial runs started elsewhere, Hyperband pruning on their dev
 NLL as they train, then the confirmation runs of the best by paired seeds.
 
-Nothing here knows Prefect or MLflow: trials run through a :class:`Runner` (the flow's one starts ``train-en-de``
-flow runs on the work pool and reads their MLflow runs: ``tasks/sweep.py``). The study lives in Optuna storage
+Nothing here knows Prefect or MLflow: trials run through a :class:`Runner` (the flows' one starts flow runs of
+the sweep's pipeline deployment, ``train-en-de`` or ``parse-wsj``, on the work pool and reads their MLflow runs:
+``tasks/sweep.py``). The study lives in Optuna storage
 (SQLite or a journal file), and every run is started under an idempotency key derived from the study, so a
 controller that stops (crash, cancellation, a new deployment) and starts again re-attaches to the runs it had
 started instead of starting them twice (resuming those that were cancelled with it), and goes on where it was.
@@ -47,8 +48,9 @@ STOPPED = {"CRASHED", "CANCELLED"}
 
 @dataclass(frozen=True)
 class Outcome:
-    """A finished run: its final state, its evaluation's metrics by name (``multi30k-val.sacrebleu``, ...) and a
-    local folder with its outputs per split (``<split>.hyp`` / ``<split>.ref``, as the evaluation wrote them)."""
+    """A finished run: its final state, its evaluation's metrics by name (``multi30k-val.sacrebleu``,
+    ``ptb-sample-dev.f1``, ...) and a local folder with its outputs per split (``<split>.hyp`` with ``<split>.ref``,
+    or a parser's ``<split>.gold``, as the evaluation wrote them)."""
 
     state: str
     metrics: dict[str, float] = field(default_factory=dict)
@@ -114,12 +116,13 @@ def distributions(sweep: SweepConfig) -> dict[str, BaseDistribution]:
 
 def open_study(sweep: SweepConfig, work_dir: Path, base: dict[str, Any], objective: str) -> optuna.Study:
     """Create the study, or load it to go on: maximising ``objective`` (the dev score's metric name), TPE seeded
-    with ``sweep.seed`` plus the number of trials already in the study, Hyperband (or no pruning). A new study's
+    with ``sweep.seed`` plus the number of trials already in the study, Hyperband (or no pruning: ``pruner.kind``
+    none, or a study of fixed arms, whose every trial is enqueued and trains its whole budget). A new study's
     first trial is the base config itself (``base``, its point of the space), so every sweep measures the
     incumbent under the same conditions as its challengers."""
     pruner = (optuna.pruners.HyperbandPruner(sweep.pruner.min_resource_s, sweep.pruner.max_resource_s,
                                              sweep.pruner.reduction_factor)
-              if sweep.pruner.kind == "hyperband" else optuna.pruners.NopPruner())
+              if sweep.pruner.kind == "hyperband" and not sweep.fixed_arms else optuna.pruners.NopPruner())
     study = optuna.create_study(study_name=sweep.name, storage=open_storage(sweep, work_dir), direction="maximize",
                                 sampler=optuna.samplers.TPESampler(seed=sweep.seed), pruner=pruner,
                                 load_if_exists=True)
@@ -321,7 +324,8 @@ class Arm:
 
 
 def arms(sweep: SweepConfig, study: optuna.Study, base: dict[str, Any]) -> list[Arm]:
-    """The base and the ``confirm.top_k`` best completed trials other than the base point (by search dev score)."""
+    """The base and the ``confirm.top_k`` best completed trials other than the base point (by search dev score);
+    in a study of fixed arms, every completed one."""
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     done = sorted((t for t in complete if point(study, t) != base), key=lambda t: (-t.value, t.number))
     best: list[tuple[dict, FrozenTrial]] = []
@@ -330,7 +334,8 @@ def arms(sweep: SweepConfig, study: optuna.Study, base: dict[str, Any]) -> list[
             best.append((point(study, t), t))
     base_trial = next((t for t in complete if point(study, t) == base), None)
     return [Arm("base", base, None, base_trial.value if base_trial else None),
-            *(Arm(f"trial-{t.number}", p, t.number, t.value) for p, t in best[: sweep.confirm.top_k])]
+            *(Arm(f"trial-{t.number}", p, t.number, t.value)
+              for p, t in (best if sweep.fixed_arms else best[: sweep.confirm.top_k]))]
 
 
 def confirm(sweep: SweepConfig, study: optuna.Study, runner: Runner, candidates: list[Arm], overrides_of,

@@ -16,7 +16,7 @@ import yaml
 
 from pipeline.config import RunConfig, apply_overrides, deep_merge
 from pipeline.support.fsutil import write_text
-from pipeline.promotion import Comparison, pooled_bootstrap
+from pipeline.promotion import Comparison, pooled_bootstrap, references_suffix
 from pipeline.sweep.config import SweepConfig, expand
 from pipeline.sweep import optuna_adapter
 from pipeline.sweep.search import Arm, point
@@ -60,15 +60,17 @@ class Verdict:
         return {**asdict(self), "comparison": asdict(self.comparison)}
 
 
-def _read(outcome, split: str) -> tuple[list[str], list[str]]:
-    hyp, ref = (outcome.outputs / f"{split}.{kind}" for kind in ("hyp", "ref"))
+def _read(outcome, split: str, metric: str) -> tuple[list[str], list[str]]:
+    """A run's outputs on ``split`` and the references ``metric`` scores them against (a parser's gold trees)."""
+    hyp, ref = (outcome.outputs / f"{split}.{kind}" for kind in ("hyp", references_suffix(metric)))
     return tuple(f.read_text(encoding="utf-8").split("\n")[:-1] for f in (hyp, ref))
 
 
 def judge(sweep: SweepConfig, candidates: list[Arm], split: str, score_name: str, metric: str) -> list[Verdict]:
     """Each non-base arm against the base on ``split`` (``dev``, ``test.test2016``): per-seed scores
-    (``score_name``, e.g. ``multi30k-val.sacrebleu``) as mean and standard deviation, and the pooled paired
-    bootstrap of ``metric`` over the seeds both completed; significant at ``confirm.alpha`` / (candidates)."""
+    (``score_name``, e.g. ``multi30k-val.sacrebleu``, ``ptb-sample-dev.f1``) as mean and standard deviation, and
+    the pooled paired bootstrap of ``metric`` (``sacrebleu``, ``chrf``, or ``f1``: EVALB F1 over sentences against
+    the gold trees) over the seeds both completed; significant at ``confirm.alpha`` / (candidates)."""
     base, others = candidates[0], candidates[1:]
     threshold = bonferroni(sweep.confirm.alpha, len(others))
     out = []
@@ -77,7 +79,8 @@ def judge(sweep: SweepConfig, candidates: list[Arm], split: str, score_name: str
                        and arm.outcomes[s].state == base.outcomes[s].state == "COMPLETED")
         if not seeds:
             continue
-        outputs = {name: [_read(a.outcomes[s], split) for s in seeds] for name, a in (("base", base), ("arm", arm))}
+        outputs = {name: [_read(a.outcomes[s], split, metric) for s in seeds]
+                   for name, a in (("base", base), ("arm", arm))}
         scores = {name: [a.outcomes[s].metrics[score_name] for s in seeds]
                   for name, a in (("base", base), ("arm", arm))}
         out.append(paired_verdict(arm.label, split, seeds, (scores["base"], [h for h, _ in outputs["base"]]),

@@ -185,8 +185,8 @@ def config_page() -> str:
              "prints one resolved.", "", *_presets(), "", "## Run config"]
     lines += _section_md(model_sections(RunConfig), "###")
     lines += ["", "## Sweep config", "",
-              "A recipe search's file under `configs/sweeps/` (the `sweep-translation` flow). Keys of its `space` "
-              "and `enqueue` are run-config fields by their dotted names (above)."]
+              "A recipe search's or a study's file under `configs/sweeps/` (the `sweep-translation` and `sweep-parse` "
+              "flows). Keys of its `space` and `enqueue` are run-config fields by their dotted names (above)."]
     lines += _section_md(model_sections(SweepConfig), "###")
     return "\n".join(lines) + "\n"
 
