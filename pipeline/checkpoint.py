@@ -152,7 +152,8 @@ def save_state(state: dict[str, Any], path: Path) -> None:
     need = _tensor_bytes(state)
     with atomic_file(path, size=need) as tmp:
         try:
-            torch.save(state, tmp)
+            with open(tmp, "wb") as f:  # ours to close on a failed write, so that removing the file frees its space
+                torch.save(state, f)
         except RuntimeError as e:
             written = tmp.stat().st_size if tmp.exists() else 0
             if shutil.disk_usage(tmp.parent).free >= need - written:
@@ -167,7 +168,8 @@ def _write_failed(folder: Path, name: str, error: Exception, entries: list[dict]
     if isinstance(error, NeedsSpace):
         return (f"could not write checkpoint {folder / name}: no space left on device: "
                 f"{space_needed(folder, error.need, error.at_least)}, or lower train.keep_last_checkpoints, or point "
-                f"--out (the run folder, under work_dir by default) at a larger disk; {kept}. Then run the same command again")
+                f"--out (the run folder, under work_dir by default) at a larger disk; {kept}. Then run the same "
+                "command again")
     if isinstance(error, OSError) and error.strerror:
         reason = error.strerror
     else:

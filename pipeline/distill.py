@@ -44,7 +44,8 @@ from pipeline.data.clean import Normalizer
 from pipeline.data.corpus import CorpusSplitWriter, rule_report
 from pipeline.support.errors import UserError
 from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, exclusive, identity_fingerprint,
-                             names_full_disk, read_stage_manifest, remove_stale_temps, sha256_file, stage_folder, write_json)
+                                     names_full_disk, read_stage_manifest, remove_stale_temps, sha256_file,
+                                     stage_folder, write_json)
 from pipeline.evalsets import sentence_counter
 from pipeline.inference import load_models, translate_nbest, truncation_summary
 from pipeline.tokenize import Tokenizer, verify_file

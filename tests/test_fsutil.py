@@ -80,7 +80,8 @@ def test_a_finished_stage_folder_whose_listed_file_changed_is_not_reused(tmp_pat
 def test_a_full_disk_in_a_stage_is_one_error_naming_the_file_and_the_space_needed(tmp_path: Path) -> None:
     """ENOSPC or EDQUOT raised by a write deep in a stage becomes a DiskFullError (a UserError: one line from the
     CLI): a write in an atomic folder names the file under the final folder and, as a lower bound, what the folder
-    held when the disk filled; an error naming no file names the work dir and the free space alone; other OS errors pass as they are. (A real full disk: tests/test_disk_full.)
+    held when the disk filled; an error naming no file names the work dir and the free space alone; other OS
+    errors pass as they are. (A real full disk: tests/test_disk_full.py.)
     """
     import errno
     import os

@@ -295,8 +295,10 @@ class _ShardFile:
         self.path = partial / _shard_name(key, index)
         self._file = contextlib.ExitStack()  # the atomic write of the shard file, open until finish()
         self.tmp = self._file.enter_context(atomic_file(self.path))
+        # ours to close (before the atomic write ends), whatever state the writer is left in
+        self.sink = self._file.enter_context(pa.OSFile(str(self.tmp), "wb"))
         # No compression: readers address the token buffers in the mapped file directly.
-        self.writer = pa.ipc.new_file(self.tmp, schema)
+        self.writer = pa.ipc.new_file(self.sink, schema)
         self.stats = {side: {"tokens": 0, "max_len": 0, "unk": 0, "byte_fallback": 0} for side in ("src", "tgt")}
         self.rows = 0
 
@@ -333,8 +335,8 @@ class _ShardFile:
 
     @contextlib.contextmanager
     def _failing(self, block: int) -> Iterator[None]:
-        """Where a write of the shard fails, its temporary file is closed and removed (a full disk frees the space
-        it held) and a full disk names what the shard needs: at least what it held plus ``block``, the bytes of
+        """Where a write of the shard fails, its temporary file is closed and removed (so a full disk frees the
+        space it held) and a full disk names what the shard needs: at least what it held plus ``block``, the bytes of
         the batch being written (:func:`~pipeline.support.fsutil.needs_space`)."""
         try:
             with needs_space(self.path, written=self.tmp, block=block):

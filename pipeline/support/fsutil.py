@@ -362,10 +362,10 @@ _KEPT = "what was written is kept (finished stages are reused, a partial output 
 def names_full_disk(stage: F) -> F:
     """Decorate a stage function that writes under the work dir: a full disk anywhere in it (ENOSPC, EDQUOT)
     becomes one :class:`DiskFullError` line (:func:`disk_full_line`) naming the file being written (or the stage's
-    ``work_dir`` parameter where nothing names one; without one, such an error passes as it is), the space it needs (what :func:`atomic_file`, :func:`atomic_dir` and
-    :func:`needs_space` recorded), the space free once the stage's partial output is removed and what to do,
-    instead of a traceback from deep in a writer. Nothing else changes: the stage's temporary output is removed or
-    kept for its resume as on any other error."""
+    ``work_dir`` parameter where nothing names one; without one, such an error passes as it is), the space it
+    needs (what :func:`atomic_file`, :func:`atomic_dir` and :func:`needs_space` recorded), the space free once the
+    stage's partial output is removed and what to do, instead of a traceback from deep in a writer. Nothing else
+    changes: the stage's temporary output is removed or kept for its resume as on any other error."""
     signature = inspect.signature(stage)
 
     @functools.wraps(stage)
