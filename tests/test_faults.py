@@ -68,7 +68,7 @@ def test_a_truncated_shard_is_found_and_written_again_by_the_stage_that_owns_it(
 
 @pytest.mark.integration
 def test_a_full_disk_in_the_data_stage_is_one_line_naming_the_file_and_the_space_needed(shared_data, tmp_path,
-                                                                                     capsys) -> None:
+                                                                                       capsys) -> None:
     """A real full disk (a 1 MiB tmpfs as the work dir): ``prepare-data`` ends with one line naming the file it
     was writing, at least the space it needs and the space free, leaves no partial output, and runs through once
     there is room (the shard stage and a checkpoint: tests/test_disk_full.py)."""
