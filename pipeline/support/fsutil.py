@@ -285,9 +285,11 @@ class NeedsSpace(OSError):
 
 
 def _is_disk_full(error: BaseException) -> bool:
+    """A full disk or quota not yet named (a nested stage's :class:`DiskFullError` passes as it is)."""
+    if not isinstance(error, OSError) or isinstance(error, DiskFullError):
+        return False
     # pyarrow's write errors carry the C library's message but not always its errno
-    return isinstance(error, OSError) and (error.errno in (errno.ENOSPC, errno.EDQUOT)
-                                           or "No space left on device" in str(error))
+    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
 
 
 def _bytes_under(path: Path) -> int:
@@ -373,7 +375,7 @@ def names_full_disk(stage: F) -> F:
         try:
             return stage(*args, **kwargs)
         except OSError as e:
-            if isinstance(e, DiskFullError) or not _is_disk_full(e):
+            if not _is_disk_full(e):
                 raise
             work_dir = signature.bind(*args, **kwargs).arguments.get("work_dir")
             if not e.filename and work_dir is None:  # a stage without a work_dir parameter: nothing to name
