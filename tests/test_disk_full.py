@@ -128,3 +128,56 @@ def test_a_full_disk_at_a_checkpoint_names_its_size_and_a_rerun_resumes_exactly(
     assert status == 0, stderr[-3000:]
     assert final_state(copy)["step"] == 4
     assert_same_tensors(final_state(copy)["model"], final_state(reference)["model"])
+
+
+# The averaging stage alone, as its task calls it: argv is the run folder; a UserError is one line and status 2,
+# as the command line prints it.
+_AVERAGE = """
+import sys
+from pathlib import Path
+from pipeline.average import average_run
+from pipeline.support.errors import UserError
+from tests.conftest import tiny_config
+try:
+    average_run(tiny_config(Path(sys.argv[1]), "average.last_n=2"), Path(sys.argv[2]))
+except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.integration
+def test_a_full_disk_while_averaging_names_the_average_and_its_size(shared_data, shards, tmp_path) -> None:
+    """A run's two checkpoints on a tmpfs with half an averaged checkpoint free: averaging ends with one line
+    naming the averaged file and about what it needs (exit status 2, no partial file); on the same folder grown,
+    the average equals, tensor for tensor, the one written on a disk with room."""
+    from pipeline.checkpoint import load_checkpoint
+
+    reference = tmp_path / "reference"
+    subprocess.run([sys.executable, *train_command(shared_data, shards, reference, "train.max_steps=2",
+                                                   "train.checkpoint_every_steps=1")],
+                   cwd=REPO_ROOT, env=torchrun_env(), check=True, capture_output=True, timeout=300)
+    average = [sys.executable, "-c", _AVERAGE, str(shared_data)]
+    subprocess.run([*average, str(reference)], cwd=REPO_ROOT, env=torchrun_env(), check=True, capture_output=True)
+    work, logs, copy = tmp_path / "small", tmp_path / "logs", tmp_path / "copy"
+    logs.mkdir()
+    run, q = work / "run", shlex.quote
+    command = " ".join(map(q, [*average, str(run)]))
+    ckpt = q(str(reference / "checkpoints" / "ckpt-00000002.pt"))
+    on_small_disk(work, "64m", f"mkdir {q(str(run))}; cp -r {q(str(reference / 'checkpoints'))} {q(str(run))}/\n"
+                  + f"size=$(stat -c %s {ckpt}); avail=$(df -B1 --output=avail {q(str(work))} | tail -1)\n"
+                  + f"head -c $((avail - size / 2)) /dev/zero >{q(str(work / 'filler'))}\n"
+                  + run_step("full", command, logs)
+                  + f"ls -A {q(str(run / 'averaged'))} >{q(str(logs / 'left'))}\n"
+                  + f"mount -o remount,size=128m {q(str(work))}\n"
+                  + run_step("room", command, logs)
+                  + f"cp -r {q(str(run / 'averaged'))} {q(str(copy))}\n")
+    status, stderr = outcome(logs, "full")
+    line = one_error_line(stderr)
+    assert status == 2 and line.startswith(f"error: {run}/averaged/last2.pt: no space left on device: this write "
+                                           "needs about "), stderr[-3000:]
+    assert f"MiB free on {work}; free at least " in line and "point work_dir" in line, line
+    assert (logs / "left").read_text().split() == []
+    assert outcome(logs, "room")[0] == 0, outcome(logs, "room")[1][-3000:]
+    assert_same_tensors(load_checkpoint(copy / "last2.pt")["model"],
+                        load_checkpoint(reference / "averaged" / "last2.pt")["model"])
