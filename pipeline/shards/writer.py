@@ -332,7 +332,6 @@ class _ShardFile:
         write_json(self.path.with_suffix(".json"), entry)
         return entry
 
-
     @contextlib.contextmanager
     def _failing(self, block: int) -> Iterator[None]:
         """Where a write of the shard fails, its temporary file is closed and removed (so a full disk frees the
