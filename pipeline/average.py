@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_index, verify_and_load
+from pipeline.checkpoint import CHECKPOINT_FORMAT, CheckpointError, read_index, save_state, verify_and_load
 from pipeline.config import RunConfig
 from pipeline.evalsets import Progress
 from pipeline.evaluate import EVALUATORS, evaluate_checkpoint
-from pipeline.support.fsutil import atomic_file, sha256_file, write_json
+from pipeline.support.fsutil import names_full_disk, sha256_file, write_json
 
 log = logging.getLogger("aiayn.average")
 CHOICE = "choice.json"
@@ -89,8 +89,7 @@ def average_checkpoints(folder: Path, last_n: int, out_path: Path) -> Path:
     }
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out_path) as tmp:
-        torch.save(state, tmp)
+    save_state(state, out_path)
     return out_path
 
 
@@ -161,6 +160,7 @@ def choose_last_n(cfg: RunConfig, checkpoints: Path, corpus: Path, tokenizer: Pa
     return chosen
 
 
+@names_full_disk
 def average_run(cfg: RunConfig, run: Path, corpus: Path | None = None, tokenizer: Path | None = None,
                 progress: Progress | None = None) -> Path:
     """A training run's averaged checkpoint as ``cfg.average`` says: the last ``last_n`` checkpoints, or the

@@ -18,8 +18,10 @@ Temporary files of a write that was killed are removed when the next run starts 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import pickle
 import re
 import shutil
@@ -30,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from pipeline.support.errors import UserError
-from pipeline.support.fsutil import atomic_file, sha256_file, write_json
+from pipeline.support.fsutil import NeedsSpace, atomic_file, sha256_file, space_needed, write_json
 from pipeline.support.retired import RetiredOptionError, drop_retired, drop_retired_fields
 
 log = logging.getLogger("aiayn.train")
@@ -129,8 +131,7 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep_last: i
     entries = [e for e in read_index(folder) if e["file"] != name]
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with atomic_file(folder / name) as tmp:
-            torch.save({"format": CHECKPOINT_FORMAT, **state}, tmp)
+        save_state({"format": CHECKPOINT_FORMAT, **state}, folder / name)
         path = folder / name
         entry = {"file": name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
         entries.append(entry)
@@ -143,20 +144,38 @@ def save_checkpoint(folder: Path, state: dict[str, Any], step: int, keep_last: i
     return entry
 
 
+def save_state(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` of a checkpoint's state to ``path`` atomically (:func:`atomic_file`). A full disk is a
+    :class:`~pipeline.support.fsutil.NeedsSpace` naming the state's tensor bytes as what the write needs; torch's
+    writer loses the errno ("[enforce fail at inline_container.cc] unexpected pos ..."), so a failed write where
+    less is free than the rest of the state needs is taken for the full disk it is."""
+    need = _tensor_bytes(state)
+    with atomic_file(path, size=need) as tmp:
+        try:
+            with open(tmp, "wb") as f:  # ours to close on a failed write, so that removing the file frees its space
+                torch.save(state, f)
+        except RuntimeError as e:
+            written = tmp.stat().st_size if tmp.exists() else 0
+            if shutil.disk_usage(tmp.parent).free >= need - written:
+                raise
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp)) from e
+
+
 def _write_failed(folder: Path, name: str, error: Exception, entries: list[dict], need: int) -> str:
-    if isinstance(error, OSError) and error.strerror:
-        reason = error.strerror
-    else:  # torch's writer loses the errno: "[enforce fail at inline_container.cc] unexpected pos ..."
-        reason = f"the write failed, usually a full disk or a quota ({type(error).__name__}: {str(error)[:120]})"
-    try:
-        free = f"{shutil.disk_usage(folder).free / 2**20:,.1f} MB free there"
-    except OSError:
-        free = "free space unknown"
     last = [e for e in entries if e["file"] != name and (folder / e["file"]).is_file()]  # what the index lists
     kept = (f"the last intact checkpoint, {folder / last[-1]['file']} (step {last[-1]['step']}), is still there "
             "and a rerun resumes from it") if last else "no earlier checkpoint exists: a rerun starts from step 0"
-    return (f"could not write checkpoint {folder / name}: {reason} (it needs about {need / 2**20:,.1f} MB, {free}); "
-            f"{kept}. Free space in {folder} (or lower train.keep_last_checkpoints) and run the same command again")
+    if isinstance(error, NeedsSpace):
+        return (f"could not write checkpoint {folder / name}: no space left on device: "
+                f"{space_needed(folder, error.need, error.at_least)}, or lower train.keep_last_checkpoints, or point "
+                f"--out (the run folder, under work_dir by default) at a larger disk; {kept}. Then run the same "
+                "command again")
+    if isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+    else:
+        reason = f"the write failed ({type(error).__name__}: {str(error)[:120]})"
+    return (f"could not write checkpoint {folder / name}: {reason}; {kept}. Fix the cause in {folder} and run the "
+            f"same command again")
 
 
 def _load(path: Path) -> dict:

@@ -44,7 +44,8 @@ from pipeline.data.clean import Normalizer
 from pipeline.data.corpus import CorpusSplitWriter, rule_report
 from pipeline.support.errors import UserError
 from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, exclusive, identity_fingerprint,
-                             read_stage_manifest, remove_stale_temps, sha256_file, stage_folder, write_json)
+                                     names_full_disk, read_stage_manifest, remove_stale_temps, sha256_file,
+                                     stage_folder, write_json)
 from pipeline.evalsets import sentence_counter
 from pipeline.inference import load_models, translate_nbest, truncation_summary
 from pipeline.tokenize import Tokenizer, verify_file
@@ -203,6 +204,7 @@ def teacher_tokenizer(teachers: Sequence[Path], work_dir: Path) -> Path:
                        f"(<their work dir>/tokenizer/<fingerprint>/) into {folder}")
 
 
+@names_full_disk
 def distill_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Path, distill: DistillConfig,
                    work_dir: Path, device: str = "cpu", progress: Progress | None = None,
                    export: Path | None = None) -> Path:
@@ -299,6 +301,7 @@ def _teacher_record(path: Path, sha256: str) -> dict:
             "config": config}
 
 
+@names_full_disk
 def write_translations(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Path, distill: DistillConfig,
                        out_dir: Path, work_dir: Path, device: str = "cpu", progress: Progress | None = None,
                        lineage: dict | None = None) -> Path:
@@ -386,6 +389,7 @@ def read_translations(folder: Path, corpus_dir: Path, corpus: dict) -> dict:
     return manifest
 
 
+@names_full_disk
 def distill_from_translations(corpus_dir: Path, translations: Path, distill: DistillConfig, work_dir: Path) -> Path:
     """The distilled corpus of ``corpus_dir`` from a translations folder made elsewhere (:func:`write_translations`
     on a machine with the teachers): build (or reuse) it under ``work_dir/distilled/`` and return its folder.

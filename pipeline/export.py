@@ -47,7 +47,7 @@ from pipeline.data import read_manifest
 from pipeline.engines import EXPORT_META, GATE, VMAP_FILE, CTranslate2Engine, translate_options, vocabulary_pieces
 from pipeline.support.errors import UserError
 from pipeline.evalsets import read_split
-from pipeline.support.fsutil import atomic_dir, remove_stale_temps, sha256_file, write_json
+from pipeline.support.fsutil import atomic_dir, names_full_disk, remove_stale_temps, sha256_file, write_json
 from pipeline.promotion import paired_bootstrap
 from pipeline.shortlist import write_vocabulary_map
 from pipeline.tokenize import Tokenizer
@@ -239,6 +239,7 @@ def servable(export: Path) -> tuple[Path | None, dict]:
     return (Path(export) if gate["passed"] else None), gate
 
 
+@names_full_disk
 def export_model(cfg: RunConfig, checkpoint: Path, tokenizer_dir: Path, corpus: Path, scores_json: Path) -> Path:
     """The export stage: ``checkpoint`` as a CTranslate2 model (``cfg.export.quantization``) with its gate result
     in ``gate.json``, written before the folder takes its name: an export folder without ``gate.json`` is not

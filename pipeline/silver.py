@@ -40,8 +40,8 @@ from pipeline.parsing.english import treebank_words
 from pipeline.parsing.evaluate import parse
 from pipeline.parsing.trees import PLACEHOLDER, linearize
 from pipeline.support.codegraph import stage_code_hash
-from pipeline.support.fsutil import (MANIFEST, atomic_dir, exclusive, identity_fingerprint, read_stage_manifest,
-                                     sha256_file, stage_folder, write_json)
+from pipeline.support.fsutil import (MANIFEST, atomic_dir, exclusive, identity_fingerprint, names_full_disk,
+                                     read_stage_manifest, sha256_file, stage_folder, write_json)
 from pipeline.tokenize import Tokenizer
 
 log = logging.getLogger("aiayn.silver")
@@ -76,6 +76,7 @@ def _held_out(corpus_dir: Path, corpus: dict) -> dict[str, str]:
     return held
 
 
+@names_full_disk
 def prepare_unlabelled(files: Sequence[str], data_root: str | Path, corpus_dir: Path, work_dir: Path) -> Path:
     """The sentences of ``files`` (``distill.unlabelled``: text files under ``data_root``, one sentence per line)
     as treebank words, normalised as the corpus's sentences are: build (or reuse) their folder under
@@ -151,6 +152,7 @@ def _silver_rows(partial: Path, chunks: int) -> tuple[list[str], list[float], in
     return trees, scores, sum(table.column("truncated").to_pylist().count(True) for table in tables)
 
 
+@names_full_disk
 def silver_corpus(corpus_dir: Path, teachers: Sequence[Path], tokenizer_dir: Path, distill: DistillConfig,
                   unlabelled_dir: Path, work_dir: Path, device: str = "cpu",
                   progress: Progress | None = None) -> Path:

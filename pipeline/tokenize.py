@@ -34,7 +34,7 @@ from pipeline.config import SpecialIds, TokenizerConfig
 from pipeline.data import read_manifest
 from pipeline.support.errors import UserError
 from pipeline.support.fsutil import (MANIFEST, atomic_dir, code_hash, names_full_disk, read_stage_manifest, sha256_file,
-                                     stage_folder, write_json)
+                                     stage_folder, write_bytes, write_json, write_text)
 
 log = logging.getLogger("aiayn.tokenize")
 
@@ -131,11 +131,10 @@ def train_tokenizer(corpus_dir: Path, cfg: TokenizerConfig, work_dir: Path) -> P
     started = time.perf_counter()
     with atomic_dir(out) as tmp:
         model = _train(sampled_sentences(path, picked), cfg, text, symbols)
-        (tmp / MODEL_FILE).write_bytes(model)
+        write_bytes(tmp / MODEL_FILE, model)
         sp = spm.SentencePieceProcessor(model_proto=model)
-        (tmp / VOCAB_FILE).write_text(
-            "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size())),
-            encoding="utf-8")
+        write_text(tmp / VOCAB_FILE,
+                   "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size())))
         write_json(tmp / MANIFEST, {
             "format": TOKENIZER_FORMAT,
             "fingerprint": fingerprint,

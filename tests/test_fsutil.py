@@ -77,27 +77,60 @@ def test_a_finished_stage_folder_whose_listed_file_changed_is_not_reused(tmp_pat
     assert f"{out / 'train-00000.arrow'}: sha256" in caplog.text and "writing it again" in caplog.text
 
 
-def test_a_full_disk_in_a_stage_is_one_error_naming_the_file_and_the_space_left(tmp_path: Path) -> None:
-    """ENOSPC raised by a write deep in a stage becomes a DiskFullError (a UserError: one line from the CLI) that
-    names the file, or the work dir when the error names none; other OS errors pass as they are."""
+def test_a_full_disk_in_a_stage_is_one_error_naming_the_file_and_the_space_needed(tmp_path: Path) -> None:
+    """ENOSPC or EDQUOT raised by a write deep in a stage becomes a DiskFullError (a UserError: one line from the
+    CLI): a write in an atomic folder names the file under the final folder and, as a lower bound, what the folder
+    held when the disk filled; an error naming no file names the work dir and the free space alone; other OS
+    errors pass as they are. (A real full disk: tests/test_disk_full.py.)
+    """
     import errno
     import os
 
     from pipeline.support.errors import UserError
-    from pipeline.support.fsutil import DiskFullError, names_full_disk
+    from pipeline.support.fsutil import DiskFullError, atomic_dir, names_full_disk
 
     @names_full_disk
-    def stage(corpus: Path, work_dir: Path, error: OSError) -> Path:
-        raise error
+    def stage(work_dir: Path, error: OSError) -> Path:
+        with atomic_dir(work_dir / "corpus" / "abc") as tmp:
+            (tmp / "dev.parquet").write_bytes(b"x" * 3 * 2**20)
+            (tmp / "train.parquet").write_bytes(b"y" * 2**20)  # the file the disk filled in, half written
+            raise error
 
-    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "corpus" / "train.parquet"))
     with pytest.raises(DiskFullError) as caught:
-        stage(tmp_path, work_dir=tmp_path, error=full)
+        stage(tmp_path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
     message = str(caught.value)
     assert isinstance(caught.value, UserError) and "\n" not in message
-    assert message.startswith(f"{tmp_path / 'corpus' / 'train.parquet'}: no space left on device (")
-    assert "MiB free on /" in message and f"work_dir {tmp_path}" in message
-    with pytest.raises(DiskFullError, match=f"^{tmp_path}: no space left"):  # pyarrow's: the message, no errno
-        stage(tmp_path, tmp_path, OSError("Error writing bytes to file. Detail: [errno 28] No space left on device"))
+    assert message.startswith(f"{tmp_path / 'corpus' / 'abc' / 'train.parquet'}: no space left on device: this write "
+                              "needs at least 4.0 MiB, ")
+    assert " MiB free on /" in message and "or point work_dir (--work-dir, AIAYN_WORK_DIR) at a larger disk" in message
+    assert not list((tmp_path / "corpus").iterdir())  # the partial folder is gone
+
+    @names_full_disk
+    def raw(corpus: Path, work_dir: Path, error: OSError) -> Path:
+        raise error
+
+    with pytest.raises(DiskFullError, match=f"^{tmp_path}: no space left on device: this write needs more than the "):
+        raw(tmp_path, tmp_path, OSError("Error writing bytes to file. Detail: [errno 28] No space left on device"))
     with pytest.raises(PermissionError):
-        stage(tmp_path, tmp_path, PermissionError(errno.EACCES, "Permission denied"))
+        raw(tmp_path, tmp_path, PermissionError(errno.EACCES, "Permission denied"))
+
+
+def test_a_file_of_known_size_names_it_and_what_is_missing(tmp_path: Path) -> None:
+    """A single file of known size (a checkpoint's state, a copy) names "about" its size and how much more to free
+    than the disk has; the partial file is removed and the file written before is kept."""
+    import errno
+    import os
+
+    from pipeline.support.fsutil import NeedsSpace, atomic_file, disk_full_line
+
+    (tmp_path / "model.pt").write_bytes(b"old")
+    free = __import__("shutil").disk_usage(tmp_path).free
+    with pytest.raises(NeedsSpace) as caught:
+        with atomic_file(tmp_path / "model.pt", size=free + 2**30) as tmp:
+            tmp.write_bytes(b"new, half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert (caught.value.filename, caught.value.need, caught.value.at_least) == (str(tmp_path / "model.pt"),
+                                                                                free + 2**30, False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"] and (tmp_path / "model.pt").read_bytes() == b"old"
+    line = disk_full_line(tmp_path / "model.pt", caught.value.need, False, "--out", "the old file is kept")
+    assert "this write needs about " in line and "; free at least 1,024.0 MiB more there, or point --out at" in line

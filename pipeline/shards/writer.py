@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 from pipeline.config import TokenizerConfig
 from pipeline.data import read_manifest
 from pipeline.support.fsutil import (MANIFEST, atomic_dir, atomic_file, code_hash, exclusive, names_full_disk,
-                                     remove_stale_temps, sha256_file, stage_folder, write_json)
+                                     needs_space, remove_stale_temps, sha256_file, stage_folder, write_json)
 from pipeline.support.proc import exit_with_parent
 from pipeline.tokenize import Tokenizer, verify_file
 
@@ -294,8 +294,11 @@ class _ShardFile:
         self.index, self.is_unknown, self.is_byte, self.schema = index, is_unknown, is_byte, schema
         self.path = partial / _shard_name(key, index)
         self._file = contextlib.ExitStack()  # the atomic write of the shard file, open until finish()
+        self.tmp = self._file.enter_context(atomic_file(self.path))
+        # ours to close (before the atomic write ends), whatever state the writer is left in
+        self.sink = self._file.enter_context(pa.OSFile(str(self.tmp), "wb"))
         # No compression: readers address the token buffers in the mapped file directly.
-        self.writer = pa.ipc.new_file(self._file.enter_context(atomic_file(self.path)), schema)
+        self.writer = pa.ipc.new_file(self.sink, schema)
         self.stats = {side: {"tokens": 0, "max_len": 0, "unk": 0, "byte_fallback": 0} for side in ("src", "tgt")}
         self.rows = 0
 
@@ -308,7 +311,9 @@ class _ShardFile:
             columns.append(pa.ListArray.from_arrays(pa.array(off), pa.array(ids)))
         lengths = [np.diff(src_off), np.diff(tgt_off)]  # int32 [n] each
         columns += [pa.array(length) for length in lengths]
-        self.writer.write_batch(pa.RecordBatch.from_arrays(columns, schema=self.schema))
+        batch = pa.RecordBatch.from_arrays(columns, schema=self.schema)
+        with self._failing(block=batch.nbytes):
+            self.writer.write_batch(batch)
         for side, ids, length in (("src", src_ids, lengths[0]), ("tgt", tgt_ids, lengths[1])):
             st = self.stats[side]
             st["tokens"] += len(ids)
@@ -319,12 +324,27 @@ class _ShardFile:
 
     def finish(self) -> dict:
         """Close the file, rename it into place and write its entry: file, rows, bytes, sha256, statistics."""
-        self.writer.close()
+        with self._failing(block=0):
+            self.writer.close()
         self._file.close()
         entry = {"file": self.path.name, "rows": self.rows, "bytes": self.path.stat().st_size,
                  "sha256": sha256_file(self.path), "stats": self.stats}
         write_json(self.path.with_suffix(".json"), entry)
         return entry
+
+    @contextlib.contextmanager
+    def _failing(self, block: int) -> Iterator[None]:
+        """Where a write of the shard fails, its temporary file is closed and removed (so a full disk frees the
+        space it held) and a full disk names what the shard needs: at least what it held plus ``block``, the bytes of
+        the batch being written (:func:`~pipeline.support.fsutil.needs_space`)."""
+        try:
+            with needs_space(self.path, written=self.tmp, block=block):
+                yield
+        except BaseException as e:
+            with contextlib.suppress(Exception):  # what failed the write may fail the close too
+                self.writer.close()
+            if not self._file.__exit__(type(e), e, e.__traceback__):
+                raise
 
 
 def _split_entry(shards: list[dict]) -> dict:

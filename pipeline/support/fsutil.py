@@ -111,26 +111,34 @@ def remove_stale_temps(folder: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[Path]:
+def atomic_file(path: Path, size: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; write it in the block. On success it is flushed to disk and renamed
     to ``path`` (readers see the old file or the new one, never half of one); on error it is removed (after a
-    kill, :func:`remove_stale_temps` removes it)."""
+    kill, :func:`remove_stale_temps` removes it). A full disk in the block is a :class:`NeedsSpace` naming
+    ``path`` and what it needs: ``size`` bytes where the caller knows the file's size, else at least what the
+    temporary file held when the disk filled."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{_temp_tag()}")
     try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        with needs_space(path, size=size, written=tmp):
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write bytes atomically (:func:`atomic_file`); a full disk names their size as what the write needs."""
+    with atomic_file(path, size=len(data)) as tmp:
+        tmp.write_bytes(data)
+
+
 def write_text(path: Path, text: str) -> None:
     """Write UTF-8 text atomically (:func:`atomic_file`)."""
-    with atomic_file(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+    write_bytes(path, text.encode("utf-8"))
 
 
 def disk_mb(path: Path) -> float:
@@ -151,11 +159,23 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
     On any error the temporary folder is removed, so a reader never sees a half-written stage output. If another
     process finished the same ``final`` first (same content-addressed name), its result is kept and ours dropped.
+    A full disk in the block is a :class:`NeedsSpace` naming the file under ``final`` that was being written and,
+    as what a rerun needs at least, that file's need plus every byte the folder held (removed with it).
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{_temp_tag()}.", dir=final.parent))
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:
+            if not _is_disk_full(e):
+                raise
+            # a nested write's NeedsSpace names its file and need (its partial file is gone); else the file
+            # written last is the one the disk filled in, and the folder's bytes hold its partial part
+            path = Path(e.filename) if isinstance(e, NeedsSpace) else _newest_file(tmp)
+            need = _bytes_under(tmp) + (e.need if isinstance(e, NeedsSpace) else 0)
+            raise NeedsSpace(final / path.relative_to(tmp) if path.is_relative_to(tmp) else path, need,
+                             at_least=True) from None
         try:
             os.rename(tmp, final)
         except OSError:
@@ -250,12 +270,57 @@ def read_stage_manifest(folder: Path, expected_format: str, what: str, fix: str,
 
 
 class DiskFullError(UserError, OSError):
-    """A stage's write found the disk (or the quota) full: the message names the file and the space left."""
+    """A stage's write found the disk (or the quota) full: the message names the file, the space the write needs,
+    the space free and what to do (:func:`disk_full_line`)."""
 
 
-def _is_disk_full(error: OSError) -> bool:
+class NeedsSpace(OSError):
+    """A write that met a full disk, with what it needs: ``need`` bytes, a lower bound where ``at_least``.
+    :func:`names_full_disk` turns it into a :class:`DiskFullError` once the stage's partial output is removed, so
+    that the free space it names is what a rerun finds."""
+
+    def __init__(self, path: Path, need: int, at_least: bool):
+        super().__init__(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        self.need, self.at_least = need, at_least
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """A full disk or quota not yet named (a nested stage's :class:`DiskFullError` passes as it is)."""
+    if not isinstance(error, OSError) or isinstance(error, DiskFullError):
+        return False
     # pyarrow's write errors carry the C library's message but not always its errno
     return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
+
+
+def _bytes_under(path: Path) -> int:
+    """Bytes of a file, or of every file under a folder; 0 for what does not exist."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _newest_file(folder: Path) -> Path:
+    """The file under ``folder`` written last (the one a sequential writer was writing when the disk filled), or
+    ``folder`` itself when it holds none."""
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    return max(files, key=lambda f: f.stat().st_mtime_ns) if files else folder
+
+
+@contextlib.contextmanager
+def needs_space(path: Path, size: int | None = None, written: Path | None = None, block: int = 0) -> Iterator[None]:
+    """A full disk in the block becomes a :class:`NeedsSpace` naming ``path``: the write needs ``size`` bytes where
+    the file's size is known before the write, else at least what ``written`` (the file being written, default
+    ``path``) held when the disk filled plus ``block``, the bytes being written then. A :class:`NeedsSpace` from a
+    write nested in the block, which knows more, passes as it is."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, NeedsSpace) or not _is_disk_full(e):
+            raise
+        if size is not None:
+            raise NeedsSpace(path, size, at_least=False) from None
+        raise NeedsSpace(path, _bytes_under(written or path) + block, at_least=True) from None
 
 
 def _mount_of(path: Path) -> Path:
@@ -269,11 +334,40 @@ def _mount_of(path: Path) -> Path:
     return mount
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def space_needed(path: Path, need: int | None, at_least: bool) -> str:
+    """What a write of ``path`` that met a full disk needs, against what its file system has free now: "this write
+    needs about N MiB (at least N MiB for a lower bound), M MiB free on <mount>; free K MiB more there". The one
+    wording of every stage's disk-full error (:func:`disk_full_line`, the checkpoint writer's)."""
+    mount = _mount_of(path)
+    free = shutil.disk_usage(mount).free
+    if need is None:  # a write whose size nothing recorded: all that is known is that the free space was too little
+        return f"this write needs more than the {_mib(free)} now free on {mount}"
+    short = f"; free at least {_mib(need - free)} more there" if need > free else ""
+    return f"this write needs {'at least' if at_least else 'about'} {_mib(need)}, {_mib(free)} free on {mount}{short}"
+
+
+def disk_full_line(path: Path, need: int | None, at_least: bool, chooses: str, kept: str) -> str:
+    """The one line of a write that met a full disk: the file, :func:`space_needed`, where to point the folder
+    instead (``chooses``: the settings that choose it) and what a rerun finds (``kept``)."""
+    return (f"{path}: no space left on device: {space_needed(path, need, at_least)}, or point {chooses} at a larger "
+            f"disk, then rerun: {kept}")
+
+
+_WORK_DIR = "work_dir (--work-dir, AIAYN_WORK_DIR)"
+_KEPT = "what was written is kept (finished stages are reused, a partial output is resumed or rewritten)"
+
+
 def names_full_disk(stage: F) -> F:
-    """Decorate a stage function that writes under its ``work_dir`` parameter: a full disk anywhere in it (ENOSPC,
-    EDQUOT) becomes one :class:`DiskFullError` line naming the file being written (or the work dir where the error
-    names none), the space left on its file system and what to do, instead of a traceback from deep in a writer.
-    Nothing else changes: the stage's temporary output is removed or kept for its resume as on any other error."""
+    """Decorate a stage function that writes under the work dir: a full disk anywhere in it (ENOSPC, EDQUOT)
+    becomes one :class:`DiskFullError` line (:func:`disk_full_line`) naming the file being written (or the stage's
+    ``work_dir`` parameter where nothing names one; without one, such an error passes as it is), the space it
+    needs (what :func:`atomic_file`, :func:`atomic_dir` and :func:`needs_space` recorded), the space free once the
+    stage's partial output is removed and what to do, instead of a traceback from deep in a writer. Nothing else
+    changes: the stage's temporary output is removed or kept for its resume as on any other error."""
     signature = inspect.signature(stage)
 
     @functools.wraps(stage)
@@ -281,15 +375,13 @@ def names_full_disk(stage: F) -> F:
         try:
             return stage(*args, **kwargs)
         except OSError as e:
-            if isinstance(e, DiskFullError) or not _is_disk_full(e):
+            if not _is_disk_full(e):
                 raise
-            work_dir = Path(signature.bind(*args, **kwargs).arguments["work_dir"])
-            target = Path(e.filename) if e.filename else work_dir
-            mount = _mount_of(target)
-            free = shutil.disk_usage(mount).free / 2**20
-            raise DiskFullError(f"{target}: no space left on device ({free:.0f} MiB free on {mount}, which holds "
-                                f"work_dir {work_dir}): free space there or set work_dir to a larger disk, then run "
-                                "again (finished stages are reused, a partial output is resumed or rewritten)"
-                                ) from None
+            work_dir = signature.bind(*args, **kwargs).arguments.get("work_dir")
+            if not e.filename and work_dir is None:  # a stage without a work_dir parameter: nothing to name
+                raise
+            target = Path(e.filename or work_dir)
+            need, at_least = (e.need, e.at_least) if isinstance(e, NeedsSpace) else (None, True)
+            raise DiskFullError(disk_full_line(target, need, at_least, _WORK_DIR, _KEPT)) from None
 
     return run  # type: ignore[return-value]
