@@ -246,36 +246,13 @@ def cuda_devices() -> int:
     return torch.cuda.device_count()
 
 
-def auth_header() -> dict[str, str]:
-    """The Authorization header of the stack's login for its Prefect server's API (none without a login)."""
-    credentials = login()
-    return {} if credentials is None else {
-        "Authorization": "Basic " + base64.b64encode(":".join(credentials).encode()).decode()}
-
-
 def prefect_api(base: str, path: str, body: dict | None = None, attempts: int = 5, timeout: float = 30.0):
-    """One Prefect REST call (GET, or POST with ``body``); the decoded JSON answer.
-
-    A busy server (its SQLite database locked by another writer) answers 503 or 429 for a moment, or not within
-    ``timeout`` seconds; like Prefect's own client, the call is retried then, a few times with a growing pause
-    (every call made here is safe to repeat: reads, filters, forced state changes, deployment upserts)."""
-    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **auth_header()},
-                                 method="GET" if body is None else "POST")
-    for attempt in range(attempts):
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            if e.code not in (429, 503) or attempt == attempts - 1:
-                raise
-            wait = e.headers.get("Retry-After", "")
-            pause = float(wait) if wait.isdigit() else 2.0 ** attempt
-        except TimeoutError:  # the answer did not come in time (a server stalled on its database)
-            if attempt == attempts - 1:
-                raise
-            pause = 2.0 ** attempt
-        time.sleep(min(pause, 10.0))
+    """One Prefect REST call (GET, or POST with ``body``) to the server at ``base`` with the stack's login, retried
+    while the server is busy (:func:`ops.pools.server_call`); the decoded JSON answer. Every call made here is safe
+    to repeat: reads, filters, forced state changes, deployment upserts."""
+    credentials = login()
+    env = {"PREFECT_API_URL": base, **({"PREFECT_API_AUTH_STRING": ":".join(credentials)} if credentials else {})}
+    return pools.server_call(env, path, body, attempts=attempts, timeout=timeout)
 
 
 def crash_orphaned_runs(api_url: str) -> list[str]:
@@ -343,14 +320,19 @@ def result_storage_env(storage: str | None) -> dict[str, str]:
 
 def create_promotion_locks(env: dict[str, str]) -> list[str]:
     """One Prefect global concurrency limit (one slot) per deployed registered model, ``promote-<model>``: the
-    flows hold it while they read the champion, compare and move the alias. Existing limits are kept."""
+    flows hold it while they read the champion, compare and move the alias. Existing limits are kept. Made in REST
+    calls to ``env``'s PREFECT_API_URL rather than a Prefect CLI process each."""
     names = [lock_name(m) for m in deployed_models()]
     for name in names:
         try:
-            prefect_cli(["global-concurrency-limit", "create", name, "--limit", "1"], env)
-        except StackError as e:
-            if "already exists" not in str(e):
-                raise
+            pools.server_call(env, "/v2/concurrency_limits/", {"name": name, "limit": 1})
+        except urllib.error.HTTPError as e:
+            if e.code != 409:  # 409: a limit of that name exists, kept as it is
+                raise StackError(f"promotion lock {name}: the Prefect server at {env['PREFECT_API_URL']} refused "
+                                 f"it ({e.code}): {e.read().decode(errors='replace')[-2000:]}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise StackError(f"promotion lock {name}: no Prefect server answers at {env['PREFECT_API_URL']} "
+                             f"({getattr(e, 'reason', e)})") from None
     return names
 
 

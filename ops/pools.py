@@ -30,9 +30,8 @@ import argparse
 import base64
 import json
 import os
-import subprocess
 import sys
-import tempfile
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -112,15 +111,42 @@ def templates(kind: str, image: str, values: dict, gpu_image: str | None = None,
     return out
 
 
+def server_call(env: dict[str, str], path: str, body: dict | None = None, method: str | None = None,
+                attempts: int = 5, timeout: float = 30.0):
+    """One call of the Prefect REST API at ``env``'s PREFECT_API_URL (with its PREFECT_API_AUTH_STRING): GET, or POST
+    with ``body`` unless ``method`` says otherwise; the decoded JSON answer (None for an empty one). Raises
+    urllib's HTTPError for an error status, URLError or OSError when no server answers.
+
+    A busy server (its SQLite database locked by another writer) answers 503 or 429 for a moment, or not within
+    ``timeout`` seconds; like Prefect's own client, the call is retried then, a few times with a growing pause."""
+    auth = env.get("PREFECT_API_AUTH_STRING")
+    headers = {"Content-Type": "application/json",
+               **({"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {})}
+    req = urllib.request.Request(env["PREFECT_API_URL"].rstrip("/") + path, headers=headers,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 method=method or ("GET" if body is None else "POST"))
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                answer = r.read()
+            return json.loads(answer) if answer else None
+        except urllib.error.HTTPError as e:
+            if e.code not in (429, 503) or attempt == attempts - 1:
+                raise
+            wait = e.headers.get("Retry-After", "")
+            pause = float(wait) if wait.isdigit() else 2.0 ** attempt
+        except TimeoutError:  # the answer did not come in time (a server stalled on its database)
+            if attempt == attempts - 1:
+                raise
+            pause = 2.0 ** attempt
+        time.sleep(min(pause, 10.0))
+
+
 def existing_type(pool: str, env: dict[str, str]) -> str | None:
     """The type of work pool ``pool`` on the server at ``env``'s PREFECT_API_URL (with its PREFECT_API_AUTH_STRING),
     None when it has no such pool."""
-    auth = env.get("PREFECT_API_AUTH_STRING")
-    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
-    url = f"{env['PREFECT_API_URL'].rstrip('/')}/work_pools/{urllib.parse.quote(pool)}"
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as r:
-            return json.loads(r.read())["type"]
+        return server_call(env, f"/work_pools/{urllib.parse.quote(pool)}")["type"]
     except urllib.error.HTTPError as e:
         if e.code == 404:
             return None
@@ -130,22 +156,28 @@ def existing_type(pool: str, env: dict[str, str]) -> str | None:
 
 
 def create(pool: str, kind: str, base: dict, env: dict[str, str]) -> None:
-    """``prefect work-pool create POOL --type KIND --base-job-template FILE --overwrite`` against PREFECT_API_URL;
-    a PoolError when the pool exists with another type: Prefect keeps an existing pool's type and would only swap
-    its template, leaving a pool whose workers get a template of another kind."""
+    """Create work pool ``pool`` of type ``kind`` with job template ``base`` on the server at PREFECT_API_URL, or
+    give the existing one that template (what ``prefect work-pool create --overwrite`` does, in REST calls rather
+    than a Prefect CLI process); a PoolError when the pool exists with another type: Prefect keeps an
+    existing pool's type and would only swap its template, leaving a pool whose workers get a template of another
+    kind."""
     if (had := existing_type(pool, env)) not in (None, kind):
         raise PoolError(f"work pool {pool} exists as a {had} pool, not {kind}, and Prefect does not change a pool's "
                         f"type: stop its {had} workers and delete it first (prefect work-pool delete {pool})")
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(base, f)
+    # what the CLI sends: the template, unpaused, with no description and no concurrency limit
+    fields = {"base_job_template": base, "is_paused": False, "description": None, "concurrency_limit": None}
     try:
-        res = subprocess.run([str(Path(sys.executable).with_name("prefect")), "--no-prompt", "work-pool", "create",
-                              pool, "--type", kind, "--base-job-template", f.name, "--overwrite"], env=env,
-                             cwd=REPO, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
-    finally:
-        os.unlink(f.name)
-    if res.returncode != 0:
-        raise PoolError(f"prefect work-pool create {pool} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
+        try:
+            server_call(env, "/work_pools/", {"name": pool, "type": kind, **fields})
+        except urllib.error.HTTPError as e:
+            if e.code != 409:  # 409: it exists (of this type, checked above): its template is replaced
+                raise
+            server_call(env, f"/work_pools/{urllib.parse.quote(pool)}", fields, method="PATCH")
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[-2000:]
+        raise PoolError(f"work pool {pool}: the server at PREFECT_API_URL refused it ({e.code}): {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise PoolError(f"work pool {pool}: no server answers at PREFECT_API_URL ({getattr(e, 'reason', e)})") from None
 
 
 def _assignment(text: str) -> tuple[str, object]:

@@ -140,9 +140,9 @@ def ensure_promotion_lock(model: str) -> str:
                 c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
             except ObjectAlreadyExists:  # created meanwhile by a concurrent run
                 pass
-    if held:
-        get_run_logger().info("promotion lock %s is held by another run: waiting for it (a holder killed without "
-                              "releasing it holds it until its lease of %d s runs out)", name, LOCK_LEASE_S)
+    if held:  # in the run's log; outside a run (promote_locked called as a plain function) in this module's
+        _logger().info("promotion lock %s is held by another run: waiting for it (a holder killed without "
+                       "releasing it holds it until its lease of %d s runs out)", name, LOCK_LEASE_S)
     return name
 
 

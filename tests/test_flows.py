@@ -428,13 +428,18 @@ def test_two_promotions_at_once_end_with_the_best_champion(stack, shared_data: P
               "from pipeline import tracking\nfrom pipeline.promotion import Policy\n"
               "from tasks.tracking import promote_locked\n"
               f"tracking.connect({stack['mlflow']!r}, 'race-test')\n"
+              f"pathlib.Path({str(tmp_path)!r}, 'ready-' + sys.argv[1]).touch()\n"
               f"while not pathlib.Path({str(go)!r}).exists(): time.sleep(0.01)\n"
               f"d = promote_locked({name!r}, sys.argv[1], Policy(**json.loads(sys.argv[2])))\n"
               "print(json.dumps({'decision': d.decision, 'champion_version': d.champion_version}))\n")
     env = {**stack["prefect"].env, "MLFLOW_TRACKING_URI": stack["mlflow"]}
     procs = {v: subprocess.Popen([sys.executable, "-c", script, v, json.dumps(policy.__dict__)], cwd=REPO, env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for v in (better, best)}
-    time.sleep(8)  # both imported and waiting at the barrier
+    deadline = time.monotonic() + 180
+    while not all((tmp_path / f"ready-{v}").exists() for v in procs):  # both imported and waiting at the barrier
+        assert all(p.poll() is None for p in procs.values()) and time.monotonic() < deadline, \
+            [p.stderr.read()[-3000:] for p in procs.values() if p.poll() is not None]
+        time.sleep(0.1)
     go.touch()
     results = {}
     for v, proc in procs.items():

@@ -267,6 +267,16 @@ def test_pools_are_applied_to_the_server_at_prefect_api_url(tmp_path: Path) -> N
         assert {pools[p]["type"] for p in ("aiayn-cpu", "aiayn-gpu")} == {"kubernetes"}
         gpu = pools["aiayn-gpu"]["base_job_template"]
         assert (gpu["job_configuration"]["namespace"], gpu["variables"]["properties"]["gpus"]["default"]) == ("ml", 2)
+        # applied again with other values: the pools are overwritten, of the same type
+        res = subprocess.run([*cmd[:-4], "--var", "namespace=ml2", "--gpu-var", "gpus=3"], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        again = {p["name"]: p for p in api(env["PREFECT_API_URL"], "/work_pools/filter", {})}
+        assert {p["id"]: p["type"] for p in again.values()} == {p["id"]: p["type"] for p in pools.values()}
+        gpu = again["aiayn-gpu"]["base_job_template"]
+        assert (gpu["job_configuration"]["namespace"], gpu["variables"]["properties"]["gpus"]["default"]) == ("ml2", 3)
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # back to the first values
+        assert res.returncode == 0, res.stdout + res.stderr
         # a deployment on the pool: its flow runs' job variables are checked by the server as they are created
         flow = api(env["PREFECT_API_URL"], "/flows/", {"name": "bounded"})
         deployment = api(env["PREFECT_API_URL"], "/deployments/", {
