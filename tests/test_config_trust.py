@@ -96,17 +96,17 @@ def test_the_flows_and_the_sweep_refuse_a_config_or_sweep_file_from_elsewhere(tm
         flow_config(str(path), {}, None, "train-translation", TRANSLATE)
     assert SECRET not in str(refused.value)
     with pytest.raises(ConfigError, match=r"^sweep '.*k\.yaml' is not a file under .*: a flow run names a sweep by "
-                                          r"name \(multi30k-cpu\)"):
+                                          r"name \(multi30k-cpu, ptb-sample-cpu\)"):
         load_sweep(str(path), allowed=FlowRunTrust.from_environ({}).config_dirs)
     pool_env.setattr(sweep_flow, "get_run_logger", lambda: None)
     with pytest.raises(ConfigError, match="is not a file under"):
-        sweep_flow._run_sweep(str(path), None, None, None, None, True)
+        sweep_flow._run_sweep(str(path), None, None, None, None, True, "translation")
     # a sweep inside the allowed folders whose base config is not
     sweep = _config(tmp_path / "sweeps", "s.yaml", (CONFIG_DIR / "sweeps" / "multi30k-cpu.yaml").read_text(
         encoding="utf-8").replace("base: multi30k-cpu-hub", f"base: {path}"))
     pool_env.setenv("AIAYN_CONFIG_DIRS", str(tmp_path / "sweeps"))
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(sweep))}: base .* is not a file under"):
-        sweep_flow._run_sweep(str(sweep), None, None, None, None, True)
+        sweep_flow._run_sweep(str(sweep), None, None, None, None, True, "translation")
 
 
 # ------------------------------------------------------------------------------ errors that show no values
