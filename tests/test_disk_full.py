@@ -5,7 +5,9 @@ there is room completes with exactly the output of a run that never met the full
 
 from __future__ import annotations
 
+import json
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +183,144 @@ def test_a_full_disk_while_averaging_names_the_average_and_its_size(shared_data,
     assert outcome(logs, "room")[0] == 0, outcome(logs, "room")[1][-3000:]
     assert_same_tensors(load_checkpoint(copy / "last2.pt")["model"],
                         load_checkpoint(reference / "averaged" / "last2.pt")["model"])
+
+
+# The export stage alone, as its task calls it: argv is the shared data, the checkpoint (its export is written
+# beside it), the tokenizer, the corpus and the evaluation's scores.json.
+_EXPORT = """
+import sys
+from pathlib import Path
+from pipeline.config import ExportConfig
+from pipeline.export import export_model
+from pipeline.support.errors import UserError
+from tests.conftest import tiny_config
+shared, checkpoint, tokenizer, corpus, scores = map(Path, sys.argv[1:6])
+cfg = tiny_config(shared).model_copy(update={"export": ExportConfig(quantization="float32", max_bleu_drop=100)})
+try:
+    export_model(cfg, checkpoint, tokenizer, corpus, scores)
+except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.integration
+def test_a_full_disk_while_exporting_names_the_model_file_and_a_rerun_gates_the_same_export(
+        shared_data, tiny_stack, tmp_path) -> None:
+    """A checkpoint on a tmpfs with half its CTranslate2 model free: the export stage ends with one line naming
+    the export's model file, at least what it needs and what is free (exit status 2), and leaves no folder
+    beside the checkpoint, so nothing looks like a finished export; with room, the same command writes the
+    export and its gate, file for file the export written on a disk with room."""
+    from pipeline.engines import GATE
+    from pipeline.export import MODEL_FILE
+    from pipeline.train import train
+    from pipeline.translation.evaluate import evaluate_translation
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(shared_data, "train.max_steps=2")
+    run = train(cfg, tiny_stack.shards, tmp_path / "run")
+    checkpoint = sorted((run / "checkpoints").glob("ckpt-*.pt"))[-1]
+    scores = evaluate_translation(checkpoint, tiny_stack.tokenizer, tiny_stack.corpus, cfg.decode,
+                                  tmp_path / "eval", splits=["dev"])
+    export = [sys.executable, "-c", _EXPORT, str(shared_data)]
+    rest = [str(tiny_stack.tokenizer), str(tiny_stack.corpus), str(scores)]
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    shutil.copy(checkpoint, reference / checkpoint.name)
+    subprocess.run([*export, str(reference / checkpoint.name), *rest], cwd=REPO_ROOT, env=torchrun_env(),
+                   check=True, capture_output=True, timeout=600)
+    (expected,) = [p for p in reference.iterdir() if p.is_dir()]
+    work, logs, copy = tmp_path / "small", tmp_path / "logs", tmp_path / "copy"
+    logs.mkdir()
+    q = shlex.quote
+    command = " ".join(map(q, [*export, str(work / checkpoint.name), *rest]))
+    size = (expected / MODEL_FILE).stat().st_size
+    on_small_disk(work, "128m", f"cp {q(str(checkpoint))} {q(str(work))}/\n"
+                  + f"avail=$(df -B1 --output=avail {q(str(work))} | tail -1)\n"
+                  + f"head -c $((avail - {size // 2})) /dev/zero >{q(str(work / 'filler'))}\n"
+                  + run_step("full", command, logs)
+                  + f"ls -A {q(str(work))} >{q(str(logs / 'left'))}\n"
+                  + f"rm {q(str(work / 'filler'))}\n"
+                  + run_step("room", command, logs)
+                  + f"cp -r {q(str(work / expected.name))} {q(str(copy))}\n")
+    status, stderr = outcome(logs, "full")
+    line = one_error_line(stderr)
+    out = work / expected.name
+    assert status == 2 and line.startswith(f"error: {out}/{MODEL_FILE}: no space left on device: this write "
+                                           "needs at least "), stderr[-3000:]
+    assert f"MiB free on {work}" in line and "point work_dir" in line, line
+    assert sorted((logs / "left").read_text().split()) == sorted(["filler", checkpoint.name])
+    assert outcome(logs, "room")[0] == 0, outcome(logs, "room")[1][-3000:]
+    # gate.json holds the gate's decoding speed besides its verdict
+    assert {k: v for k, v in files(copy).items() if k != GATE} == \
+        {k: v for k, v in files(expected).items() if k != GATE}
+    assert json.loads((copy / GATE).read_text())["export_bleu"] == \
+        json.loads((expected / GATE).read_text())["export_bleu"]
+
+
+# The decoding stages that write a corpus, alone: argv is the stage (distill: the toy corpus's translations;
+# silver: a parsing corpus's silver trees), the resolved config, the work dir (the corpus is written under it),
+# the corpus, the teacher, the tokenizer and, for silver, the unlabelled sentences.
+_DECODE_CORPUS = """
+import sys
+from pathlib import Path
+from pipeline.config import load_resolved
+from pipeline.distill import distill_corpus
+from pipeline.silver import silver_corpus
+from pipeline.support.errors import UserError
+stage, config, work, corpus, teacher, tokenizer, *unlabelled = sys.argv[1:]
+distill = load_resolved(Path(config)).distill
+try:
+    if stage == "distill":
+        distill_corpus(Path(corpus), [Path(teacher)], Path(tokenizer), distill, Path(work))
+    else:
+        silver_corpus(Path(corpus), [Path(teacher)], Path(tokenizer), distill, Path(unlabelled[0]), Path(work))
+except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stage", ["distill", "silver"])
+def test_a_full_disk_while_decoding_a_corpus_names_the_chunk_and_a_rerun_gives_the_same_corpus(
+        stage, shared_data, tmp_path) -> None:
+    """Distilling the toy corpus (distill), or parsing unlabelled news into silver trees (silver), on a full
+    tmpfs: one line naming the chunk of decoded sentences being written and what is free (exit status 2, no
+    traceback); with room, the same command gives byte for byte the corpus of a run on a disk with room."""
+    from pipeline.config import write_resolved
+    from pipeline.support.fsutil import MANIFEST
+    from tests.test_distill import CHUNK, Toy, toy_config
+    from tests.test_silver import Semi
+
+    if stage == "distill":
+        toy = Toy(tmp_path / "toy")
+        cfg = toy_config(toy.root, toy.work, f"distill.chunk_sentences={CHUNK}")
+        inputs = [str(toy.corpus), str(toy.teachers[0]), str(toy.tokenizer_dir)]
+    else:
+        semi = Semi(shared_data, tmp_path / "semi")
+        cfg = semi.cfg
+        inputs = [str(semi.corpus), str(semi.teacher), str(semi.tokenizer_dir), str(semi.unlabelled())]
+    config = write_resolved(cfg, tmp_path / "config.yaml")
+    decode = [sys.executable, "-c", _DECODE_CORPUS, stage, str(config)]
+    reference = tmp_path / "reference"
+    subprocess.run([*decode, str(reference), *inputs], cwd=REPO_ROOT, env=torchrun_env(), check=True,
+                   capture_output=True, timeout=600)
+    (expected,) = [p for p in (reference / "distilled").iterdir() if p.is_dir()]
+    work, logs, copy = tmp_path / "small", tmp_path / "logs", tmp_path / "copy"
+    logs.mkdir()
+    q = shlex.quote
+    command = " ".join(map(q, [*decode, str(work), *inputs]))
+    on_small_disk(work, "1m", f"cat /dev/zero >{q(str(work / 'filler'))} 2>/dev/null\n"
+                  + run_step("full", command, logs)
+                  + f"rm {q(str(work / 'filler'))}\n"
+                  + run_step("room", command, logs)
+                  + f"cp -r {q(str(work / 'distilled'))} {q(str(copy))}\n")
+    status, stderr = outcome(logs, "full")
+    line = one_error_line(stderr)
+    assert status == 2 and line.startswith(f"error: {work}/distilled/."), stderr[-3000:]
+    assert "/chunk-000000.parquet: no space left on device: this write needs at least " in line, line
+    assert f"MiB free on {work}" in line and "point work_dir" in line, line
+    assert outcome(logs, "room")[0] == 0, outcome(logs, "room")[1][-3000:]
+    for name in ("train.parquet", MANIFEST):
+        assert (copy / expected.name / name).read_bytes() == (expected / name).read_bytes()

@@ -270,6 +270,18 @@ def test_the_distillation_and_student_cost_plots_draw_the_committed_entries(tmp_
     assert "L31" in (tmp_path / "student-cost.svg").read_text(encoding="utf-8")
 
 
+def test_the_parsing_plot_draws_every_parser_of_the_ledger_against_its_training_minutes(tmp_path):
+    """Each parsing_compute row is one marker per split, labelled with its entry and seed, grouped by parser."""
+    from aiayn_docs import plots
+
+    led = ledger.load(LEDGER)
+    rows = [r for _, r in plots._table_rows(led, "parsing_compute")]
+    assert {r["parser"].split(" ")[0] for r in rows} == {"supervised", "semi-supervised"}
+    svg = (plots.parsing_compute(led, REPO, tmp_path)).read_text(encoding="utf-8")
+    assert svg.count("L63, seed 1") == svg.count("L64, seed 1") == 2  # dev and test
+    assert "semi-supervised (ptb-sample-semi-cpu)" in svg
+
+
 def test_a_measurement_names_its_commit_short_and_marked_when_the_tree_differs():
     """short_commit, which the bench scripts write into ledger entries and study records: HEAD's first 7 hex
     digits, with + exactly when tracked files differ from HEAD."""

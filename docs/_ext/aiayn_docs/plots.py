@@ -263,9 +263,32 @@ def data_scale(led: Ledger, repo: Path, out: Path) -> Path | None:
     return _save(fig, out / "data-scale.svg", f"The data side at WMT scale, {_cpu(rows[0][0])}")
 
 
+def parsing_compute(led: Ledger, repo: Path, out: Path) -> Path | None:
+    """Parsers' EVALB F1 against their training compute (the teacher's minutes count towards a semi-supervised
+    parser's), dev and test, one marker per run: tables named ``parsing_compute`` (columns: parser, seed,
+    training_minutes, dev_f1, test_f1), labelled with their entry and CPU."""
+    rows = _table_rows(led, "parsing_compute")
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True)
+    for ax, split in zip(axes, ("dev", "test")):
+        for parser in sorted({r["parser"] for _, r in rows}):
+            sel = [(e, r) for e, r in rows if r["parser"] == parser]
+            ax.scatter([r["training_minutes"] for _, r in sel], [r[f"{split}_f1"] for _, r in sel], label=parser)
+            for e, r in sel:
+                ax.annotate(f"{e.id}, seed {r['seed']}", (r["training_minutes"], r[f"{split}_f1"]), fontsize=7,
+                            xytext=(6, -3), textcoords="offset points")
+        ax.set(xlabel="training minutes on 2 CPU threads (teacher included)", ylabel=f"{split} EVALB F1",
+               title=f"ptb-sample {split}")
+        ax.margins(x=0.3, y=0.3)
+    axes[0].legend(fontsize=7, loc="lower right")
+    return _save(fig, out / "parsing-compute.svg",
+                 f"Parsers of the Penn Treebank sample: F1 against training compute, {_cpu(rows[0][0])}")
+
+
 PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
     learning_curve, speed_vs_baselines, gpu_throughput, recipe_deltas, quality_vs_speed, distillation,
-    student_cost, data_scale]
+    student_cost, data_scale, parsing_compute]
 
 
 def _save(fig, path: Path, title: str | None = None) -> Path:
