@@ -44,6 +44,13 @@ def run_step(name: str, command: str, logs: Path) -> str:
     return f"{command} >/dev/null 2>{err}; echo $? >{rc}\n"
 
 
+def fill_leaving(folder: Path, free: str) -> str:
+    """Lines of an :func:`on_small_disk` script that fill ``folder`` with a file ``filler`` until ``free`` bytes
+    (a shell arithmetic expression) are left."""
+    q = shlex.quote(str(folder))
+    return f"avail=$(df -B1 --output=avail {q} | tail -1)\nhead -c $((avail - ({free}))) /dev/zero >{q}/filler\n"
+
+
 def outcome(logs: Path, name: str) -> tuple[int, str]:
     return int((logs / f"{name}.rc").read_text()), (logs / f"{name}.err").read_text()
 
@@ -110,8 +117,7 @@ def test_a_full_disk_at_a_checkpoint_names_its_size_and_a_rerun_resumes_exactly(
     ckpt2 = q(str(run / "checkpoints" / "ckpt-00000002.pt"))
     filler = q(str(work / "filler"))
     on_small_disk(work, "64m", run_step("step2", train(2), logs)
-                  + f"size=$(stat -c %s {ckpt2}); avail=$(df -B1 --output=avail {q(str(work))} | tail -1)\n"
-                  + f"head -c $((avail - size / 2)) /dev/zero >{filler}\n"
+                  + f"size=$(stat -c %s {ckpt2})\n" + fill_leaving(work, "size / 2")
                   + run_step("full", train(4), logs)
                   + f"ls -A {q(str(run / 'checkpoints'))} >{q(str(logs / 'left'))}\n"
                   + f"rm {filler}\n"
@@ -167,8 +173,7 @@ def test_a_full_disk_while_averaging_names_the_average_and_its_size(shared_data,
     command = " ".join(map(q, [*average, str(run)]))
     ckpt = q(str(reference / "checkpoints" / "ckpt-00000002.pt"))
     on_small_disk(work, "64m", f"mkdir {q(str(run))}; cp -r {q(str(reference / 'checkpoints'))} {q(str(run))}/\n"
-                  + f"size=$(stat -c %s {ckpt}); avail=$(df -B1 --output=avail {q(str(work))} | tail -1)\n"
-                  + f"head -c $((avail - size / 2)) /dev/zero >{q(str(work / 'filler'))}\n"
+                  + f"size=$(stat -c %s {ckpt})\n" + fill_leaving(work, "size / 2")
                   + run_step("full", command, logs)
                   + f"ls -A {q(str(run / 'averaged'))} >{q(str(logs / 'left'))}\n"
                   + f"mount -o remount,size=128m {q(str(work))}\n"
@@ -236,8 +241,7 @@ def test_a_full_disk_while_exporting_names_the_model_file_and_a_rerun_gates_the_
     command = " ".join(map(q, [*export, str(work / checkpoint.name), *rest]))
     size = (expected / MODEL_FILE).stat().st_size
     on_small_disk(work, "128m", f"cp {q(str(checkpoint))} {q(str(work))}/\n"
-                  + f"avail=$(df -B1 --output=avail {q(str(work))} | tail -1)\n"
-                  + f"head -c $((avail - {size // 2})) /dev/zero >{q(str(work / 'filler'))}\n"
+                  + fill_leaving(work, str(size // 2))
                   + run_step("full", command, logs)
                   + f"ls -A {q(str(work))} >{q(str(logs / 'left'))}\n"
                   + f"rm {q(str(work / 'filler'))}\n"
