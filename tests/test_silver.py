@@ -177,7 +177,9 @@ def test_the_corpus_is_every_gold_tree_then_the_confident_silver_trees_with_line
     entry = read_manifest(out)["distillation"]
     assert entry["teachers"] == [{"path": str(semi.teacher.resolve()), "sha256": sha256_file(semi.teacher)}]
     assert entry["unlabelled"]["sources"][0]["sha256"] == sha256_file(semi.news)
-    assert entry["rule"] == {"name": "confident", "keep_fraction": 0.5, "threshold": threshold}
+    # the stage decodes in chunks, batched otherwise than one parse of every sentence: the same confidences up to
+    # float rounding, which depends on the batch's shape and the CPU's kernels
+    assert entry["rule"] == {"name": "confident", "keep_fraction": 0.5, "threshold": pytest.approx(threshold, rel=1e-6)}
     assert (entry["read"], entry["kept"], entry["references"]) == (len(sentences), len(silver), len(gold))
     assert [r["rule"] for r in entry["rules"]] == list(RULES) and entry["removed"]["unconfident"] == len(
         sentences) - len(silver)
