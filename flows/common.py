@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from pipeline import tracking
 from pipeline.config import ConfigError, DevDomainWarning, FlowRunTrust, RunConfig, ensure_work_dir, flow_overrides
+from pipeline.support.urls import shown_url
 from tasks.caching import run_cached
 from tasks.report import publish_report
 from tasks.stages import (average_stage, data_stage, distill_stage, evaluate_stage, export_stage, shards_stage,
@@ -175,6 +176,6 @@ def close_tracking_runs(flow: Any, flow_run: Any, state: Any) -> None:
         closed = tracking.close_flow_run(str(flow_run.id), status, tracking_uri=uri,
                                          reason=f"Prefect flow run {flow_run.id} {state.name}")
     except Exception:
-        logger.exception("could not end the MLflow runs of flow run %s at %s", flow_run.id, uri)
+        logger.exception("could not end the MLflow runs of flow run %s at %s", flow_run.id, shown_url(uri))
         return
     logger.info("flow run %s: ended %d MLflow run(s) as %s: %s", state.name, len(closed), status, ", ".join(closed))

@@ -49,6 +49,7 @@ import yaml
 from ops import pools
 from ops.database import DATABASES, PostgreSQL, StackError, client_environ
 from pipeline.config import ENV_RUNS_MAY_SET, load_config
+from pipeline.support.urls import shown_url
 from pipeline.support.fsutil import write_json
 from pipeline.support.proc import free_port  # noqa: F401  (the tests and ops.localstack callers name it here too)
 from pipeline.promotion import lock_name
@@ -485,9 +486,7 @@ def _check_home(home: Path) -> None:
 def check_api(url: str) -> None:
     """A StackError naming ``url`` (PREFECT_API_URL) unless a Prefect server's API answers there and has the work
     pools prefect.yaml's deployments name."""
-    scheme, sep, rest = url.partition("://")
-    shown = f"{scheme}{sep}***@{rest.rpartition('@')[2]}" if "@" in rest else url  # no credentials shown
-    given, example = f"PREFECT_API_URL {shown}", "export PREFECT_API_URL=http://HOST:PORT/api"
+    given, example = f"PREFECT_API_URL {shown_url(url)}", "export PREFECT_API_URL=http://HOST:PORT/api"
     try:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:

@@ -90,6 +90,7 @@ def unlabelled_stage(files: list[str], data_root: str, corpus: Path, work_dir: P
 
 @task(name="silver-corpus", persist_result=True,
       cache_key_fn=stage_cache_key(silver_corpus, content={"teachers": _teachers_content}))
+@recorded
 def silver_stage(corpus: Path, teachers: list[Path], tokenizer_dir: Path, distill: DistillConfig, unlabelled: Path,
                  work_dir: Path) -> Path:
     """The parsing corpus with the kept silver trees the teachers (parser checkpoints) parse of the ``unlabelled``

@@ -173,6 +173,16 @@ def _no_new_data(name: str, sha256: str, version: str, parent_run_id: str) -> di
     return decision.as_dict()
 
 
+def _decide_orphans(name: str, sha256: str, policy: Policy) -> None:
+    """Decide, oldest first, the versions of other checkpoints that runs registered and stopped before deciding
+    (killed, crashed), as those runs would have: a model's versions are each decided once, in order, whatever
+    the next run registers. Called under the model's promotion lock."""
+    for version in tracking.undecided_versions(name, besides=sha256):
+        decision = tracking.promote(name, version, policy)
+        _logger().warning("version %s of %s was registered by a run that stopped before deciding on it: %s. %s",
+                          version, name, decision.decision, decision.reason)
+
+
 @task(name="register-model")
 def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir: Path, scores: Path,
              corpus: Path, export: Path | None = None, teachers: Sequence[tracking.Teacher] = ()) -> dict:
@@ -187,17 +197,22 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
     One version per checkpoint, each decided once: looking the checkpoint up, registering it and deciding happen
     under the model's promotion lock, so two runs of the same model finishing together register it once. A model
     already registered and decided (same checkpoint: no new data, no changed setting) is not registered again and
-    nothing is decided; one registered by a run that stopped before its decision (killed, crashed) is decided now.
+    nothing is decided; one registered by a run that stopped before its decision (killed, crashed) is decided now,
+    whichever checkpoint this run brings.
     """
     logger = get_run_logger()
     tracking.wait_until_reachable(logger.warning)
     name = cfg.registered_model_name
     scores_data = json.loads(scores.read_text(encoding="utf-8"))
     sha256 = scores_data["checkpoint"]["sha256"]
-    # A decided version stays decided: no lock needed to see that there is nothing to do.
-    if (known := tracking.version_with_checkpoint(name, sha256)) is not None and known.decided:
-        return _no_new_data(name, sha256, known.version, parent_run_id)
     policy = Policy.of(cfg)
+    # A decided version stays decided: no lock needed to see that there is nothing to do, unless another
+    # checkpoint's version waits for the decision its run never made.
+    if (known := tracking.version_with_checkpoint(name, sha256)) is not None and known.decided:
+        if tracking.undecided_versions(name, besides=sha256):
+            with promotion_lock(name):
+                _decide_orphans(name, sha256, policy)
+        return _no_new_data(name, sha256, known.version, parent_run_id)
     tags = {"corpus_fingerprint": scores_data["corpus_fingerprint"]}
     if export is not None:
         export, gate = servable(export)
@@ -217,6 +232,7 @@ def register(cfg: RunConfig, parent_run_id: str, checkpoint: Path, tokenizer_dir
             tags |= tracking.speedup_tag(teachers, speeds)
             logger.info("sentences/s: %s (%s)", speeds.per_s, speeds.describe())
     with promotion_lock(name):
+        _decide_orphans(name, sha256, policy)
         found = tracking.version_with_checkpoint(name, sha256)  # again: another run may have registered it meanwhile
         if found is not None and found.decided:
             return _no_new_data(name, sha256, found.version, parent_run_id)

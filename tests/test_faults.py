@@ -34,10 +34,12 @@ def evaluated(shared_data, tiny_stack, tmp_path_factory) -> dict:
 
     overrides = ("train.max_steps=2", "train.checkpoint_every_steps=1", "average.last_n=2")
     run = train(tiny_config(shared_data, *overrides), tiny_stack.shards, tmp_path_factory.mktemp("run"))
-    ckpt = run / "checkpoints" / "ckpt-00000002.pt"
     decode = DecodeConfig(beam_size=1, max_len_a=0.1, max_len_b=2, batch_sentences=512)
-    scores = evaluate_translation(ckpt, tiny_stack.tokenizer, tiny_stack.corpus, decode, run / "eval", splits=["dev"])
-    return {"run": run, "ckpt": ckpt, "scores": scores, "overrides": overrides}
+    ckpt, first = (run / "checkpoints" / f"ckpt-0000000{n}.pt" for n in (2, 1))
+    scores, first_scores = (evaluate_translation(c, tiny_stack.tokenizer, tiny_stack.corpus, decode, run / f"eval-{n}",
+                                                 splits=["dev"]) for n, c in ((2, ckpt), (1, first)))
+    return {"run": run, "ckpt": ckpt, "scores": scores, "overrides": overrides,
+            "other": {"ckpt": first, "scores": first_scores}}  # another model: the first update's checkpoint
 
 
 # ------------------------------------------------------------------------------------------ stage outputs
@@ -207,12 +209,13 @@ def _versions(uri: str, name: str) -> list:
 
 
 def _register_procs(stack, shared_data, tiny_stack, evaluated, tmp_path: Path, model: str, n: int,
-                    stuck: Path | None = None) -> list[subprocess.Popen]:
+                    stuck: Path | None = None, model_files: dict | None = None) -> list[subprocess.Popen]:
     config = resolved_tiny_config(shared_data, tmp_path, *evaluated["overrides"], f"tracking.registered_model={model}",
                                   "tracking.experiment=faults")
     barrier = tmp_path / f"go-{model}-{n}-{bool(stuck)}"
     env = {**stack["prefect"].env, "MLFLOW_TRACKING_URI": stack["mlflow"], "PYTHONPATH": str(REPO_ROOT)}
-    args = [str(config), str(evaluated["ckpt"]), str(tiny_stack.tokenizer), str(evaluated["scores"]),
+    files = model_files or evaluated
+    args = [str(config), str(files["ckpt"]), str(tiny_stack.tokenizer), str(files["scores"]),
             str(tiny_stack.corpus), str(barrier), str(stuck or "")]
     procs = [subprocess.Popen([sys.executable, "-c", _REGISTER, *args], cwd=REPO_ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(n)]
@@ -252,11 +255,13 @@ def test_two_identical_runs_finishing_together_register_one_version(stack, share
 
 @pytest.mark.slow
 @pytest.mark.integration
+@pytest.mark.parametrize("next_model", ["the same checkpoint", "another checkpoint"])
 def test_a_version_left_undecided_by_a_killed_run_is_decided_by_the_next(stack, shared_data, tiny_stack, evaluated,
-                                                                        tmp_path) -> None:
+                                                                        tmp_path, next_model: str) -> None:
     """kill -9 of a flow run after it registered and before its decision (it holds the promotion lock then): the
-    next run waits for the dead holder's lease, registers nothing and decides on that version, so a first model
-    becomes champion (every rerun said "no new data" before)."""
+    next run waits for the dead holder's lease and decides on that version first, so a first model becomes
+    champion (every rerun said "no new data" before). With the same checkpoint it registers nothing; with another,
+    that one is registered and judged against the champion the orphan became: every version decided, once."""
     from ops.localstack import free_port
     from pipeline import tracking
 
@@ -264,14 +269,22 @@ def test_a_version_left_undecided_by_a_killed_run_is_decided_by_the_next(stack, 
     stuck = tmp_path / "registered"
     (killed,) = _register_procs(stack, shared_data, tiny_stack, evaluated, tmp_path, model, 1, stuck)
     kill_when_stuck(killed, stuck, "the decision after registering", timeout=240)
-    (version,) = _versions(stack["mlflow"], model)
-    assert "promotion.decision" not in version.tags
-    (decision,) = _decisions(_register_procs(stack, shared_data, tiny_stack, evaluated, tmp_path, model, 1))
-    assert (decision["decision"], decision["version"]) == ("promoted", version.version), decision
-    (version,) = _versions(stack["mlflow"], model)
-    assert version.tags["promotion.decision"] == "promoted"
+    (orphan,) = _versions(stack["mlflow"], model)
+    assert "promotion.decision" not in orphan.tags
+    other = evaluated["other"] if next_model == "another checkpoint" else None
+    (decision,) = _decisions(_register_procs(stack, shared_data, tiny_stack, evaluated, tmp_path, model, 1,
+                                             model_files=other))
+    versions = {v.version: v.tags for v in _versions(stack["mlflow"], model)}
+    assert versions[orphan.version]["promotion.decision"] == "promoted"
     tracking.connect(stack["mlflow"], "faults")
-    assert tracking.champion(model) == version.version
+    if other is None:
+        assert list(versions) == [orphan.version] and tracking.champion(model) == orphan.version
+        assert (decision["decision"], decision["version"]) == ("promoted", orphan.version), decision
+    else:  # the first update's model, registered and judged against the champion the orphan became
+        (new,) = set(versions) - {orphan.version}
+        assert (decision["version"], versions[new]["promotion.decision"]) == (new, decision["decision"]), decision
+        assert versions[new]["promotion.champion_version"] == orphan.version
+        assert tracking.champion(model) == (new if decision["decision"] == "promoted" else orphan.version)
 
 
 # ------------------------------------------------------------------------------------------ the tracking server

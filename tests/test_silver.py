@@ -272,3 +272,57 @@ def test_a_teacher_trained_first_and_a_student_on_gold_and_silver_trees(shared_d
     assert tags["distill.threshold"] == str(entry["rule"]["threshold"])
     assert tags["distill.unlabelled.0"] == f"wmt-en-de-older-newstest/newssyscomb2009.en sha256:{sha256_file(news)}"
     assert tags["distill.teacher_sha256.0"] == sha256_file(Path(teacher))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_the_semi_supervised_deployment_trains_its_teacher_then_its_parser_and_reuses_the_silver_trees(
+        stack, shared_data: Path, tmp_path: Path) -> None:
+    """``parse-wsj/ptb-sample-semi-cpu`` on the local stack, as a user runs it: the teacher config trains and
+    registers as a child flow run, its version parses the unlabelled news into the silver corpus (a cached stage
+    task whose digest is recorded), the parser trains on gold and silver trees and registers with the silver
+    corpus's lineage; run again, the silver trees come from the cache."""
+    import yaml
+    from mlflow.tracking import MlflowClient
+
+    from ops.localstack import free_port
+    from pipeline.config import write_resolved
+
+    port = free_port()
+    teacher_model, parser_model = f"transformer-en-tree-teacher-{port}", f"transformer-en-tree-{port}"
+    tiny = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in SPLITS)} | {
+        "model.encoder_layers": 1, "model.decoder_layers": 1, "model.d_model": 32, "model.n_heads": 2,
+        "model.d_ff": 64, "train.max_tokens": 2048, "train.update_tokens": 2048, "train.warmup_steps": 2,
+        "train.checkpoint_every_steps": 2, "train.dev_every_steps": 1000, "average.last_n": 2,
+        "decode.beam_size": 1, "decode.max_len_b": 10, "tracking.experiment": "semi-deployment",
+        "tracking.attention_sentences": 0}
+    teacher = write_resolved(load_config("ptb-sample-cpu", {**tiny, "data.root": str(shared_data),
+                                                            "tracking.registered_model": teacher_model}),
+                             tmp_path / "teacher.yaml")
+    parser = {**tiny, **{k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in DECODE)},
+              "distill.chunk_sentences": 128, "distill.unlabelled": ["wmt-en-de-older-newstest/newssyscomb2009.en"],
+              "tracking.registered_model": parser_model}
+    params = {"config": "ptb-sample-semi-cpu", "data_root": str(shared_data), "overrides": parser, "max_steps": 4,
+              "teacher_configs": [str(teacher)]}
+    prefect, mlflow = stack["prefect"], MlflowClient(stack["mlflow"])
+
+    status, _, first = prefect.run_deployment("parse-wsj/ptb-sample-semi-cpu", params)
+    assert status == 0, prefect.logs(first)[-4000:]
+    assert prefect.task_states(first)["silver-corpus"] == "Completed"
+    (version,) = mlflow.search_model_versions(f"name = '{teacher_model}'")
+    label = f"{teacher_model}/{version.version}"
+    exp = mlflow.get_experiment_by_name("semi-deployment")
+    (parent,) = mlflow.search_runs([exp.experiment_id], f"tags.`prefect.flow_run_id` = '{first}'")
+    (distill,) = mlflow.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}' and "
+                                                         "tags.stage = 'distill'")
+    tags, metrics = distill.data.tags, distill.data.metrics
+    news = shared_data / "wmt-en-de-older-newstest" / "newssyscomb2009.en"
+    assert tags["distill.teachers"] == label and tags["distill.rule"] == "confident" and tags["cached"] == "false"
+    assert tags["distill.unlabelled.0"] == f"wmt-en-de-older-newstest/newssyscomb2009.en sha256:{sha256_file(news)}"
+    assert metrics["distill.read"] > 400 and 0 < metrics["distill.kept"] < metrics["distill.read"]
+    (parsed,) = mlflow.search_model_versions(f"name = '{parser_model}'")
+    assert parsed.tags["distill.teachers"] == label and parsed.tags["promotion.decision"] == "promoted"
+
+    status, _, second = prefect.run_deployment("parse-wsj/ptb-sample-semi-cpu", params)
+    assert status == 0, prefect.logs(second)[-4000:]
+    assert prefect.task_states(second)["silver-corpus"] == "Cached", prefect.logs(second)[-6000:]

@@ -29,6 +29,56 @@ def _holds(text: str) -> bool:
     return any(form in text for form in FORMS)
 
 
+@pytest.mark.parametrize("form", FORMS, ids=["as-is", "encoded"])
+@pytest.mark.parametrize("url, shown, link", [
+    ("http://team:{pw}@mlflow.team:5000", "http://***@mlflow.team:5000", "http://mlflow.team:5000"),
+    ("postgresql://team:{pw}@db.team:5432/mlflow?sslmode=require", "postgresql://***@db.team:5432/mlflow?...",
+     "postgresql://db.team:5432/mlflow"),
+    ("https://mlflow.team/api?token={pw}", "https://mlflow.team/api?...", "https://mlflow.team/api"),
+])
+def test_a_url_is_shown_without_its_credentials_whatever_they_hold(url: str, shown: str, link: str,
+                                                                   form: str) -> None:
+    """Every punctuation character in a password or token, percent-encoded or not (``/``, ``?``, ``#`` and ``@``
+    split a parsed URL in the wrong place): the message form marks what it hides, the link form leaves it out, and
+    no run of the secret's characters is left in either."""
+    from pipeline.support.urls import shown_url
+
+    url = url.format(pw=form)
+    got = (shown_url(url), shown_url(url, link=True))
+    assert not any(form[i:i + 3] in g for g in got for i in range(len(form) - 2)), got
+    if form == FORMS[1]:  # unambiguous: the server is named (as it is, a "?" in the secret could start a query)
+        assert got == (shown, link)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:5000", "sqlite:///srv/mlflow.db", "file:///srv/mlruns"])
+def test_a_url_without_credentials_is_shown_as_it_is(url: str) -> None:
+    from pipeline.support.urls import shown_url
+
+    assert shown_url(url) == shown_url(url, link=True) == url
+
+
+def test_the_tracking_server_s_messages_show_no_credentials() -> None:
+    """An unreachable tracking server whose URL carries a user and password: the fail-fast error and the lines
+    of the wait name the server without them."""
+    import mlflow
+
+    from ops.localstack import free_port
+    from pipeline import tracking
+
+    uri, said = f"http://team:{FORMS[1]}@127.0.0.1:{free_port()}", []
+    with pytest.raises(tracking.TrackingError) as refused:
+        tracking.check_reachable(uri, timeout_s=2)
+    before = mlflow.get_tracking_uri()
+    try:
+        mlflow.set_tracking_uri(uri)
+        with pytest.raises(tracking.TrackingError) as waited:
+            tracking.wait_until_reachable(said.append, patience_s=0.5, every_s=0.2)
+    finally:
+        mlflow.set_tracking_uri(before)
+    for text in (str(refused.value), str(waited.value), *said):
+        assert not _holds(text) and "http://***@127.0.0.1:" in text, text
+
+
 def _role_with_the_password(postgres: str) -> str:
     """A role of the ``postgres`` fixture's server with PASSWORD and CREATEDB, on a server without the stack's
     databases (the fixture is the session's: another test's are another role's); its URL, percent-encoded."""

@@ -1,6 +1,7 @@
 """What the stages share and none of them is: user-facing errors, atomic files and content hashes, child processes,
-the hardware's description, the C heap, the code graph behind cache keys, a run's commit, and the options that left
-the product. Imports nothing else of the pipeline, so every stage may import it."""
+the hardware's description, the C heap, the code graph behind cache keys, a run's commit, URLs shown without their
+credentials, and the options that left the product. Imports nothing else of the pipeline, so every stage may import
+it."""
 
 from pathlib import Path
 

@@ -21,7 +21,7 @@ _SOURCES = {
     "lineage": ("log_corpus", "log_distillation", "log_tokenizer"),
     "pyfunc": ("ServedModel",),
     "registry": ("CHAMPION", "champion", "champion_artifacts", "promote", "promotion_set", "register_model",
-                 "version_tags", "version_with_checkpoint"),
+                 "undecided_versions", "version_tags", "version_with_checkpoint"),
     "teachers": ("Teacher", "TeacherError", "TeacherRef", "describe_student", "lineage_tags", "resolve_teachers",
                  "shared_tokenizer", "speedup_tag"),
     "results": ("flat_scores", "log_averaging", "log_evaluation", "log_export", "log_training", "model_scores"),

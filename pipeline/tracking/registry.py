@@ -127,6 +127,20 @@ def version_with_checkpoint(name: str, checkpoint_sha256: str) -> Registered | N
     return Registered(str(newest.version), "promotion.decision" in newest.tags)
 
 
+def undecided_versions(name: str, besides: str) -> list[str]:
+    """The versions of ``name`` that the pipeline registered (they carry a checkpoint sha256) and nobody decided,
+    oldest first, but the one holding checkpoint ``besides``: each run that registered one stopped before its
+    decision (killed, crashed). Read under the model's promotion lock, there is no live run between the two."""
+    try:
+        found = client().search_model_versions(f"name = '{name}'")
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND"):
+            return []
+        raise
+    return [str(v.version) for v in sorted(found, key=lambda v: int(v.version))
+            if v.tags.get("checkpoint_sha256", besides) != besides and "promotion.decision" not in v.tags]
+
+
 def version_tags(name: str, version: str) -> dict[str, str]:
     """A version's tags (its scores, checkpoint sha256, corpus fingerprint, promotion evidence)."""
     return dict(client().get_model_version(name, version).tags)

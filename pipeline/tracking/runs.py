@@ -7,6 +7,7 @@ so nothing here relies on MLflow's fluent "active run", which is per thread.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import logging
 import time
@@ -23,6 +24,7 @@ from mlflow.tracking import MlflowClient
 from pipeline.config import RunConfig, dump_config
 from pipeline.support.errors import UserError
 from pipeline.support.provenance import git_commit
+from pipeline.support.urls import shown_url
 
 log = logging.getLogger("aiayn.tracking")
 
@@ -42,7 +44,7 @@ def _unreachable(uri: str, timeout_s: float) -> str | None:
     when it does; database and file URIs need no server: None."""
     if urlparse(uri).scheme not in ("http", "https"):
         return None
-    url = uri.rstrip("/") + "/health"
+    url = shown_url(uri, link=True).rstrip("/") + "/health"  # /health asks no login; urllib takes none in a URL
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             if r.status == 200:
@@ -50,7 +52,7 @@ def _unreachable(uri: str, timeout_s: float) -> str | None:
             why = f"HTTP {r.status}"
     except urllib.error.HTTPError as e:
         why = f"HTTP {e.code}"
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
         why = str(getattr(e, "reason", e))
     return f"{url}: {why}"
 
@@ -62,7 +64,7 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
     dead server for minutes before it gives up.
     """
     if why := _unreachable(uri, timeout_s):
-        raise TrackingError(f"MLflow tracking server {uri} is not reachable ({why}). Start it "
+        raise TrackingError(f"MLflow tracking server {shown_url(uri)} is not reachable ({why}). Start it "
                             "(python -m ops.localstack up) or point MLFLOW_TRACKING_URI at a running server.")
 
 
@@ -74,15 +76,16 @@ def wait_until_reachable(say: Callable[[str], None], patience_s: float = 600.0, 
     uri = mlflow.get_tracking_uri()
     if not (why := _unreachable(uri, min(every_s, 10.0))):
         return
-    say(f"MLflow tracking server {uri} is unreachable ({why}); retrying every {every_s:.0f} s for up to "
+    shown = shown_url(uri)
+    say(f"MLflow tracking server {shown} is unreachable ({why}); retrying every {every_s:.0f} s for up to "
         f"{patience_s / 60:.0f} min before this run fails")
     deadline = time.monotonic() + patience_s
     while time.monotonic() < deadline:
         time.sleep(min(every_s, max(0.0, deadline - time.monotonic())))
         if not (why := _unreachable(uri, min(every_s, 10.0))):
-            say(f"MLflow tracking server {uri} answers again; going on")
+            say(f"MLflow tracking server {shown} answers again; going on")
             return
-    raise TrackingError(f"MLflow tracking server {uri} stayed unreachable for {patience_s / 60:.0f} min ({why}): "
+    raise TrackingError(f"MLflow tracking server {shown} stayed unreachable for {patience_s / 60:.0f} min ({why}): "
                         "start it again, then rerun: the stages that finished are reused from the cache")
 
 
@@ -291,7 +294,7 @@ def finish_run(run_id: str, status: str = "FINISHED") -> None:
 def _ui() -> str | None:
     """The MLflow UI's address: the tracking server's, for http(s) servers only (a SQLite store has no UI)."""
     uri = mlflow.get_tracking_uri()
-    return uri.rstrip("/") if urlparse(uri).scheme in ("http", "https") else None
+    return shown_url(uri, link=True).rstrip("/") if urlparse(uri).scheme in ("http", "https") else None
 
 
 def run_url(run_id: str) -> str | None:
@@ -315,9 +318,9 @@ def flow_run_pages(flow_run_id: str, uri: str) -> dict[str, str]:
     and ``mlflow-model-version`` (its registered version); a page the run did not produce is left out. Raises
     :class:`TrackingError` without an http(s) server or a run of that flow run."""
     if urlparse(uri).scheme not in ("http", "https"):
-        raise TrackingError(f"{uri} is not an MLflow server: it has no UI to show")
+        raise TrackingError(f"{shown_url(uri)} is not an MLflow server: it has no UI to show")
     check_reachable(uri)
-    ui, c = uri.rstrip("/"), MlflowClient(uri)
+    ui, c = shown_url(uri, link=True).rstrip("/"), MlflowClient(uri)
     parents = flow_run_runs(c, flow_run_id)
     if not parents:
         raise TrackingError(f"no MLflow run is tagged with the Prefect flow run {flow_run_id}")

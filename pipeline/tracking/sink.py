@@ -20,6 +20,8 @@ from mlflow.system_metrics.metrics.base_metrics_monitor import BaseMetricsMonito
 from mlflow.system_metrics.metrics.cpu_monitor import CPUMonitor
 from mlflow.tracking import MlflowClient
 
+from pipeline.support.urls import shown_url
+
 from .runs import BATCH_METRICS, BATCH_PARAMS, TrackingError, check_reachable, chunked, flatten
 
 log = logging.getLogger("aiayn.tracking")
@@ -47,6 +49,7 @@ class MlflowSink:
                  close_timeout_s: float = 300.0):
         check_reachable(tracking_uri)
         self.run_id, self.tracking_uri = run_id, tracking_uri
+        self._shown_uri = shown_url(tracking_uri)  # what messages name: never the URL's credentials
         self._client = MlflowClient(tracking_uri)
         run = self._client.get_run(run_id)  # a wrong run id fails here, not in the background
         # A resumed training logs again the steps it trains again (values equal: the resume is exact). MLflow keeps
@@ -88,7 +91,7 @@ class MlflowSink:
         self._thread.join()
         if self.pending():
             raise TrackingError(f"{self.pending()} metrics/params could not be sent to the MLflow server "
-                                f"{self.tracking_uri} (run {self.run_id}) within {self._close_timeout_s:.0f} s "
+                                f"{self._shown_uri} (run {self.run_id}) within {self._close_timeout_s:.0f} s "
                                 f"(last error: {self._last_error}); they are in the run folder's metrics.jsonl")
 
     # -------------------------------------------------------------------------------------------- sending
@@ -156,7 +159,7 @@ class MlflowSink:
             except Exception as e:  # noqa: BLE001 - any failure to send is retried; nothing is dropped
                 self._last_error = e
                 backoff = min(max(2 * backoff, 1.0), self._max_backoff_s)
-                log.warning("MLflow logging to %s failed (%s: %s); %d kept, retrying in %.0f s", self.tracking_uri,
+                log.warning("MLflow logging to %s failed (%s: %s); %d kept, retrying in %.0f s", self._shown_uri,
                             type(e).__name__, e, self.pending(), backoff)
             if self._closing.is_set() and (not backoff or time.monotonic() >= deadline):
                 return
