@@ -25,7 +25,8 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from pipeline import tracking
-from pipeline.config import ConfigError, DevDomainWarning, FlowRunTrust, RunConfig, ensure_work_dir, flow_overrides
+from pipeline.config import (ConfigError, DevDomainWarning, FlowRunTrust, RunConfig, ensure_work_dir, flow_overrides,
+                             unshown_character)
 from pipeline.support.urls import shown_url
 from tasks.caching import run_cached
 from tasks.report import publish_report
@@ -44,7 +45,11 @@ def flow_config(config: str, overrides: dict[str, Any], data_root: str | None, f
     configs from the allowed folders only, the worker's environment, then the run's parameters, of which those
     the environment decides are refused, ``tracking_uri`` included); refuses one this flow is not for (``expect``:
     field -> value, e.g. the language pair, or ``task: parsing``) and one that cannot leave the checkpoints
-    its averaging needs (:meth:`pipeline.config.RunConfig.averaging_shortfall`)."""
+    its averaging needs (:meth:`pipeline.config.RunConfig.averaging_shortfall`). A flow run named with a
+    character that is not shown as itself is refused too: the name becomes its MLflow run's."""
+    if (name := flow_run.get_name()) and (why := unshown_character(name)):
+        raise ConfigError(f"flow run name {name!r}: {why}; start the run with a name in printable characters "
+                          "(prefect deployment run ... --flow-run-name NAME)")
     trust = FlowRunTrust.from_environ()
     with warnings.catch_warnings(record=True) as caught:  # into the flow run's logs, where users look
         warnings.simplefilter("always", DevDomainWarning)

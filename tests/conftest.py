@@ -268,10 +268,13 @@ class Prefect:
     def __init__(self, api_url: str, env: dict[str, str]):
         self.api, self.env = api_url, env
 
-    def run_deployment(self, name: str, params: dict, timeout: int = 900) -> tuple[int, str, str]:
-        """``prefect deployment run NAME --params JSON --watch``: (exit status, output, flow run id)."""
+    def run_deployment(self, name: str, params: dict, timeout: int = 900,
+                       run_name: str | None = None) -> tuple[int, str, str]:
+        """``prefect deployment run NAME --params JSON --watch`` (``--flow-run-name``, given ``run_name``): (exit
+        status, output, flow run id)."""
+        named = ["--flow-run-name", run_name] if run_name else []
         res = subprocess.run([str(Path(sys.executable).with_name("prefect")), "deployment", "run", name,
-                              "--params", json.dumps(params), "--watch"], cwd=REPO_ROOT, env=self.env,
+                              "--params", json.dumps(params), *named, "--watch"], cwd=REPO_ROOT, env=self.env,
                              capture_output=True, text=True, timeout=timeout)
         out = res.stdout + res.stderr
         run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)

@@ -363,7 +363,7 @@ def test_the_train_and_run_commands_refuse_more_processes_than_their_one(tmp_pat
 def test_a_deployment_run_cannot_read_a_file_elsewhere_nor_start_a_node_by_hand(stack, tmp_path: Path) -> None:
     """On the real stack: a run naming a kubeconfig outside the allowed folders, and one naming it inside them, fail
     with a state message that names the file and shows none of its values; a train-node run started by hand fails
-    without training."""
+    without training; a run named with a right-to-left override fails before its name reaches MLflow."""
     prefect = stack["prefect"]
     outside = _config(Path("/tmp") / f"aiayn-trust-{tmp_path.name}", "kubeconfig.yaml", KUBECONFIG)
     inside = _config(tmp_path, "kubeconfig.yaml", KUBECONFIG)  # the stack allows the tests' folders
@@ -380,3 +380,11 @@ def test_a_deployment_run_cannot_read_a_file_elsewhere_nor_start_a_node_by_hand(
     assert status != 0 and state["type"] == "FAILED"
     assert f"flow run {run} is not a node any training stage recorded" in state["message"]
     assert "torch.distributed.run" not in prefect.logs(run)
+    status, out, run = prefect.run_deployment("train-en-de/multi30k-cpu", {"max_steps": 1}, timeout=300,
+                                           run_name="run\u202egpj")
+    state = prefect.flow_run(run)["state"]
+    assert status != 0 and state["type"] == "FAILED", out[-2000:]
+    assert state["message"].endswith("flow run name 'run\\u202egpj': character 4 is U+202E (RIGHT-TO-LEFT OVERRIDE), "
+                                     "which is not shown as itself (a right-to-left override shows a name reversed in "
+                                     "MLflow and Prefect); start the run with a name in printable characters "
+                                     "(prefect deployment run ... --flow-run-name NAME)"), state["message"]

@@ -97,6 +97,41 @@ def test_a_full_disk_in_the_shard_stage_names_the_shard_and_the_space_it_needs(s
 
 
 @pytest.mark.integration
+def test_a_full_disk_in_the_tokenizer_stage_names_the_model_file_and_a_rerun_gives_the_same_tokenizer(
+        shared_data, tmp_path) -> None:
+    """The corpus written with room, then ``tokenize`` with 16 KiB left: the sentencepiece model does not fit. One
+    line names the model file in the tokenizer's partial folder, what it needs and what is free, exit status 2, and
+    no tokenizer folder is left that could look finished; with the filler gone the same command gives byte for byte
+    the tokenizer of a disk with room."""
+    args = ("--config multi30k-cpu --set tokenizer.vocab_size=1000 "
+            f"--data-root {shlex.quote(str(shared_data))} --work-dir")
+    reference = tmp_path / "reference"
+    subprocess.run([sys.executable, "-m", "pipeline", "tokenize", *shlex.split(args), str(reference)], cwd=REPO_ROOT,
+                   env=torchrun_env(), check=True, capture_output=True)
+    work, logs, copy = tmp_path / "small", tmp_path / "logs", tmp_path / "copy"
+    logs.mkdir()
+    q = shlex.quote
+    on_small_disk(work, "64m", run_step("data", f"{PYTHON} -m pipeline prepare-data {args} {q(str(work))}", logs)
+                  + fill_leaving(work, "16 * 1024")
+                  + run_step("full", f"{PYTHON} -m pipeline tokenize {args} {q(str(work))}", logs)
+                  + f"ls -a {q(str(work / 'tokenizer'))} >{q(str(logs / 'left'))}\n"
+                  + f"rm {q(str(work / 'filler'))}\n"
+                  + run_step("room", f"{PYTHON} -m pipeline tokenize {args} {q(str(work))}", logs)
+                  + f"cp -r {q(str(work / 'tokenizer'))} {q(str(copy))}\n")
+    assert outcome(logs, "data")[0] == 0, outcome(logs, "data")[1][-3000:]
+    status, stderr = outcome(logs, "full")
+    line = one_error_line(stderr)
+    assert status == 2, stderr[-3000:]
+    assert line.startswith(f"error: {work}/tokenizer/.") and "/spm.model: no space left on device: this write " \
+        "needs " in line, line
+    assert f"free on {work}" in line and "point work_dir (--work-dir, AIAYN_WORK_DIR) at a larger disk" in line
+    assert [n for n in (logs / "left").read_text().split() if not n.startswith(".")] == []  # nothing finished-looking
+    assert outcome(logs, "room")[0] == 0, outcome(logs, "room")[1][-3000:]
+    (expected,) = [p for p in (reference / "tokenizer").iterdir() if p.is_dir()]
+    assert files(copy / expected.name) == files(expected)
+
+
+@pytest.mark.integration
 def test_a_full_disk_at_a_checkpoint_names_its_size_and_a_rerun_resumes_exactly(shared_data, shards,
                                                                                 tmp_path) -> None:
     """Training to step 2 on a tmpfs, then a filler file leaving half a checkpoint free: the run to step 4 ends

@@ -23,7 +23,8 @@ The package, by concern (import from here; the modules are its parts):
 """
 
 from pipeline.config.base import (CONFIG_DIR, OUTSIDE_RUN_IDENTITY, REPO_ROOT, ConfigError, DevDomainWarning, Strict,
-                                  canonical_json, constrained_type, outside_run_identity, schema_leaves, tree_leaves)
+                                  canonical_json, constrained_type, outside_run_identity, schema_leaves, tree_leaves,
+                                  unshown_character)
 from pipeline.config.data import CleaningConfig, DataConfig, SourceFormat, SourceSpec
 from pipeline.config.distill import DistillConfig
 from pipeline.config.evaluation import AverageConfig, DecodeConfig, ExportConfig
@@ -50,5 +51,5 @@ __all__ = [
     "TrainConfig", "YamlLoader", "apply_overrides", "canonical_json", "constrained_type", "deep_merge", "dump_config",
     "ensure_work_dir", "flow_overrides", "load_config", "load_resolved", "load_yaml", "outside_run_identity",
     "parse_value", "read_yaml_file", "resolve_config", "resolve_config_path", "schema_leaves", "tree_leaves",
-    "write_resolved",
+    "unshown_character", "write_resolved",
 ]

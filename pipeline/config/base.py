@@ -38,12 +38,18 @@ class Strict(BaseModel):
 _UNSHOWN = ("Cc", "Cf", "Cs", "Zl", "Zp")
 
 
-def _shown_as_written(value: str) -> str:
+def unshown_character(value: str) -> str | None:
+    """Which character of ``value`` is not shown as itself (:data:`_UNSHOWN`) and why that matters, or None."""
     for i, ch in enumerate(value, 1):
         if unicodedata.category(ch) in _UNSHOWN:
-            raise ValueError(f"character {i} is U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')}), "
-                             "which is not shown as itself (a right-to-left override shows a name reversed in MLflow "
-                             "and Prefect); write the name in printable characters")
+            return (f"character {i} is U+{ord(ch):04X} ({unicodedata.name(ch, 'a control character')}), which is "
+                    "not shown as itself (a right-to-left override shows a name reversed in MLflow and Prefect)")
+    return None
+
+
+def _shown_as_written(value: str) -> str:
+    if why := unshown_character(value):
+        raise ValueError(f"{why}; write the name in printable characters")
     return value
 
 
