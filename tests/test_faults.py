@@ -98,9 +98,11 @@ def test_a_full_disk_in_the_data_stage_is_one_line_naming_the_file_and_the_space
 
 @pytest.mark.integration
 def test_an_export_killed_before_its_gate_leaves_no_export_and_the_next_writes_it_whole(shared_data, tiny_stack,
-                                                                                       evaluated, tmp_path) -> None:
+                                                                                       evaluated, tmp_path,
+                                                                                       caplog) -> None:
     """kill -9 of an export while its gate decodes: no export folder exists (one without gate.json used to look
-    finished), and the next export writes it with its gate."""
+    finished), and the next export writes it with its gate. A folder without gate.json (an older version's, killed
+    after its rename) is not taken for a finished export: it is written again, saying so."""
     from pipeline.engines import GATE
     from pipeline.export import export_dir, export_model
 
@@ -125,9 +127,44 @@ def test_an_export_killed_before_its_gate_leaves_no_export_and_the_next_writes_i
     assert not out.exists()
     assert export_model(cfg, evaluated["ckpt"], tiny_stack.tokenizer, tiny_stack.corpus, evaluated["scores"]) == out
     assert (out / GATE).is_file() and not [p for p in out.parent.iterdir() if ".tmp-" in p.name]
+    gate = (out / GATE).read_bytes()
+    (out / GATE).unlink()
+    with caplog.at_level(logging.WARNING, logger="aiayn"):
+        assert export_model(cfg, evaluated["ckpt"], tiny_stack.tokenizer, tiny_stack.corpus, evaluated["scores"]) == out
+    assert f"{out} has no {GATE}: not a finished export; writing it again" in caplog.text
+    rewritten, before = (json.loads(g) for g in ((out / GATE).read_bytes(), gate))
+    assert {k: v for k, v in rewritten.items() if k != "export_sentences_per_s"} == {
+        k: v for k, v in before.items() if k != "export_sentences_per_s"}  # the same gate, timed again
 
 
 # ------------------------------------------------------------------------------------------ the Prefect cache
+
+
+def test_a_cached_output_is_trusted_only_as_its_stage_recorded_it(tmp_path: Path) -> None:
+    """What run_cached checks before it hands a cached stage output on: the output still exists, its digest (a
+    file's sha256, a stage folder's manifest's) is the one recorded, and every file the folder's manifest lists is
+    what it lists; a result recorded without a digest (an older version's) is not trusted either."""
+    from tasks.caching import Recorded, _untrusted, digest
+    from pipeline.support.fsutil import MANIFEST, sha256_file
+
+    folder, single = tmp_path / "stage", tmp_path / "average.pt"
+    folder.mkdir()
+    (folder / "train.parquet").write_bytes(b"rows")
+    (folder / MANIFEST).write_text(json.dumps({"splits": {"train": {"file": "train.parquet",
+                                                                    "sha256": sha256_file(folder / "train.parquet")}}}))
+    single.write_bytes(b"weights")
+    recorded = {p: Recorded(p, digest(p)) for p in (folder, single)}
+    assert [_untrusted(r) for r in recorded.values()] == [None, None]
+    assert _untrusted(folder).startswith("records no digest of its output")
+    (folder / "train.parquet").write_bytes(b"rowz")  # the manifest untouched, a file it lists altered
+    assert _untrusted(recorded[folder]).startswith(f"was altered since the stage wrote it ({folder}/train.parquet: "
+                                                   "sha256 ")
+    single.write_bytes(b"weightz")
+    assert "was altered since the stage wrote it" in _untrusted(recorded[single])
+    single.unlink()
+    assert _untrusted(recorded[single]) == f"is gone ({single})"
+
+
 
 
 @pytest.mark.slow
