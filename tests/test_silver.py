@@ -296,8 +296,7 @@ def test_the_semi_supervised_deployment_trains_its_teacher_then_its_parser_and_r
         "train.checkpoint_every_steps": 2, "train.dev_every_steps": 1000, "average.last_n": 2,
         "decode.beam_size": 1, "decode.max_len_b": 10, "tracking.experiment": "semi-deployment",
         "tracking.attention_sentences": 0}
-    teacher = write_resolved(load_config("ptb-sample-cpu", {**tiny, "data.root": str(shared_data),
-                                                            "tracking.registered_model": teacher_model}),
+    teacher = write_resolved(load_config("ptb-sample-cpu", {**tiny, "tracking.registered_model": teacher_model}),
                              tmp_path / "teacher.yaml")
     parser = {**tiny, **{k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in DECODE)},
               "distill.chunk_sentences": 128, "distill.unlabelled": ["wmt-en-de-older-newstest/newssyscomb2009.en"],
