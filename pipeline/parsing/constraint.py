@@ -66,7 +66,7 @@ class TreeConstraint:
 
     def __init__(self, kinds: Tensor, eos_id: int, lengths: Sequence[int],
                  words: Sequence[Sequence[int]] | None = None, *, max_open_run: int | None = None,
-                 max_unary_chain: int | None = None, leaf_mass: bool = False):
+                 max_unary_chain: int | None = None, leaf_mass: float = 0.0):
         for name, limit in (("max_open_run", max_open_run), ("max_unary_chain", max_unary_chain)):
             if limit is not None and limit < 1:
                 raise ValueError(f"{name} must be at least 1 (or None for no limit), got {limit}")
@@ -74,6 +74,7 @@ class TreeConstraint:
         self.max_open_run, self.max_unary_chain = max_open_run, max_unary_chain
         self.kind_index = kinds.long()  # (vocab,), for the per-row lookup of each token's verdict
         self.leaf_ids = torch.nonzero(kinds == LEAF).squeeze(1)  # (leaf pieces,)
+        self.leaf_mass = leaf_mass
         if leaf_mass and words is not None:
             self.rescore = self._leaf_mass
         self.lengths = torch.tensor(list(lengths), dtype=torch.long)  # (batch,)
@@ -133,7 +134,8 @@ class TreeConstraint:
         nxt = words.gather(1, leaves.clamp(max=words.size(1) - 1)[:, None]).squeeze(1)  # (rows,)
         rows = torch.nonzero(nxt >= 0).squeeze(1)
         mass = torch.logsumexp(lprobs[:, self.leaf_ids.to(lprobs.device)], dim=1)  # (rows,)
-        lprobs[rows, nxt[rows]] = mass[rows]
+        w = self.leaf_mass
+        lprobs[rows, nxt[rows]] = (1 - w) * lprobs[rows, nxt[rows]] + w * mass[rows]
         return lprobs
 
 
@@ -172,7 +174,7 @@ def _chain_if_closed(kinds: Tensor, depth: Tensor, cap: int) -> Tensor:
 
 def tree_constraint(tokenizer: Tokenizer, leaves: str = PLACEHOLDER, max_open_run: int | None = None,
                     max_unary_chain: int | None = None,
-                    leaf_mass: bool = False) -> Callable[[Sequence[str]], TreeConstraint]:
+                    leaf_mass: float = 0.0) -> Callable[[Sequence[str]], TreeConstraint]:
     """For :func:`pipeline.inference.translate`: given a batch of tokenized sentences (words separated by
     spaces), the constraint that makes beam search write trees over exactly their words (within the shape
     limits, when given)."""
