@@ -471,6 +471,12 @@ def test_parsing_configs_and_their_validation(tmp_path) -> None:
     assert (wsj.data.tree_leaves, cpu.data.tree_leaves) == (PLACEHOLDER, "words")  # the paper's form; CPU's
     assert (wsj.decode.tree_max_open_run, wsj.decode.tree_max_unary_chain) == (None, None)  # the paper: no limits
     assert (cpu.decode.tree_max_open_run, cpu.decode.tree_max_unary_chain) == (3, 1)  # chosen on dev
+    assert (cpu.decode.tree_leaf_mass, wsj.decode.tree_leaf_mass) == (0.5, 0.0)  # L67; the paper has no constraint
+    for overrides, where in ((["data.tree_leaves=XX"], "decode"), (["decode.tree_constraint=false"], "decode"),
+                             (["distill.decode.tree_leaf_mass=0.5"], "distill.decode")):
+        with pytest.raises(ConfigError, match=rf"{where}\.tree_leaf_mass 0\.5: it weighs the leaf a parser writes "
+                                              r"for the next input word, .* set it to 0"):
+            load_config("wsj-parsing" if where == "distill.decode" else "ptb-sample-cpu", overrides)
     # measured for the parser, not inherited from tiny's translation recipe
     assert (cpu.model.dropout, cpu.average.choose_from, cpu.average.last_n) == (0.1, [], 3)
     assert load_config("multi30k-cpu").task == "translation"
