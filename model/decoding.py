@@ -107,6 +107,7 @@ def beam_search(
     use_cache: bool = True,
     min_len: int = 1,
     allowed: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+    rescore: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
 ) -> list[list[Hypothesis]]:
     """Decode ``src_tokens`` (batch, src_len), right-padded with ``model.pad_id``; returns, per sentence, its
     ``nbest`` best hypotheses, best first. ``model`` is a :class:`model.Transformer` (encode / decode with a
@@ -119,7 +120,8 @@ def beam_search(
     how many tokens may still follow the next one, eos included (rows,), and returns which tokens may come next,
     bool (rows, vocab); the others get probability 0 (log-probability -inf after the log-softmax: the model's
     distribution is not renormalised over the allowed ones). The maximum length still wins. None: no constraint
-    and no cost.
+    and no cost. ``rescore(lprobs, prefixes, sentences)``: the step's log-probabilities (rows, vocab) as the search
+    should score them, before ``allowed`` masks them (e.g. a forced token credited with its class's mass).
     """
     check_search_args(beam_size, nbest, alpha)
     pad_id, k = model.pad_id, beam_size
@@ -153,6 +155,8 @@ def beam_search(
             logits = model.decode(prefixes, memory, src_pad_mask)
         # log-softmax in float32 (half the time of float64 here); scores accumulate in float64
         lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)  # (n * k, vocab)
+        if rescore is not None:
+            lprobs = rescore(lprobs, prefixes, active.repeat_interleave(k))
         length = step + 1  # tokens generated once this step's token is chosen, eos included
         must_end = length >= max_lens[active]  # (n,)
         if allowed is not None:

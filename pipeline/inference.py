@@ -133,7 +133,8 @@ def translate_nbest(model: Transformer, tokenizer: Tokenizer, sentences: Sequenc
         search = static_beam_search if decode.search == "static" else beam_search
         hyps = search(model, src.to(device), bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
                       beam_size=decode.beam_size, alpha=decode.length_penalty, max_len_a=decode.max_len_a,
-                      max_len_b=decode.max_len_b, min_len=decode.min_len, nbest=nbest, allowed=allowed)
+                      max_len_b=decode.max_len_b, min_len=decode.min_len, nbest=nbest, allowed=allowed,
+                      rescore=getattr(allowed, "rescore", None))
         for i, best in zip(chunk, hyps):
             out[i] = tokenizer.decode_batch([h.tokens for h in best])
             mean_logprob[i] = best[0].log_prob / (len(best[0].tokens) + 1)

@@ -301,6 +301,31 @@ def test_constrained_beam_search_writes_only_trees_over_the_input(room, leaves) 
     assert not all(tree_tokens_ok(h[0].tokens, len(ids)) for h, ids in zip(free, sources))
 
 
+def test_leaf_mass_scores_the_next_word_with_every_word_s_probability() -> None:
+    """tree_leaf_mass: where a leaf may come, the next input word's log-probability becomes the log of the mass of
+    every leaf token (the search weighs a word against a bracket, not which word); brackets keep theirs, and beam
+    search still writes only trees over the input."""
+    torch.manual_seed(5)
+    kinds = KINDS.clone()
+    kinds[9:] = LEAF
+    sources = [[9, 10, 11], [11]]
+    constraint = TreeConstraint(kinds, eos_id=3, lengths=[3, 1], words=sources, leaf_mass=True)
+    lprobs = torch.log_softmax(torch.randn(2, 12), dim=-1)
+    prefixes = torch.tensor([[2, 4, 9], [2, 4, 11]])  # bos, (S, a word: the next is the second word / none left
+    got = constraint.rescore(lprobs.clone(), prefixes, torch.tensor([0, 1]))
+    assert torch.isclose(got[0, 10], torch.logsumexp(lprobs[0][kinds == LEAF], 0)) and got[0, 10] > lprobs[0, 10]
+    assert torch.equal(got[0, :10], lprobs[0, :10]) and torch.equal(got[0, 11:], lprobs[0, 11:])
+    assert torch.equal(got[1], lprobs[1])  # no word left: nothing to credit
+    assert not hasattr(TreeConstraint(kinds, eos_id=3, lengths=[3], words=[[9, 10, 11]]), "rescore")
+    model = Transformer(TransformerConfig(12, 0, encoder_layers=1, decoder_layers=1, d_model=16, d_ff=32,
+                                          n_heads=2)).eval()
+    src = torch.tensor([[9, 10, 11, 3], [11, 3, 0, 0]])
+    hyps = beam_search(model, src, bos_id=2, eos_id=3, beam_size=3, nbest=3, allowed=constraint,
+                       rescore=constraint.rescore, max_len_a=3.0, max_len_b=10)
+    for r, ids in enumerate(sources):
+        assert hyps[r] and all(tree_tokens_ok(h.tokens, len(ids), ids) for h in hyps[r]), (r, hyps[r])
+
+
 def shape_of(tokens: list[int]) -> tuple[int, dict[tuple[int, int], int], int]:
     """(longest run of opens, brackets per (start, end) leaf span, leaves) of a linearised tree's tokens."""
     run = longest = leaves = 0
@@ -446,6 +471,12 @@ def test_parsing_configs_and_their_validation(tmp_path) -> None:
     assert (wsj.data.tree_leaves, cpu.data.tree_leaves) == (PLACEHOLDER, "words")  # the paper's form; CPU's
     assert (wsj.decode.tree_max_open_run, wsj.decode.tree_max_unary_chain) == (None, None)  # the paper: no limits
     assert (cpu.decode.tree_max_open_run, cpu.decode.tree_max_unary_chain) == (3, 1)  # chosen on dev
+    assert (cpu.decode.tree_leaf_mass, wsj.decode.tree_leaf_mass) == (0.5, 0.0)  # L67; the paper has no constraint
+    for overrides, where in ((["data.tree_leaves=XX"], "decode"), (["decode.tree_constraint=false"], "decode"),
+                             (["distill.decode.tree_leaf_mass=0.5"], "distill.decode")):
+        with pytest.raises(ConfigError, match=rf"{where}\.tree_leaf_mass 0\.5: it weighs the leaf a parser writes "
+                                              r"for the next input word, .* set it to 0"):
+            load_config("wsj-parsing" if where == "distill.decode" else "ptb-sample-cpu", overrides)
     # measured for the parser, not inherited from tiny's translation recipe
     assert (cpu.model.dropout, cpu.average.choose_from, cpu.average.last_n) == (0.1, [], 3)
     assert load_config("multi30k-cpu").task == "translation"

@@ -67,6 +67,10 @@ class DecodeConfig(Strict):
     tree_max_unary_chain: int | None = Field(default=None, ge=1, description=(
         "Parsing only, with tree_constraint: at most this many brackets over the same words (1 = no unary "
         "chains). None = no limit. Not in the paper."))
+    tree_leaf_mass: float = Field(default=0.0, ge=0, le=1, description=(
+        "Parsing with words as leaves, with tree_constraint: the weight of the probability of writing any word in "
+        "the next input word's score (1: that mass alone, the word itself being the input's; 0: the word's own "
+        "probability; between: the weighted mean of the two log-probabilities). Not in the paper."))
 
     def shortest_limit(self) -> int:
         """The length limit of the shortest source (its eos alone): ``max_len_a * 1 + max_len_b``, rounded down, at

@@ -144,6 +144,12 @@ class RunConfig(Strict):
             wrong = [where for where, s in sources if s.format == "ptb"]
             if wrong:
                 raise ValueError(f"format 'ptb' sources ({wrong}) are for task 'parsing'; set task: parsing")
+        for where, dec in (("decode", self.decode), ("distill.decode", self.distill.decode)):
+            if dec.tree_leaf_mass and not (self.task == "parsing" and self.data.tree_leaves == "words"
+                                           and dec.tree_constraint):
+                raise ValueError(f"{where}.tree_leaf_mass {dec.tree_leaf_mass}: it weighs the leaf a parser writes "
+                                 f"for the next input word, which only parsing with data.tree_leaves 'words' and "
+                                 f"{where}.tree_constraint has; set it to 0")
         sets = ["dev", self.data.dev.name, *(s.name for s in self.data.test)]
         if self.tracking.promote_on not in sets:
             raise ValueError(f"tracking.promote_on {self.tracking.promote_on!r} is not a set of this config; "

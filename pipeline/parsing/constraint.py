@@ -66,13 +66,17 @@ class TreeConstraint:
 
     def __init__(self, kinds: Tensor, eos_id: int, lengths: Sequence[int],
                  words: Sequence[Sequence[int]] | None = None, *, max_open_run: int | None = None,
-                 max_unary_chain: int | None = None):
+                 max_unary_chain: int | None = None, leaf_mass: float = 0.0):
         for name, limit in (("max_open_run", max_open_run), ("max_unary_chain", max_unary_chain)):
             if limit is not None and limit < 1:
                 raise ValueError(f"{name} must be at least 1 (or None for no limit), got {limit}")
         self.kinds, self.eos_id = kinds, eos_id
         self.max_open_run, self.max_unary_chain = max_open_run, max_unary_chain
         self.kind_index = kinds.long()  # (vocab,), for the per-row lookup of each token's verdict
+        self.leaf_ids = torch.nonzero(kinds == LEAF).squeeze(1)  # (leaf pieces,)
+        self.leaf_mass = leaf_mass
+        if leaf_mass and words is not None:
+            self.rescore = self._leaf_mass
         self.lengths = torch.tensor(list(lengths), dtype=torch.long)  # (batch,)
         self.words = None
         if words is not None:  # (batch, max words + 1), padded with -1 (index max words: no word left)
@@ -121,6 +125,20 @@ class TreeConstraint:
         return allowed
 
 
+    def _leaf_mass(self, lprobs: Tensor, prefixes: Tensor, sentences: Tensor) -> Tensor:
+        """lprobs (rows, vocab) with the next input word's token credited with the mass of every leaf: where a
+        leaf comes, it is that word, so the search weighs writing a word now against a bracket, not which word."""
+        kinds = self.kinds.to(prefixes.device)[prefixes[:, 1:]]  # (rows, t - 1)
+        leaves = (kinds == LEAF).sum(1)  # (rows,)
+        words = self.words.to(prefixes.device)[sentences]  # (rows, width)
+        nxt = words.gather(1, leaves.clamp(max=words.size(1) - 1)[:, None]).squeeze(1)  # (rows,)
+        rows = torch.nonzero(nxt >= 0).squeeze(1)
+        mass = torch.logsumexp(lprobs[:, self.leaf_ids.to(lprobs.device)], dim=1)  # (rows,)
+        w = self.leaf_mass
+        lprobs[rows, nxt[rows]] = (1 - w) * lprobs[rows, nxt[rows]] + w * mass[rows]
+        return lprobs
+
+
 def _trailing(kinds: Tensor, kind: int) -> Tensor:
     """(rows,): how many tokens of ``kind`` end each prefix of ``kinds`` (rows, t)."""
     t = kinds.size(1)
@@ -155,7 +173,8 @@ def _chain_if_closed(kinds: Tensor, depth: Tensor, cap: int) -> Tensor:
 
 
 def tree_constraint(tokenizer: Tokenizer, leaves: str = PLACEHOLDER, max_open_run: int | None = None,
-                    max_unary_chain: int | None = None) -> Callable[[Sequence[str]], TreeConstraint]:
+                    max_unary_chain: int | None = None,
+                    leaf_mass: float = 0.0) -> Callable[[Sequence[str]], TreeConstraint]:
     """For :func:`pipeline.inference.translate`: given a batch of tokenized sentences (words separated by
     spaces), the constraint that makes beam search write trees over exactly their words (within the shape
     limits, when given)."""
@@ -165,6 +184,6 @@ def tree_constraint(tokenizer: Tokenizer, leaves: str = PLACEHOLDER, max_open_ru
         # the parsing tokenizer is word-level: one id per word (an unknown word's is <unk> or its class)
         words = tokenizer.encode_batch(sentences) if leaves != PLACEHOLDER else None
         return TreeConstraint(kinds, tokenizer.eos_id, [len(s.split()) for s in sentences], words,
-                              max_open_run=max_open_run, max_unary_chain=max_unary_chain)
+                              max_open_run=max_open_run, max_unary_chain=max_unary_chain, leaf_mass=leaf_mass)
 
     return for_batch

@@ -48,8 +48,8 @@ def parse(model: Transformer, tokenizer: Tokenizer, sentences: Sequence[str], de
     (``data.tree_leaves``). A sentence longer than the model's positions is cut, warned about (naming ``source``)
     and its line appended to ``truncated``, as :func:`pipeline.inference.translate` does; ``confidence`` is
     extended with each output's length-normalised log-probability (:func:`~pipeline.inference.translate_nbest`)."""
-    constraint = (tree_constraint(tokenizer, leaves, decode.tree_max_open_run, decode.tree_max_unary_chain)
-                  if decode.tree_constraint else None)
+    constraint = (tree_constraint(tokenizer, leaves, decode.tree_max_open_run, decode.tree_max_unary_chain,
+                                  decode.tree_leaf_mass) if decode.tree_constraint else None)
     outputs = translate(model, tokenizer, sentences, decode, progress, source=source, truncated=truncated,
                         constraint=constraint, confidence=confidence)
     trees = [repair(out, sent.split(), tags[i] if tags is not None else None, leaves)
