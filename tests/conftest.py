@@ -277,8 +277,9 @@ class Prefect:
                               "--params", json.dumps(params), *named, "--watch"], cwd=REPO_ROOT, env=self.env,
                              capture_output=True, text=True, timeout=timeout)
         out = res.stdout + res.stderr
-        run_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
-        return res.returncode, out, run_id
+        created = re.search(r"UUID: ([0-9a-f-]{36})", out)
+        assert created, f"no flow run created: {out[-3000:]}"
+        return res.returncode, out, created.group(1)
 
     def start_deployment(self, name: str, params: dict) -> str:
         """``prefect deployment run NAME --params JSON`` without waiting: the flow run id."""

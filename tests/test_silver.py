@@ -290,7 +290,10 @@ def test_the_semi_supervised_deployment_trains_its_teacher_then_its_parser_and_r
 
     port = free_port()
     teacher_model, parser_model = f"transformer-en-tree-teacher-{port}", f"transformer-en-tree-{port}"
-    tiny = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in SPLITS)} | {
+    # the flat overrides a deployment takes (section.field): the dev split as a whole source
+    splits = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in SPLITS) if k != "data.dev.include"}
+    tiny = splits | {
+        "data.dev": {"name": "ptb-sample-dev", "format": "ptb", "path": PTB, "include": ["wsj_0010.mrg"]},
         "model.encoder_layers": 1, "model.decoder_layers": 1, "model.d_model": 32, "model.n_heads": 2,
         "model.d_ff": 64, "train.max_tokens": 2048, "train.update_tokens": 2048, "train.warmup_steps": 2,
         "train.checkpoint_every_steps": 2, "train.dev_every_steps": 1000, "average.last_n": 2,
