@@ -116,22 +116,24 @@ class TreeConstraint:
         verdicts = torch.stack([never, open_ok, close_ok, leaf_ok if self.words is None else never], 1)  # (rows, 4)
         allowed = verdicts[:, self.kind_index.to(prefixes.device)]  # (rows, vocab)
         if self.words is not None:  # the next input word, and only it
-            words = self.words.to(prefixes.device)[sentences]  # (rows, width)
-            nxt = words.gather(1, leaves.clamp(max=words.size(1) - 1)[:, None]).squeeze(1)  # (rows,)
+            nxt = self._next_word(leaves, sentences)
             rows = torch.nonzero(leaf_ok & (nxt >= 0)).squeeze(1)
             allowed[rows, nxt[rows]] = True
         allowed[:, self.eos_id] = eos_ok
         allowed[~allowed.any(1), self.eos_id] = True  # no tree fits any more: end here (repair is the guard)
         return allowed
 
+    def _next_word(self, leaves: Tensor, sentences: Tensor) -> Tensor:
+        """(rows,): the token of each row's next input word after ``leaves`` (rows,) leaves written; -1 when none
+        is left."""
+        words = self.words.to(leaves.device)[sentences]  # (rows, width)
+        return words.gather(1, leaves.clamp(max=words.size(1) - 1)[:, None]).squeeze(1)
 
     def _leaf_mass(self, lprobs: Tensor, prefixes: Tensor, sentences: Tensor) -> Tensor:
-        """lprobs (rows, vocab) with the next input word's token credited with the mass of every leaf: where a
-        leaf comes, it is that word, so the search weighs writing a word now against a bracket, not which word."""
-        kinds = self.kinds.to(prefixes.device)[prefixes[:, 1:]]  # (rows, t - 1)
-        leaves = (kinds == LEAF).sum(1)  # (rows,)
-        words = self.words.to(prefixes.device)[sentences]  # (rows, width)
-        nxt = words.gather(1, leaves.clamp(max=words.size(1) - 1)[:, None]).squeeze(1)  # (rows,)
+        """lprobs (rows, vocab) with the next input word's token credited with the mass of every leaf (weighted by
+        ``leaf_mass``): where a leaf comes, it is that word, so the search weighs a word now against a bracket."""
+        leaves = (self.kinds.to(prefixes.device)[prefixes[:, 1:]] == LEAF).sum(1)  # (rows,)
+        nxt = self._next_word(leaves, sentences)
         rows = torch.nonzero(nxt >= 0).squeeze(1)
         mass = torch.logsumexp(lprobs[:, self.leaf_ids.to(lprobs.device)], dim=1)  # (rows,)
         w = self.leaf_mass
