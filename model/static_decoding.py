@@ -156,6 +156,7 @@ def static_beam_search(
     cuda_graph: bool | None = None,
     sync_every: int = 8,
     allowed: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+    rescore: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
 ) -> list[list[Hypothesis]]:
     """:func:`model.decoding.beam_search` (``use_cache=True``) with a static-shape step: the same hypotheses and
     scores (see the module docstring), returned the same way. ``model``: a :class:`model.Transformer` or
@@ -164,11 +165,13 @@ def static_beam_search(
     ``cuda_graph``: capture the step in a CUDA graph and replay it; None does so when ``src_tokens`` is on CUDA.
     ``sync_every``: steps between the host's checks whether every sentence is done (each check waits for the
     device); the search ends at the first check that finds them done, or after the longest output's steps.
-    ``allowed`` (output constraints) is not supported here: it reads every prefix on the host each step.
+    ``allowed`` (output constraints) and ``rescore`` (their scores) are not supported here: they read every prefix
+    on the host each step.
     """
     check_search_args(beam_size, nbest, alpha)
-    if allowed is not None:
-        raise ValueError("static_beam_search does not take `allowed` constraints: use model.decoding.beam_search")
+    if allowed is not None or rescore is not None:
+        raise ValueError("static_beam_search does not take `allowed` constraints or a `rescore`: use "
+                         "model.decoding.beam_search")
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
     if cuda_graph is None:

@@ -381,8 +381,28 @@ def _apt_install(package: str, found, tmp_path_factory: pytest.TempPathFactory):
 # ------------------------------------------------------------------------ a PostgreSQL server (integration)
 
 
+@pytest.fixture
+def postgres(postgres_server: str) -> str:
+    """The session's PostgreSQL server (:func:`postgres_server`) without the stack's databases: each test's stack
+    creates its own, as on a fresh server (another test's Prefect work pools and MLflow runs would be found there)."""
+    import psycopg2
+
+    from ops.database import DATABASES, PostgreSQL
+
+    db = PostgreSQL.parse(postgres_server)
+    conn = psycopg2.connect(dbname="postgres", user=db.user, password=db.password, host=db.host, port=db.port)
+    try:
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            for name in DATABASES.values():
+                cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        conn.close()
+    return postgres_server
+
+
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory: pytest.TempPathFactory):
+def postgres_server(tmp_path_factory: pytest.TempPathFactory):
     """A throwaway PostgreSQL server on 127.0.0.1 (Debian's ``postgresql``, installed here when missing, as .ci/run
     does): a cluster of its own in a temporary folder, a role with a password and CREATEDB, stopped and removed
     afterwards. Yields its URL, ``postgresql://USER:PASSWORD@127.0.0.1:PORT``. The system's own cluster, if any, is

@@ -80,19 +80,17 @@ def test_the_tracking_server_s_messages_show_no_credentials() -> None:
 
 
 def _role_with_the_password(postgres: str) -> str:
-    """A role of the ``postgres`` fixture's server with PASSWORD and CREATEDB, on a server without the stack's
-    databases (the fixture is the session's: another test's are another role's); its URL, percent-encoded."""
+    """A role of the ``postgres`` fixture's server (which has none of the stack's databases) with PASSWORD and
+    CREATEDB; its URL, percent-encoded."""
     import psycopg2
 
-    from ops.database import DATABASES, PostgreSQL
+    from ops.database import PostgreSQL
 
     db = PostgreSQL.parse(postgres)
     conn = psycopg2.connect(dbname="postgres", user=db.user, password=db.password, host=db.host, port=db.port)
     try:
         conn.autocommit = True
         with conn.cursor() as cur:
-            for name in DATABASES.values():
-                cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             cur.execute("DROP ROLE IF EXISTS special")
             cur.execute("CREATE ROLE special LOGIN CREATEDB PASSWORD %s", (PASSWORD,))
     finally:
