@@ -83,3 +83,48 @@ def test_benchmarks_import_no_private_name_of_the_project():
                 if isinstance(base, ast.Name) and base.id in ("pipeline", "model"):
                     private.append(f"{path.relative_to(REPO)}: {base.id}.{node.attr}")
     assert private == []
+
+
+def _evaluation(folder: Path, hyps: list[str], golds: list[str]) -> Path:
+    """An evaluation folder as ``pipeline evaluate`` writes one for parsing: outputs, gold trees, scores (the
+    share of right trees stands for the F1: the verdict reads the trees)."""
+    folder.mkdir(parents=True)
+    (folder / "dev.hyp").write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    (folder / "dev.gold").write_text("".join(g + "\n" for g in golds), encoding="utf-8")
+    scores = {"splits": {"dev": {"f1": 100 * sum(h == g for h, g in zip(hyps, golds)) / len(golds)}}}
+    (folder / "scores.json").write_text(json.dumps(scores), encoding="utf-8")
+    return folder
+
+
+def test_compare_evals_judges_arms_against_the_base_over_paired_seeds(tmp_path, monkeypatch, capsys):
+    """bench.compare_evals: an arm with every tree right against a base with half of them flat is better on the
+    pooled paired bootstrap; the same outputs are no difference; an arm with other seeds' count, or other
+    references, is refused naming what to give."""
+    from bench import compare_evals
+
+    gold = "(S (NP (DT the) (NN cat)) (VP (VBD sat) (PP (IN on) (NP (DT the) (NN mat)))))"
+    flat = "(S (DT the) (NN cat) (VBD sat) (IN on) (DT the) (NN mat))"
+    golds = [gold] * 40
+    base = [_evaluation(tmp_path / f"base{s}", [gold, flat] * 20, golds) for s in (1, 2)]
+    good = [_evaluation(tmp_path / f"good{s}", golds, golds) for s in (1, 2)]
+    same = [_evaluation(tmp_path / f"same{s}", [gold, flat] * 20, golds) for s in (1, 2)]
+    out = tmp_path / "record.json"
+    argv = ["compare_evals", "--base", ",".join(map(str, base)), "--arm", "good=" + ",".join(map(str, good)),
+            "--arm", "same=" + ",".join(map(str, same)), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert compare_evals.main() == 0
+    record = json.loads(out.read_text())
+    verdicts = {v["label"]: v for v in record["verdicts"]}
+    assert verdicts["good"]["verdict"] == "better" and verdicts["good"]["seeds"] == [1, 2]
+    assert verdicts["good"]["comparison"]["delta"] > 0 and record["threshold"] == 0.025
+    assert verdicts["same"]["verdict"] == "no significant difference"
+    assert verdicts["same"]["comparison"]["p_value"] == 1.0
+    assert record["runs"]["good"][1]["dev"]["hyp"] == golds and "machine" in record
+
+    monkeypatch.setattr(sys, "argv", ["compare_evals", "--base", ",".join(map(str, base)), "--arm", f"one={good[0]}"])
+    with pytest.raises(SystemExit, match="1 folders against the base's 2: give one per seed"):
+        compare_evals.main()
+    other = _evaluation(tmp_path / "other", [gold] * 40, [flat] * 40)
+    monkeypatch.setattr(sys, "argv", ["compare_evals", "--base", str(base[0]), "--arm", f"x={other}"])
+    with pytest.raises(SystemExit, match="split dev: the folders hold different references"):
+        compare_evals.main()
