@@ -266,24 +266,28 @@ def data_scale(led: Ledger, repo: Path, out: Path) -> Path | None:
 def parsing_compute(led: Ledger, repo: Path, out: Path) -> Path | None:
     """Parsers' EVALB F1 against their training compute (the teacher's minutes count towards a semi-supervised
     parser's), dev and test, one marker per run: tables named ``parsing_compute`` (columns: parser, seed,
-    training_minutes, dev_f1, test_f1), labelled with their entry and CPU."""
+    training_minutes, dev_f1, test_f1), one series per parser and CPU (a CPU's minutes buy its own number of
+    updates), each marker labelled with its entry and seed."""
     rows = _table_rows(led, "parsing_compute")
     if not rows:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharex=True)
+    series = sorted({(r["parser"], _cpu(e)) for e, r in rows})
+    cpus = sorted({cpu for _, cpu in series})
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), sharex=True)
     for ax, split in zip(axes, ("dev", "test")):
-        for parser in sorted({r["parser"] for _, r in rows}):
-            sel = [(e, r) for e, r in rows if r["parser"] == parser]
-            ax.scatter([r["training_minutes"] for _, r in sel], [r[f"{split}_f1"] for _, r in sel], label=parser)
+        for parser, cpu in series:
+            sel = [(e, r) for e, r in rows if r["parser"] == parser and _cpu(e) == cpu]
+            ax.scatter([r["training_minutes"] for _, r in sel], [r[f"{split}_f1"] for _, r in sel],
+                       marker="os^D"[cpus.index(cpu) % 4], label=f"{parser}, {cpu}" if len(cpus) > 1 else parser)
             for e, r in sel:
                 ax.annotate(f"{e.id}, seed {r['seed']}", (r["training_minutes"], r[f"{split}_f1"]), fontsize=7,
                             xytext=(6, -3), textcoords="offset points")
         ax.set(xlabel="training minutes on 2 CPU threads (teacher included)", ylabel=f"{split} EVALB F1",
                title=f"ptb-sample {split}")
         ax.margins(x=0.3, y=0.3)
-    axes[0].legend(fontsize=7, loc="lower right")
-    return _save(fig, out / "parsing-compute.svg",
-                 f"Parsers of the Penn Treebank sample: F1 against training compute, {_cpu(rows[0][0])}")
+    axes[0].legend(fontsize=6, loc="lower right")
+    return _save(fig, out / "parsing-compute.svg", "Parsers of the Penn Treebank sample: F1 against training compute"
+                 + (f", {cpus[0]}" if len(cpus) == 1 else ""))
 
 
 PLOTS: list[Callable[[Ledger, Path, Path], Path | None]] = [
