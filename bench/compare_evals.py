@@ -22,22 +22,32 @@ from pathlib import Path
 
 from bench.harness import write_record
 from pipeline.promotion import references_suffix
-from pipeline.sweep.verdict import bonferroni, paired_verdict
+from pipeline.sweep.verdict import bonferroni, paired_verdict, read_outputs
 
 
-def lines(path: Path) -> list[str]:
-    """The lines of one output or reference file (one per sentence), or SystemExit naming the file."""
+def scores(folder: Path) -> dict:
+    """The corpus scores per split ``scores.json`` holds (the keys the evaluation logged, e.g. ``f1``)."""
+    path = folder / "scores.json"
     if not path.is_file():
         raise SystemExit(f"{path}: no such file; give the evaluation folder a `pipeline evaluate` run wrote")
-    return path.read_text(encoding="utf-8").split("\n")[:-1]
+    return json.loads(path.read_text(encoding="utf-8"))["splits"]
 
 
-def score(folder: Path, split: str, metric: str) -> float:
-    """The corpus score ``scores.json`` holds for ``split`` (the key the evaluation logged, e.g. ``f1``)."""
-    scores = json.loads((folder / "scores.json").read_text(encoding="utf-8"))["splits"]
-    if split not in scores or metric not in scores[split]:
-        raise SystemExit(f"{folder / 'scores.json'}: no {metric!r} for split {split!r} (splits: {sorted(scores)})")
-    return float(scores[split][metric])
+def run(folder: Path, splits: list[str], metric: str) -> tuple[dict, dict[str, list[str]]]:
+    """One run's score and outputs per split (its record), and its references per split, each file read once;
+    SystemExit names what is missing."""
+    corpus = scores(folder)
+    out: dict = {"eval_dir": str(folder)}
+    refs = {}
+    for split in splits:
+        if metric not in corpus.get(split, {}):
+            raise SystemExit(f"{folder / 'scores.json'}: no {metric!r} for split {split!r} (splits: {sorted(corpus)})")
+        try:
+            hyp, refs[split] = read_outputs(folder, split, metric)
+        except FileNotFoundError as e:
+            raise SystemExit(str(e)) from None
+        out[split] = {"score": float(corpus[split][metric]), "hyp": hyp}
+    return out, refs
 
 
 def system(text: str) -> list[Path]:
@@ -48,26 +58,26 @@ def system(text: str) -> list[Path]:
 def compare(base: list[Path], arms: dict[str, list[Path]], splits: list[str], metric: str, alpha: float,
             candidates: int, resamples: int) -> dict:
     """Every arm against the base on every split; the verdicts and each run's outputs and scores."""
-    threshold = bonferroni(alpha, candidates)
-    suffix = references_suffix(metric)
-    record: dict = {"metric": metric, "threshold": threshold, "runs": {}, "verdicts": []}
-    for label, folders in {"base": base, **arms}.items():
-        record["runs"][label] = [{"eval_dir": str(f), **{split: {"score": score(f, split, metric),
-                                                                 "hyp": lines(f / f"{split}.hyp")}
-                                                         for split in splits}} for f in folders]
     for label, folders in arms.items():
         if len(folders) != len(base):
             raise SystemExit(f"--arm {label}: {len(folders)} folders against the base's {len(base)}: give one per "
                              "seed, in the base's order")
+    read = {label: [run(f, splits, metric) for f in folders] for label, folders in {"base": base, **arms}.items()}
+    runs = {label: [out for out, _ in rs] for label, rs in read.items()}
+    refs = read["base"][0][1]
+    for split in splits:
+        if any(r[split] != refs[split] for rs in read.values() for _, r in rs):
+            raise SystemExit(f"split {split}: the folders hold different references "
+                             f"({split}.{references_suffix(metric)}); compare evaluations of the same data")
+    threshold = bonferroni(alpha, candidates)
+    record: dict = {"metric": metric, "threshold": threshold, "runs": runs, "verdicts": []}
+    seeds = list(range(1, len(base) + 1))
+    for label in arms:
         for split in splits:
-            refs = [lines(f / f"{split}.{suffix}") for f in (*base, *folders)]
-            if any(r != refs[0] for r in refs):
-                raise SystemExit(f"split {split}: the folders hold different references ({split}.{suffix}); "
-                                 "compare evaluations of the same data")
-            base_runs, arm_runs = (([r[split]["score"] for r in record["runs"][name]],
-                                    [r[split]["hyp"] for r in record["runs"][name]]) for name in ("base", label))
-            verdict = paired_verdict(label, split, list(range(1, len(base) + 1)), base_runs, arm_runs, refs[0],
-                                     metric, threshold, resamples)
+            base_runs, arm_runs = (([r[split]["score"] for r in runs[name]], [r[split]["hyp"] for r in runs[name]])
+                                   for name in ("base", label))
+            verdict = paired_verdict(label, split, seeds, base_runs, arm_runs, refs[split], metric, threshold,
+                                     resamples)
             record["verdicts"].append(verdict.as_dict())
             c = verdict.comparison
             print(f"{label:14s} {split:24s} base {c.champion:6.2f}  arm {c.challenger:6.2f}  delta {c.delta:+6.2f} "

@@ -60,10 +60,15 @@ class Verdict:
         return {**asdict(self), "comparison": asdict(self.comparison)}
 
 
-def _read(outcome, split: str, metric: str) -> tuple[list[str], list[str]]:
-    """A run's outputs on ``split`` and the references ``metric`` scores them against (a parser's gold trees)."""
-    hyp, ref = (outcome.outputs / f"{split}.{kind}" for kind in ("hyp", references_suffix(metric)))
-    return tuple(f.read_text(encoding="utf-8").split("\n")[:-1] for f in (hyp, ref))
+def read_outputs(eval_dir: Path, split: str, metric: str) -> tuple[list[str], list[str]]:
+    """The outputs on ``split`` an evaluation folder holds and the references ``metric`` scores them against (a
+    parser's gold trees), a line per sentence; FileNotFoundError names a missing file."""
+    files = [eval_dir / f"{split}.{kind}" for kind in ("hyp", references_suffix(metric))]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: no such file; give an evaluation folder `pipeline evaluate` wrote for "
+                                    f"split {split!r}")
+    return tuple(f.read_text(encoding="utf-8").split("\n")[:-1] for f in files)
 
 
 def judge(sweep: SweepConfig, candidates: list[Arm], split: str, score_name: str, metric: str) -> list[Verdict]:
@@ -79,7 +84,7 @@ def judge(sweep: SweepConfig, candidates: list[Arm], split: str, score_name: str
                        and arm.outcomes[s].state == base.outcomes[s].state == "COMPLETED")
         if not seeds:
             continue
-        outputs = {name: [_read(a.outcomes[s], split, metric) for s in seeds]
+        outputs = {name: [read_outputs(a.outcomes[s].outputs, split, metric) for s in seeds]
                    for name, a in (("base", base), ("arm", arm))}
         scores = {name: [a.outcomes[s].metrics[score_name] for s in seeds]
                   for name, a in (("base", base), ("arm", arm))}
